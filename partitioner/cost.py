@@ -1,0 +1,259 @@
+"""Cost: forward/backward time, FLOPs and memory of every node.
+
+:class:`_CostInterpreter` runs the captured graph once, node by node, on real
+tensors on the local device and writes one key, ``node.meta["autopartition_cost"]``,
+a :class:`NodeCost`.  For each compute node it
+
+* counts forward and backward FLOPs with ``torch.utils.flop_counter``;
+* counts the activation bytes autograd saves for backward (saved-tensor hooks,
+  parameters excluded), which is what a stage keeps per micro-batch in flight;
+* times forward and backward (``torch.autograd.grad`` on that node alone),
+  warmed up, median of repeats, when ``measure=True``.
+
+Times for a GPU we are not on come from :func:`predicted_times`, a roofline:
+``max(FLOPs / peak, bytes / bandwidth) + launch overhead`` (Williams et al.,
+"Roofline", CACM 2009), with the peaks in :mod:`partitioner.devices`.
+
+Example::
+
+    >>> import torch
+    >>> from partitioner.capture import capture
+    >>> x = (torch.randn(8, 16),)
+    >>> c = capture(torch.nn.Linear(16, 4), x)
+    >>> costs = profile(c, x, measure=False)
+    >>> costs["linear"].forward_flops
+    1024.0
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from partitioner.capture import KIND_KEY, CapturedModel, node_parameters
+from partitioner.devices import DeviceSpec
+from partitioner.errors import CaptureError
+
+__all__ = ["NodeCost", "COST_KEY", "profile", "predicted_times", "Progress"]
+
+COST_KEY = "autopartition_cost"
+Progress = Callable[[int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCost:
+    """Per-micro-batch cost of one node (times are measured or zero)."""
+
+    forward_s: float
+    backward_s: float
+    forward_flops: float
+    backward_flops: float
+    saved_bytes: int  # activations kept for backward
+    io_bytes: int  # tensor bytes read and written by the forward
+    dtype: str  # dtype of the output, chooses the peak for predictions
+
+    def scaled(self, factor: float) -> "NodeCost":
+        """Cost for a batch ``factor`` times as large (linear in batch)."""
+        return NodeCost(
+            forward_s=self.forward_s * factor,
+            backward_s=self.backward_s * factor,
+            forward_flops=self.forward_flops * factor,
+            backward_flops=self.backward_flops * factor,
+            saved_bytes=int(self.saved_bytes * factor),
+            io_bytes=int(self.io_bytes * factor),
+            dtype=self.dtype,
+        )
+
+
+def predicted_times(cost: NodeCost, spec: DeviceSpec) -> tuple[float, float]:
+    """Roofline forward and backward seconds of one node on ``spec``."""
+    peak = spec.peak(cost.dtype)
+    bandwidth = spec.memory_bandwidth
+    forward = max(cost.forward_flops / peak, cost.io_bytes / bandwidth) + spec.kernel_overhead
+    # Backward reads the saved activations and the output gradient, writes input gradients.
+    backward = 0.0
+    if cost.backward_flops > 0 or cost.saved_bytes > 0:
+        backward = max(cost.backward_flops / peak, 2 * cost.io_bytes / bandwidth) + spec.kernel_overhead
+    return forward, backward
+
+
+def profile(
+    captured: CapturedModel,
+    inputs: tuple[Any, ...],
+    *,
+    measure: bool = True,
+    device: torch.device | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    progress: Progress | None = None,
+) -> dict[str, NodeCost]:
+    """Cost every compute and constant node of ``captured`` on ``inputs`` (one micro-batch)."""
+    gm = captured.graph_module
+    if _has_mutation(gm):
+        gm = copy.deepcopy(gm)  # profiling repeats ops; keep the user's buffers untouched
+    device = device or torch.device("cpu")
+    gm = gm.to(device)
+    inputs = tuple(x.to(device) for x in inputs)
+    if measure:  # first calls of an op pay one-time set-up costs; keep them out of the timings
+        with torch.no_grad():
+            gm(*inputs)
+    runner = _CostInterpreter(
+        gm, measure=measure, device=device, warmup=warmup, repeats=repeats, progress=progress
+    )
+    with torch.enable_grad():
+        runner.run(*inputs)
+    return runner.costs
+
+
+def _has_mutation(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+    return False
+
+
+class _CostInterpreter(fx.Interpreter):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        *,
+        measure: bool,
+        device: torch.device,
+        warmup: int,
+        repeats: int,
+        progress: Progress | None,
+    ) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.measure = measure
+        self.device = device
+        self.warmup = warmup
+        self.repeats = repeats
+        self.progress = progress
+        self.costs: dict[str, NodeCost] = {}
+        self.param_ptrs = {p.data_ptr() for p in gm.parameters()}
+        self.total = len(gm.graph.nodes)
+        self.done = 0
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+        if n.meta.get(KIND_KEY) not in ("compute", "constant"):
+            return super().run_node(n)
+        try:
+            result, cost = self._cost(n)
+        except Exception as exc:  # noqa: BLE001
+            raise CaptureError(
+                f"Profiling failed at node {n.format_node()}: {exc}. "
+                "Check that example_inputs() returns inputs the model accepts."
+            ) from exc
+        n.meta[COST_KEY] = cost
+        self.costs[n.name] = cost
+        return result
+
+    def _cost(self, n: fx.Node) -> tuple[Any, NodeCost]:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        leaves: list[torch.Tensor] = []
+
+        def as_leaf(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.requires_grad and not isinstance(
+                value, torch.nn.Parameter
+            ):
+                value = value.detach().requires_grad_()
+                leaves.append(value)
+            return value
+
+        args, kwargs = pytree.tree_map(as_leaf, (args, kwargs))
+        params = self._parameters(n)
+        io_bytes = sum(_nbytes(v) for v in pytree.tree_leaves((args, kwargs)))
+
+        def call() -> Any:
+            return getattr(self, n.op)(n.target, args, kwargs)
+
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() not in self.param_ptrs:
+                saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with FlopCounterMode(display=False) as counter:
+                out = call()
+        forward_flops = float(counter.get_total_flops())
+        io_bytes += sum(_nbytes(v) for v in pytree.tree_leaves(out))
+        diff_out = [
+            t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        wrt = leaves + params
+        backward_flops = 0.0
+        forward_s = backward_s = 0.0
+        if diff_out and wrt:
+            grads = [torch.ones_like(t) for t in diff_out]
+
+            def backward() -> Any:
+                return torch.autograd.grad(diff_out, wrt, grads, retain_graph=True, allow_unused=True)
+
+            with FlopCounterMode(display=False) as counter:
+                backward()
+            backward_flops = float(counter.get_total_flops())
+            if self.measure:
+                backward_s = self._time(backward)
+        if self.measure:
+            forward_s = self._time(call)
+        dtype = next(
+            (str(t.dtype).removeprefix("torch.") for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)),
+            "float32",
+        )
+        cost = NodeCost(
+            forward_s=forward_s,
+            backward_s=backward_s,
+            forward_flops=forward_flops,
+            backward_flops=backward_flops,
+            saved_bytes=sum(saved),
+            io_bytes=io_bytes,
+            dtype=dtype,
+        )
+        return pytree.tree_map(_detach, out), cost
+
+    def _parameters(self, n: fx.Node) -> list[torch.Tensor]:
+        found: list[torch.Tensor] = []
+        for name in node_parameters(self.module, n):  # type: ignore[arg-type]
+            param = self.module.get_parameter(name)
+            if param.requires_grad and all(param is not p for p in found):
+                found.append(param)
+        return found
+
+    def _time(self, fn: Callable[[], Any]) -> float:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        for _ in range(self.warmup):
+            fn()
+        samples = []
+        for _ in range(self.repeats):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return 0
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value

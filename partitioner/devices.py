@@ -1,0 +1,83 @@
+"""Hardware numbers for predicting costs on a GPU we are not running on.
+
+Peak numbers are the vendors' dense (no sparsity) figures:
+
+* A100 SXM4 80GB: NVIDIA A100 datasheet (2021): FP32 19.5 TFLOP/s, BF16/FP16
+  tensor core 312 TFLOP/s, HBM2e 2,039 GB/s, NVLink 3 600 GB/s total (300 GB/s
+  each way), 80 GB.
+* H100 SXM5 80GB: NVIDIA H100 datasheet (2023): FP32 67 TFLOP/s, BF16/FP16
+  989 TFLOP/s, HBM3 3.35 TB/s, NVLink 4 900 GB/s total (450 GB/s each way).
+* H200 SXM 141GB: NVIDIA H200 datasheet (2024): compute as H100, HBM3e
+  4.8 TB/s, 141 GB, NVLink 900 GB/s total.
+
+FP32 uses the non-tensor-core peak because PyTorch leaves TF32 matmuls off by
+default (``torch.backends.cuda.matmul.allow_tf32 = False``).  ``cpu`` describes
+this kind of machine for planning CPU-rank runs (gloo over loopback); its
+numbers are rough measurements, not a datasheet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["DeviceSpec", "DEVICES", "device_spec", "GIB"]
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator and the link between neighbouring accelerators."""
+
+    name: str
+    peak_flops: dict[str, float]  # dtype name -> FLOP/s
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: int
+    link_bandwidth: float  # bytes/s, one direction, point to point
+    link_latency: float  # seconds per message
+    kernel_overhead: float  # seconds per launched op (launch + sync), an assumption
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+
+def _gpu(name: str, fp32: float, half: float, hbm: float, mem_gb: float, link: float) -> DeviceSpec:
+    return DeviceSpec(
+        name=name,
+        peak_flops={"float32": fp32, "bfloat16": half, "float16": half},
+        memory_bandwidth=hbm,
+        memory_bytes=int(mem_gb * 1e9),
+        link_bandwidth=link,
+        link_latency=10e-6,
+        kernel_overhead=5e-6,
+    )
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    "a100": _gpu("a100", 19.5e12, 312e12, 2.039e12, 80, 300e9),
+    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9),
+    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9),
+    # CPU ranks talking over gloo/loopback on this 2-core machine.
+    "cpu": DeviceSpec(
+        name="cpu",
+        peak_flops={"float32": 50e9},
+        memory_bandwidth=10e9,
+        memory_bytes=16 * GIB,
+        link_bandwidth=1.0e9,
+        link_latency=60e-6,
+        kernel_overhead=10e-6,
+    ),
+}
+
+
+def device_spec(name: str) -> DeviceSpec:
+    """Look up a device by name (``a100``, ``h100``, ``h200``, ``cpu``)."""
+    key = name.lower()
+    if key not in DEVICES:
+        from partitioner.errors import AutopartitionError
+
+        raise AutopartitionError(
+            f"Unknown device {name!r}. Choose one of {', '.join(sorted(DEVICES))}, "
+            "or 'auto' to measure on this machine."
+        )
+    return DEVICES[key]

@@ -1,0 +1,45 @@
+"""User-facing errors: each says what is wrong and what to do.
+
+The CLI turns any :class:`AutopartitionError` into a one-paragraph message and
+exit code 2; anything else is a bug (exit code 1).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutopartitionError",
+    "CaptureError",
+    "ModelFileError",
+    "InfeasibleError",
+    "PlanFormatError",
+    "PlanMismatchError",
+    "ScheduleError",
+]
+
+
+class AutopartitionError(Exception):
+    """Bad input from the user: the message explains the problem and the fix."""
+
+
+class ModelFileError(AutopartitionError):
+    """The model file is missing, does not import, or lacks a required name."""
+
+
+class CaptureError(AutopartitionError):
+    """The model cannot be turned into an fx graph."""
+
+
+class InfeasibleError(AutopartitionError):
+    """No split satisfies the constraints (memory, stage count)."""
+
+
+class PlanFormatError(AutopartitionError):
+    """A plan directory is missing, corrupt, or from an unknown format version."""
+
+
+class PlanMismatchError(AutopartitionError):
+    """A plan was made for a different model (its graph fingerprint differs)."""
+
+
+class ScheduleError(AutopartitionError):
+    """A schedule is malformed or would deadlock."""

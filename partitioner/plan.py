@@ -1,0 +1,322 @@
+"""Plan: the compiler's output as plain data, saved as JSON (never pickle).
+
+A plan directory holds ``plan.json`` (this module's :class:`Plan`), one readable
+``stage_K.py`` per stage (generated code, for people: nothing ever imports or
+executes it) and the report.  :meth:`Plan.load` validates every field and the
+format version; it only parses JSON.
+
+Example::
+
+    >>> import tempfile
+    >>> plan = Plan.load(Plan.save(example_plan(), tempfile.mkdtemp()))
+    >>> plan == example_plan()
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+import torch.fx as fx
+
+from partitioner.errors import PlanFormatError
+from partitioner.schedule import Schedule
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Boundary",
+    "TensorSpec",
+    "StagePrediction",
+    "StagePlan",
+    "StepPrediction",
+    "SolverInfo",
+    "Candidate",
+    "TiedParameter",
+    "ModelInfo",
+    "CostModelInfo",
+    "Plan",
+    "graph_fingerprint",
+    "example_plan",
+]
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """A tensor crossing a stage boundary: produced by ``producer`` in stage ``source``, read in ``target``."""
+
+    producer: str
+    shape: tuple[int, ...]
+    dtype: str
+    source: int
+    target: int
+
+    @property
+    def nbytes(self) -> int:
+        from partitioner.values import dtype_from_name
+
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * dtype_from_name(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePrediction:
+    """Cost-model numbers for one stage, per micro-batch unless noted."""
+
+    forward_s: float
+    backward_s: float
+    memory_bytes: float  # peak, for the whole step
+    parameter_bytes: int
+    activation_bytes: float  # saved per micro-batch
+    send_bytes: int  # forward activations sent per micro-batch
+    allreduce_s: float  # once per step
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    index: int
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]  # everything the stage computes, graph order
+    compute_nodes: int
+    parameters: tuple[str, ...]  # graph (original model) names
+    model_inputs: tuple[str, ...]
+    inputs: tuple[Boundary, ...]  # received
+    outputs: tuple[Boundary, ...]  # sent
+    modules: tuple[str, ...]  # first and last module path of its compute nodes
+    predicted: StagePrediction
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrediction:
+    step_s: float
+    bubble_fraction: float
+    samples_per_s: float
+    peak_memory_bytes: tuple[float, ...]  # per stage (every replica the same)
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverInfo:
+    name: str
+    status: str
+    objective: float
+    lower_bound: float
+    wall_s: float
+    blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One pp x dp shape the planner considered."""
+
+    pp: int
+    dp: int
+    step_s: float | None  # None: infeasible or skipped
+    status: str
+    note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TiedParameter:
+    name: str  # canonical (first) name
+    aliases: tuple[str, ...]  # every graph name of the same tensor
+    stages: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    class_name: str
+    fingerprint: str
+    capture: str
+    inputs: tuple[TensorSpec, ...]  # one micro-batch, as captured
+    outputs: tuple[str, ...]
+    parameters: int
+    parameter_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModelInfo:
+    """What the simulator needs to replay the plan."""
+
+    source: str  # "measured on cpu" or "predicted for h100"
+    link_bandwidth: float
+    link_latency: float
+    memory_limit: float | None
+    optimizer_states: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    format_version: int
+    model: ModelInfo
+    gpus: int
+    pp: int
+    dp: int
+    microbatches: int
+    schedule: str
+    batch_size: int
+    device: str
+    stages: tuple[StagePlan, ...]
+    actions: tuple[tuple[str, ...], ...]  # per stage, lowered schedule
+    tied: tuple[TiedParameter, ...]
+    predicted: StepPrediction
+    solver: SolverInfo
+    cost_model: CostModelInfo
+    candidates: tuple[Candidate, ...]
+    bucket_cap_mb: float  # DDP gradient bucket size inside each stage group
+    stage_code: tuple[str, ...]  # readable generated code per stage; never executed
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // (self.dp * self.microbatches)
+
+    def rank_layout(self) -> dict[int, tuple[int, int]]:
+        """Global rank -> (stage, replica).  Stage-major: a stage's replicas are consecutive ranks."""
+        return {r: (s.index, i) for s in self.stages for i, r in enumerate(s.ranks)}
+
+    def schedule_data(self) -> Schedule:
+        return Schedule.from_strings(self.schedule, self.microbatches, self.actions)
+
+    def sends_to(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(sorted({b.target for b in s.outputs})) for s in self.stages)
+
+    def receives_from(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(sorted({b.source for b in s.inputs})) for s in self.stages)
+
+    # ------------------------------------------------------------------ I/O
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @staticmethod
+    def from_json(text: str, *, origin: str = "plan.json") -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(
+                f"{origin} is not valid JSON ({exc}). The plan is corrupt: make it again with "
+                "`autopartition model.py --gpus N --out DIR`."
+            ) from exc
+        if not isinstance(data, dict) or "format_version" not in data:
+            raise PlanFormatError(f"{origin} has no format_version: it is not an autopartition plan.")
+        if data["format_version"] != FORMAT_VERSION:
+            raise PlanFormatError(
+                f"{origin} has format version {data['format_version']!r}; this autopartition reads "
+                f"version {FORMAT_VERSION}. Re-plan the model with this version."
+            )
+        try:
+            return _decode(Plan, data, "plan")
+        except (TypeError, ValueError, KeyError) as exc:
+            raise PlanFormatError(
+                f"{origin} is corrupt: {exc}. Make the plan again with `autopartition model.py`."
+            ) from exc
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``plan.json`` and ``stage_K.py`` into ``directory``."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "plan.json").write_text(self.to_json() + "\n")
+        for index, code in enumerate(self.stage_code):
+            (path / f"stage_{index}.py").write_text(code)
+        return path
+
+    @staticmethod
+    def load(directory: str | Path) -> "Plan":
+        path = Path(directory)
+        file = path / "plan.json" if path.is_dir() else path
+        if not file.exists():
+            raise PlanFormatError(
+                f"No plan at {file}. Make one with `autopartition model.py --gpus N --out {path}`."
+            )
+        return Plan.from_json(file.read_text(), origin=str(file))
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """Hash of the graph's structure (ops, targets, wiring), independent of batch size."""
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        target = getattr(node.target, "__name__", str(node.target))
+        inputs = ",".join(a.name for a in node.all_input_nodes)
+        digest.update(f"{node.op}|{node.name}|{target}|{inputs}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _decode(kind: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(kind)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise TypeError(f"{where} should be an object, got {type(value).__name__}")
+        hints = typing.get_type_hints(kind)
+        fields = {f.name for f in dataclasses.fields(kind)}
+        unknown = set(value) - fields
+        if unknown:
+            raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
+        missing = fields - set(value)
+        if missing:
+            raise KeyError(f"{where} lacks fields {sorted(missing)}")
+        return kind(**{k: _decode(hints[k], value[k], f"{where}.{k}") for k in fields})
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(kind)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _decode(inner[0], value, where)
+    if origin is tuple:
+        args = typing.get_args(kind)
+        if not isinstance(value, list):
+            raise TypeError(f"{where} should be a list, got {type(value).__name__}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{where} should be a number, got {value!r}")
+        return float(value)
+    if kind in (int, str, bool):
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TypeError(f"{where} should be {kind.__name__}, got {value!r}")
+        return value
+    raise TypeError(f"cannot decode {where} as {kind}")
+
+
+def example_plan() -> Plan:
+    """A tiny, hand-made two-stage plan (for docs and tests)."""
+    b = Boundary("relu", (2, 4), "float32", 0, 1)
+    pred = StagePrediction(1e-3, 2e-3, 1e6, 64, 32.0, 32, 0.0)
+    stages = (
+        StagePlan(0, (0,), ("w0", "linear", "relu"), 2, ("0.weight",), ("x",), (), (b,), ("0", "1"), pred),
+        StagePlan(1, (1,), ("w2", "linear_1"), 1, ("2.weight",), (), (b,), (), ("2", "2"), pred),
+    )
+    return Plan(
+        format_version=FORMAT_VERSION,
+        model=ModelInfo("Sequential", "0123456789abcdef", "export", (TensorSpec("x", (2, 4), "float32"),), ("linear_1",), 2, 128),
+        gpus=2, pp=2, dp=1, microbatches=2, schedule="gpipe", batch_size=4, device="cpu",
+        stages=stages,
+        actions=(("0F0", "0SF0", "0F1", "0SF1", "0RB0", "0B0", "0RB1", "0B1"),
+                 ("1RF0", "1F0", "1RF1", "1F1", "1B0", "1SB0", "1B1", "1SB1")),
+        tied=(),
+        predicted=StepPrediction(9e-3, 1 / 3, 444.4, (1e6, 1e6)),
+        solver=SolverInfo("interval-dp", "optimal", 9e-3, 9e-3, 0.01, 3),
+        cost_model=CostModelInfo("measured on cpu", 1e9, 6e-5, None, 2),
+        candidates=(Candidate(2, 1, 9e-3, "optimal", "chosen"),),
+        bucket_cap_mb=25.0,
+        stage_code=("# stage 0\n", "# stage 1\n"),
+    )

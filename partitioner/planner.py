@@ -1,0 +1,445 @@
+"""The compiler driver: capture -> values -> cost -> coarsen -> solve (every pp x dp) -> Plan.
+
+Example::
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    >>> plan = compile(model, (torch.randn(8, 16),), gpus=2, microbatches=2, device="h100")
+    >>> (plan.pp * plan.dp, len(plan.stages))  # doctest: +SKIP
+    (2, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from partitioner.capture import KIND_KEY, CaptureMethod, CapturedModel, capture, module_path, node_parameters
+from partitioner.coarsen import coarsen
+from partitioner.cost import NodeCost, predicted_times, profile
+from partitioner.devices import DEVICES, DeviceSpec, device_spec
+from partitioner.errors import AutopartitionError, InfeasibleError, PlanMismatchError
+from partitioner.formulate import GraphCosts, allreduce_seconds, formulate, graph_costs
+from partitioner.plan import (
+    FORMAT_VERSION,
+    Boundary,
+    Candidate,
+    CostModelInfo,
+    ModelInfo,
+    Plan,
+    SolverInfo,
+    StagePlan,
+    StagePrediction,
+    StepPrediction,
+    TensorSpec,
+    TiedParameter,
+    graph_fingerprint,
+)
+from partitioner.problem import Partition, ScheduleKind, stage_costs, stage_memory
+from partitioner.schedule import SCHEDULES, compute_order, lower, validate
+from partitioner.solve import solve
+from partitioner.stagegraph import StageSignature, build_stage, closure
+from partitioner.values import VALUE_KEY, ValueInfo, propagate_values
+
+__all__ = ["compile", "microbatch_inputs", "stage_layout", "Status"]
+
+Status = Callable[[str], None]
+
+
+def compile(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    gpus: int,
+    microbatches: int = 8,
+    schedule: str = "gpipe",
+    device: str = "auto",
+    memory_per_gpu: float | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
+    capture_method: CaptureMethod = "auto",
+    max_blocks: int = 256,
+    optimizer_states: int = 2,
+    bucket_cap_mb: float = 25.0,
+    time_limit: float = 10.0,
+    status: Status | None = None,
+) -> Plan:
+    """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0)."""
+    say = status or (lambda _msg: None)
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    batch = _batch_size(example_inputs)
+    _check_options(gpus=gpus, microbatches=microbatches, schedule=schedule, batch=batch, pp=pp, dp=dp)
+    spec, measure, local = _device(device)
+    memory_limit = memory_per_gpu if memory_per_gpu is not None else _default_memory(device, spec, local)
+
+    micro = microbatch_inputs(example_inputs, batch // microbatches)
+    say(f"capturing {type(model).__name__} ({capture_method})")
+    captured = capture(model, micro, method=capture_method)
+    propagate_values(captured.graph_module, micro)
+    n_compute = sum(1 for n in captured.graph_module.graph.nodes if n.meta[KIND_KEY] == "compute")
+    say(f"captured {n_compute} compute nodes with {captured.method}")
+
+    def progress(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 10) == 0:
+            say(f"{'measuring' if measure else 'counting'} costs: node {done}/{total}")
+
+    costs = profile(captured, micro, measure=measure, device=local, progress=progress)
+    times = {
+        name: (c.forward_s, c.backward_s) if measure else predicted_times(c, spec) for name, c in costs.items()
+    }
+    blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
+    if not blocks:
+        raise AutopartitionError(f"{type(model).__name__} has no compute to partition.")
+    graph = graph_costs(captured, blocks, costs, times)
+
+    candidates, best = _search(
+        graph, gpus=gpus, pp=pp, dp=dp, batch=batch, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
+        spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states, time_limit=time_limit, say=say,
+    )
+    if best is None:
+        raise _infeasible(graph, gpus=gpus, microbatches=microbatches, schedule=schedule, spec=spec,
+                          memory_limit=memory_limit, optimizer_states=optimizer_states, candidates=candidates)
+    (best_pp, best_dp), partition = best
+    if best_dp > 1:
+        # Boundary shapes and baked-in sizes must be those of the real micro-batch.
+        micro = microbatch_inputs(example_inputs, batch // (microbatches * best_dp))
+        recaptured = capture(model, micro, method=captured.method)
+        if graph_fingerprint(recaptured.graph_module) != graph_fingerprint(captured.graph_module):
+            raise AutopartitionError(
+                f"{type(model).__name__} captures to a different graph at micro-batch size "
+                f"{batch // (microbatches * best_dp)}; fix the data-parallel degree with --dp 1."
+            )
+        propagate_values(recaptured.graph_module, micro)
+        captured = recaptured
+    say(f"chose {best_pp} stages x {best_dp} replicas")
+    return _build_plan(
+        model, captured, graph, costs, partition,
+        pp=best_pp, dp=best_dp, gpus=gpus, batch=batch, microbatches=microbatches, schedule=schedule,
+        spec=spec, measure=measure, memory_limit=memory_limit, optimizer_states=optimizer_states,
+        candidates=candidates, bucket_cap_mb=bucket_cap_mb, micro=micro,
+    )
+
+
+def microbatch_inputs(inputs: tuple[Any, ...], size: int) -> tuple[torch.Tensor, ...]:
+    """The first ``size`` samples of each input: the shapes one micro-batch has."""
+    return tuple(x[:size] for x in inputs)
+
+
+def stage_layout(pp: int, dp: int) -> list[tuple[int, ...]]:
+    """Ranks of each stage, stage-major (Megatron's order: a stage's replicas are neighbours)."""
+    return [tuple(s * dp + r for r in range(dp)) for s in range(pp)]
+
+
+# ----------------------------------------------------------------- checks
+
+
+def _batch_size(inputs: tuple[Any, ...]) -> int:
+    sizes = {x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        raise AutopartitionError(
+            f"Every example input needs the batch in dimension 0 with one common size; got sizes {sorted(sizes)}."
+        )
+    return sizes.pop()
+
+
+def _check_options(*, gpus: int, microbatches: int, schedule: str, batch: int, pp: int | None, dp: int | None) -> None:
+    if gpus < 1:
+        raise AutopartitionError(f"--gpus must be at least 1, got {gpus}.")
+    if microbatches < 1:
+        raise AutopartitionError(f"--microbatches must be at least 1, got {microbatches}.")
+    if schedule not in SCHEDULES:
+        raise AutopartitionError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    if batch % microbatches:
+        raise AutopartitionError(
+            f"The batch of {batch} does not split into {microbatches} equal micro-batches; "
+            f"choose a batch size that is a multiple of {microbatches} or another --microbatches."
+        )
+    for name, value in (("pp", pp), ("dp", dp)):
+        if value is not None and (value < 1 or gpus % value):
+            raise AutopartitionError(f"--{name} {value} must be a positive divisor of --gpus {gpus}.")
+    if pp is not None and dp is not None and pp * dp != gpus:
+        raise AutopartitionError(f"--pp {pp} x --dp {dp} = {pp * dp}, but --gpus is {gpus}.")
+
+
+def _device(device: str) -> tuple[DeviceSpec, bool, torch.device]:
+    """(spec for communication and limits, measure locally?, local device to run on)."""
+    name = device.lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise AutopartitionError("--device cuda was asked for but no CUDA device is visible.")
+        gpu = torch.cuda.get_device_name().lower()
+        known = next((k for k in ("h200", "h100", "a100") if k in gpu), "a100")
+        return DEVICES[known], True, torch.device("cuda")
+    if name == "cpu":
+        return DEVICES["cpu"], True, torch.device("cpu")
+    return device_spec(name), False, torch.device("cpu")
+
+
+def _default_memory(device: str, spec: DeviceSpec, local: torch.device) -> float | None:
+    if local.type == "cuda":
+        return float(torch.cuda.get_device_properties(local).total_memory)
+    if device.lower() in ("auto", "cpu"):
+        return None  # CPU ranks share host memory; no per-rank limit unless given
+    return float(spec.memory_bytes)
+
+
+# ----------------------------------------------------------------- search
+
+
+def _search(
+    graph: GraphCosts,
+    *,
+    gpus: int,
+    pp: int | None,
+    dp: int | None,
+    batch: int,
+    microbatches: int,
+    schedule: ScheduleKind,
+    spec: DeviceSpec,
+    memory_limit: float | None,
+    optimizer_states: int,
+    time_limit: float,
+    say: Status,
+) -> tuple[list[Candidate], tuple[tuple[int, int], Partition] | None]:
+    candidates: list[Candidate] = []
+    best: tuple[tuple[int, int], Partition] | None = None
+    for d in sorted(k for k in range(1, gpus + 1) if gpus % k == 0):
+        p = gpus // d
+        if (pp is not None and p != pp) or (dp is not None and d != dp):
+            continue
+        if batch % (d * microbatches):
+            candidates.append(Candidate(p, d, None, "skipped",
+                                        f"batch {batch} does not split into {d} replicas x {microbatches} micro-batches"))
+            continue
+        if p > len(graph.blocks):
+            candidates.append(Candidate(p, d, None, "skipped", f"only {len(graph.blocks)} blocks to place"))
+            continue
+        say(f"solving {p} stages x {d} replicas")
+        problem = formulate(graph, dp=d, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states)
+        found = solve(problem, stages=p, microbatches=microbatches, schedule=schedule, time_limit=time_limit)
+        if found is None:
+            candidates.append(Candidate(p, d, None, "infeasible", "no split fits in memory"))
+            continue
+        candidates.append(Candidate(p, d, found.objective, found.status,
+                                    f"{found.solver}, gap {100 * found.gap:.1f}%"))
+        if best is None or found.objective < best[1].objective:
+            best = ((p, d), found)
+    if best is None and not candidates:
+        raise AutopartitionError(
+            f"No pp x dp shape fits --gpus {gpus} with the given --pp/--dp; check the numbers."
+        )
+    return candidates, best
+
+
+def _infeasible(
+    graph: GraphCosts,
+    *,
+    gpus: int,
+    microbatches: int,
+    schedule: str,
+    spec: DeviceSpec,
+    memory_limit: float | None,
+    optimizer_states: int,
+    candidates: list[Candidate],
+) -> AutopartitionError:
+    if not any(c.status == "infeasible" for c in candidates):
+        reasons = "; ".join(f"{c.pp}x{c.dp}: {c.note}" for c in candidates)
+        return AutopartitionError(f"No pp x dp shape can be planned for {gpus} GPUs ({reasons}).")
+    unlimited = formulate(graph, dp=1, spec=spec, memory_limit=None, optimizer_states=optimizer_states)
+    stages = min(gpus, len(graph.blocks))
+    relaxed = solve(unlimited, stages=stages, microbatches=microbatches, schedule=schedule, use_ilp=False)  # type: ignore[arg-type]
+    need_memory = max(stage_memory(unlimited, relaxed.stage_of, stages, microbatches=microbatches,
+                                   schedule=schedule)) if relaxed else float("nan")  # type: ignore[arg-type]
+    need_gpus = None
+    bounded = dataclasses.replace(unlimited, memory_limit=memory_limit)
+    for p in range(gpus + 1, len(graph.blocks) + 1):
+        if solve(bounded, stages=p, microbatches=microbatches, schedule=schedule, use_ilp=False) is not None:  # type: ignore[arg-type]
+            need_gpus = p
+            break
+    gib = 1024**3
+    more = (f"It would take {need_gpus} GPUs as pipeline stages" if need_gpus
+            else "Even one block per GPU does not fit")
+    return InfeasibleError(
+        f"No split of the model over {gpus} GPUs fits in {memory_limit / gib:.2f} GiB per GPU "  # type: ignore[operator]
+        f"(parameters, gradients, optimizer state and activations of the micro-batches in flight). "
+        f"{more}, or about {need_memory / gib:.2f} GiB per GPU with {stages} stages. "
+        "Add GPUs, raise --memory-per-gpu, use more micro-batches with --schedule 1f1b, or shrink the batch."
+    )
+
+
+# ----------------------------------------------------------------- plan
+
+
+def _build_plan(
+    model: torch.nn.Module,
+    captured: CapturedModel,
+    graph: GraphCosts,
+    costs: dict[str, NodeCost],
+    partition: Partition,
+    *,
+    pp: int,
+    dp: int,
+    gpus: int,
+    batch: int,
+    microbatches: int,
+    schedule: str,
+    spec: DeviceSpec,
+    measure: bool,
+    memory_limit: float | None,
+    optimizer_states: int,
+    candidates: list[Candidate],
+    bucket_cap_mb: float,
+    micro: tuple[torch.Tensor, ...],
+) -> Plan:
+    gm = captured.graph_module
+    nodes = {n.name: n for n in gm.graph.nodes}
+    stage_of_node = {name: partition.stage_of[b] for b, members in enumerate(graph.blocks) for name in members}
+    compute_sets: list[set[str]] = [set() for _ in range(pp)]
+    for name, s in stage_of_node.items():
+        compute_sets[s].add(name)
+    boundaries = _boundaries(gm, stage_of_node, pp)
+    problem = formulate(graph, dp=dp, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states)
+    times, allreduce = stage_costs(problem, partition.stage_of, pp)
+    memory = stage_memory(problem, partition.stage_of, pp, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
+    statics = {n.name: n.meta[VALUE_KEY].static for n in gm.graph.nodes if n.meta[VALUE_KEY].kind == "static"}
+    layout = stage_layout(pp, dp)
+    stages: list[StagePlan] = []
+    codes: list[str] = []
+    for s in range(pp):
+        names = closure(gm, compute_sets[s])
+        model_inputs = tuple(dict.fromkeys(
+            a.name for n in names for a in nodes[n].all_input_nodes if a.op == "placeholder"))
+        inputs = tuple(b for b in boundaries if b.target == s)
+        outputs = tuple(b for b in boundaries if b.source == s)
+        params = tuple(sorted({p for n in names for p in _parameters_of(gm, nodes[n])}))
+        compute = [n for n in names if n in compute_sets[s]]
+        paths = [module_path(nodes[n]) or "(root)" for n in compute]
+        signature = StageSignature(
+            model_inputs=model_inputs,
+            received=tuple(dict.fromkeys(b.producer for b in inputs)),
+            sent=tuple(dict.fromkeys(b.producer for b in outputs)),
+            outputs=tuple(captured.output_nodes) if s == pp - 1 else (),
+        )
+        stage_gm = build_stage(captured, names, signature, statics=statics)
+        codes.append(_stage_code(s, signature, stage_gm))
+        forward = sum(graph.node_forward_s[n] for n in compute) / dp
+        stages.append(StagePlan(
+            index=s,
+            ranks=layout[s],
+            nodes=tuple(names),
+            compute_nodes=len(compute),
+            parameters=params,
+            model_inputs=model_inputs,
+            inputs=inputs,
+            outputs=outputs,
+            modules=(paths[0], paths[-1]),
+            predicted=StagePrediction(
+                forward_s=forward,
+                backward_s=sum(graph.node_time_s[n] for n in compute) / dp - forward,
+                memory_bytes=memory[s],
+                parameter_bytes=sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params),
+                activation_bytes=sum(graph.node_saved_bytes.get(n, 0) for n in compute) / dp,
+                send_bytes=sum(b.nbytes for b in outputs),
+                allreduce_s=allreduce[s],
+            ),
+        ))
+    sends_to = tuple(tuple(sorted({b.target for b in st.outputs})) for st in stages)
+    receives_from = tuple(tuple(sorted({b.source for b in st.inputs})) for st in stages)
+    lowered = lower(compute_order(schedule, stages=pp, microbatches=microbatches),
+                    sends_to=sends_to, receives_from=receives_from, kind=schedule)
+    validate(lowered, sends_to=sends_to, receives_from=receives_from)
+    step = partition.objective
+    busy = [microbatches * t for t in times]
+    n_params = sum(p.numel() for p in model.parameters())
+    return Plan(
+        format_version=FORMAT_VERSION,
+        model=ModelInfo(
+            class_name=type(model).__name__,
+            fingerprint=graph_fingerprint(gm),
+            capture=captured.method,
+            inputs=tuple(TensorSpec(name, tuple(x.shape), str(x.dtype).removeprefix("torch."))
+                         for name, x in zip(captured.input_names, micro)),
+            outputs=tuple(captured.output_nodes),
+            parameters=n_params,
+            parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        ),
+        gpus=gpus, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule, batch_size=batch,
+        device=spec.name if not measure else f"{spec.name} (measured)",
+        stages=tuple(stages),
+        actions=tuple(tuple(str(a) for a in row) for row in lowered.actions),
+        tied=_tied(captured, stages),
+        predicted=StepPrediction(
+            step_s=step,
+            bubble_fraction=max(0.0, 1 - sum(busy) / (pp * step)) if step > 0 else 0.0,
+            samples_per_s=batch / step if step > 0 else 0.0,
+            peak_memory_bytes=tuple(memory),
+        ),
+        solver=SolverInfo(partition.solver, partition.status, partition.objective, partition.lower_bound,
+                          partition.wall_s, len(graph.blocks)),
+        cost_model=CostModelInfo(
+            source=("measured on " if measure else "predicted for ") + spec.name,
+            link_bandwidth=spec.link_bandwidth, link_latency=spec.link_latency,
+            memory_limit=memory_limit, optimizer_states=optimizer_states,
+        ),
+        candidates=tuple(candidates),
+        bucket_cap_mb=bucket_cap_mb,
+        stage_code=tuple(codes),
+    )
+
+
+def _parameters_of(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    if node.op == "get_attr" and node.meta.get(KIND_KEY) == "parameter":
+        return [str(node.target)]
+    if node.op == "call_module":
+        return node_parameters(gm, node)
+    return []
+
+
+def _boundaries(gm: fx.GraphModule, stage_of: dict[str, int], pp: int) -> tuple[Boundary, ...]:
+    """Tensors produced in one stage and read in a later one, once per (producer, reader stage)."""
+    found: dict[tuple[str, int], Boundary] = {}
+    for node in gm.graph.nodes:
+        if node.name not in stage_of:
+            continue
+        info: ValueInfo = node.meta[VALUE_KEY]
+        source = stage_of[node.name]
+        readers = {pp - 1 if u.op == "output" else stage_of.get(u.name, source) for u in node.users}
+        for target in sorted(r for r in readers if r != source):
+            if target < source:
+                raise PlanMismatchError(f"Internal error: {node.format_node()} flows backward {source}->{target}.")
+            if info.kind == "static":
+                continue
+            if info.kind != "tensor":
+                raise AutopartitionError(
+                    f"Node {node.format_node()} produces a {info.kind} that would cross stages {source}->{target}; "
+                    "this is a bug in coarsening."
+                )
+            found[node.name, target] = Boundary(node.name, info.shape, info.dtype, source, target)
+    return tuple(sorted(found.values(), key=lambda b: (b.target, b.source, list(stage_of).index(b.producer))))
+
+
+def _tied(captured: CapturedModel, stages: list[StagePlan]) -> tuple[TiedParameter, ...]:
+    tied = []
+    for canonical, aliases in sorted(captured.tied_parameters().items()):
+        holders = tuple(st.index for st in stages if set(aliases) & set(st.parameters))
+        tied.append(TiedParameter(canonical, tuple(aliases), holders))
+    return tuple(tied)
+
+
+def _stage_code(index: int, signature: StageSignature, gm: fx.GraphModule) -> str:
+    header = [
+        f"# Stage {index}: generated by autopartition for reading; nothing imports or runs this file.",
+        f"# inputs:  model inputs {list(signature.model_inputs)}, received {list(signature.received)}",
+        f"# returns: sent {list(signature.sent)}" + (f", model outputs {list(signature.outputs)}" if signature.outputs else ""),
+        f"# parameters: {sorted(n for n, _ in gm.named_parameters())}",
+        "",
+    ]
+    return "\n".join(header) + gm.code.strip() + "\n"
+
+

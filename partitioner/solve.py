@@ -1,0 +1,252 @@
+"""Solve: split blocks into contiguous pipeline stages (an ILP; exact DP for chains).
+
+Pure function over numbers: a :class:`~partitioner.problem.PartitionProblem`
+in, a :class:`~partitioner.problem.Partition` out; no torch.
+
+The ILP (PuLP, HiGHS through ``highspy``, CBC as fallback) uses a cumulative
+binary ``x[v, s]`` = "block v is in stage <= s", which keeps precedence linear
+(``x[v, s] <= x[u, s]`` for every edge u -> v) and lets stages follow any
+topological order, not only the given one.  ``y[u, r]`` marks block u's output
+received by stage r; ``z[k, s]`` a shared (tied) parameter held by stage s.
+Objective: ``sum_s t_s + (M-1) T + A`` with ``T >= t_s`` and ``A >=`` each
+stage's all-reduce time; memory per stage is a hard limit.
+
+:func:`solve` first runs the exact interval DP (:mod:`partitioner.interval`)
+over the given order; when the blocks form a chain and there are no replicas,
+that is already optimal.  Otherwise the ILP runs with the DP's answer as an
+upper bound, within a time limit, and the better of the two is returned with
+the ILP's proven lower bound.
+
+Example::
+
+    >>> from partitioner.problem import PartitionProblem
+    >>> p = PartitionProblem(time_s=(3.0, 1.0, 1.0, 1.0), static_bytes=(0,) * 4,
+    ...     activation_bytes=(0,) * 4, allreduce_s=(0,) * 4, transfer_s=(0,) * 4,
+    ...     edges=((0, 3), (1, 3), (2, 3)))
+    >>> solve(p, stages=2, microbatches=4).stage_of
+    (0, 1, 1, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Iterator
+
+import pulp
+
+from partitioner.interval import solve_intervals
+from partitioner.problem import Partition, PartitionProblem, ScheduleKind, in_flight, step_time
+
+__all__ = ["solve", "solve_ilp", "is_chain", "ILP_SIZE_LIMIT"]
+
+# Blocks x stages above which the ILP is skipped (DESIGN.md: a 700-node, 8-stage
+# ILP took 43 s here; 300 x 4 about 1 s).
+ILP_SIZE_LIMIT = 1600
+
+
+def is_chain(problem: PartitionProblem) -> bool:
+    """True when the blocks admit only their given order (every consecutive pair is an edge)."""
+    edges = set(problem.edges)
+    return all((v, v + 1) in edges for v in range(problem.size - 1))
+
+
+def solve(
+    problem: PartitionProblem,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind = "gpipe",
+    time_limit: float = 10.0,
+    use_ilp: bool | None = None,
+) -> Partition | None:
+    """Best split into ``stages`` stages; None when no split meets the memory limit.
+
+    ``use_ilp=None`` decides automatically (see the module docstring).
+    """
+    start = time.perf_counter()
+    interval = solve_intervals(problem, stages=stages, microbatches=microbatches, schedule=schedule)
+    replicated = any(a > 0 for a in problem.allreduce_s) or any(s[1] > 0 for s in problem.shared)
+    exact_already = is_chain(problem) and not replicated
+    if use_ilp is None:
+        use_ilp = not exact_already and problem.size * stages <= ILP_SIZE_LIMIT
+    if not use_ilp:
+        if interval is None:
+            return None
+        if not exact_already:
+            interval = _with(interval, status="feasible", lower_bound=_simple_bound(problem, stages, microbatches))
+        return _with(interval, wall_s=time.perf_counter() - start)
+    ilp = solve_ilp(
+        problem,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        time_limit=time_limit,
+        upper_bound=interval.objective if interval else None,
+    )
+    if ilp is None and interval is None:
+        return None
+    if ilp is None:
+        assert interval is not None
+        return _with(interval, status="feasible", wall_s=time.perf_counter() - start)
+    best = ilp if interval is None or ilp.objective <= interval.objective + 1e-12 else interval
+    return _with(
+        best,
+        status=ilp.status,
+        lower_bound=min(ilp.lower_bound, best.objective),
+        solver=ilp.solver if best is ilp else f"{interval.solver if interval else ''}+{ilp.solver}",
+        wall_s=time.perf_counter() - start,
+    )
+
+
+def solve_ilp(
+    problem: PartitionProblem,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind = "gpipe",
+    time_limit: float = 10.0,
+    upper_bound: float | None = None,
+) -> Partition | None:
+    """The ILP of the module docstring; None if infeasible or no solution in time."""
+    start = time.perf_counter()
+    n, P, M = problem.size, stages, microbatches
+    if not 1 <= P <= n:
+        return None
+    lp = pulp.LpProblem("pipeline_split", pulp.LpMinimize)
+    x = {(v, s): pulp.LpVariable(f"x_{v}_{s}", cat="Binary") for v in range(n) for s in range(P - 1)}
+
+    def upto(v: int, s: int) -> pulp.LpAffineExpression | int:
+        if s < 0:
+            return 0
+        if s >= P - 1:
+            return 1
+        return x[v, s]
+
+    def inside(v: int, s: int) -> pulp.LpAffineExpression:
+        return upto(v, s) - upto(v, s - 1)
+
+    for v in range(n):
+        for s in range(P - 2):
+            lp += x[v, s] <= x[v, s + 1]
+    for u, v in problem.edges:
+        for s in range(P - 1):
+            lp += x[v, s] <= x[u, s]
+    for s in range(P - 1):  # the last block holds the model's output: last stage
+        lp += x[n - 1, s] == 0
+    for s in range(P):
+        lp += pulp.lpSum(inside(v, s) for v in range(n)) >= 1
+    receives: dict[tuple[int, int], pulp.LpVariable] = {}
+    for u, v in problem.edges:
+        if problem.transfer_s[u] <= 0:
+            continue
+        for r in range(1, P):
+            var = receives.get((u, r))
+            if var is None:
+                var = receives[u, r] = pulp.LpVariable(f"y_{u}_{r}", 0, 1)
+            lp += var >= inside(v, r) + upto(u, r - 1) - 1
+    holds = {
+        (k, s): pulp.LpVariable(f"z_{k}_{s}", 0, 1) for k in range(len(problem.shared)) for s in range(P)
+    }
+    for k, (_, _, readers) in enumerate(problem.shared):
+        for s in range(P):
+            for v in set(readers):
+                lp += holds[k, s] >= inside(v, s)
+    bottleneck = pulp.LpVariable("T", 0)
+    allreduce = pulp.LpVariable("A", 0)
+    stage_time = []
+    for s in range(P):
+        t = pulp.lpSum(problem.time_s[v] * inside(v, s) for v in range(n)) + pulp.lpSum(
+            problem.transfer_s[u] * var for (u, r), var in receives.items() if r == s
+        )
+        stage_time.append(t)
+        lp += bottleneck >= t
+        lp += allreduce >= pulp.lpSum(problem.allreduce_s[v] * inside(v, s) for v in range(n)) + pulp.lpSum(
+            problem.shared[k][1] * holds[k, s] for k in range(len(problem.shared))
+        )
+        if problem.memory_limit is not None:
+            flight = in_flight(s, P, M, schedule)
+            lp += (
+                pulp.lpSum(
+                    (problem.static_bytes[v] + flight * problem.activation_bytes[v]) * inside(v, s)
+                    for v in range(n)
+                )
+                + pulp.lpSum(problem.shared[k][0] * holds[k, s] for k in range(len(problem.shared)))
+                <= problem.memory_limit
+            )
+    objective = pulp.lpSum(stage_time) + (M - 1) * bottleneck + allreduce
+    lp += objective
+    if upper_bound is not None:
+        lp += objective <= upper_bound * (1 + 1e-9) + 1e-12
+    status, bound, name = _run(lp, time_limit)
+    if status not in ("optimal", "feasible"):
+        return None
+    stage_of = tuple(
+        next(s for s in range(P) if s == P - 1 or (x[v, s].value() or 0) > 0.5) for v in range(n)
+    )
+    value, _ = step_time(problem, stage_of, microbatches=M)
+    return Partition(
+        stage_of=stage_of,
+        stages=P,
+        objective=value,
+        lower_bound=min(value, bound if bound is not None else value),
+        status="optimal" if status == "optimal" else "feasible",
+        solver=name,
+        wall_s=time.perf_counter() - start,
+    )
+
+
+def _run(lp: pulp.LpProblem, time_limit: float) -> tuple[str, float | None, str]:
+    """Solve with HiGHS (CBC if HiGHS is missing): (status, lower bound, solver name)."""
+    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+        solver: pulp.LpSolver = pulp.HiGHS(msg=False, timeLimit=time_limit)
+        name = "ilp-highs"
+    else:
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+        name = "ilp-cbc"
+    with _quiet():
+        code = lp.solve(solver)
+    has_solution = lp.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if code == pulp.LpStatusOptimal and lp.sol_status == pulp.LpSolutionOptimal:
+        status = "optimal"
+    elif has_solution:
+        status = "feasible"
+    else:
+        return "none", None, name
+    bound: float | None = None
+    model = getattr(lp, "solverModel", None)
+    if status == "optimal":
+        bound = pulp.value(lp.objective)
+    elif model is not None and hasattr(model, "getInfo"):
+        bound = float(model.getInfo().mip_dual_bound)
+    return status, bound, name
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the solver banner HiGHS prints to fd 1 even with msg=False."""
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _simple_bound(problem: PartitionProblem, stages: int, microbatches: int) -> float:
+    """A bound valid for any split: all work once, plus M-1 times an even share or the largest block."""
+    total = sum(problem.time_s)
+    return total + (microbatches - 1) * max(total / stages, max(problem.time_s))
+
+
+def _with(partition: Partition, **changes: object) -> Partition:
+    import dataclasses
+
+    return dataclasses.replace(partition, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,224 @@
+"""Brute-force references for the partition solvers, and random problem generators.
+
+Enumerates every assignment of blocks to stages (``P**N`` of them, so keep
+``N <= 8`` and ``P <= 4``) and keeps the valid ones that fit in memory.  Two
+flavours: :func:`brute_force` (any topological assignment, what the ILP
+solves) and :func:`brute_force_intervals` (contiguous intervals of the given
+block order, what the interval DP solves).
+
+Imported from the test modules as ``import _brute`` (pytest's default
+``prepend`` import mode puts ``tests/`` on ``sys.path``; ``tests`` has no
+``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Iterable, Iterator
+
+from partitioner.problem import (
+    PartitionProblem,
+    ScheduleKind,
+    check_assignment,
+    stage_memory,
+    step_time,
+)
+
+Best = tuple[float, tuple[int, ...]]
+
+
+def fits(
+    problem: PartitionProblem,
+    stage_of: tuple[int, ...],
+    stages: int,
+    *,
+    microbatches: int,
+    schedule: ScheduleKind,
+) -> bool:
+    """Every stage within ``problem.memory_limit`` (always true without a limit)."""
+    if problem.memory_limit is None:
+        return True
+    memory = stage_memory(problem, stage_of, stages, microbatches=microbatches, schedule=schedule)
+    return all(m <= problem.memory_limit for m in memory)
+
+
+def _best(
+    problem: PartitionProblem,
+    assignments: Iterable[tuple[int, ...]],
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind,
+) -> Best | None:
+    best: Best | None = None
+    for stage_of in assignments:
+        if check_assignment(problem, stage_of, stages) is not None:
+            continue
+        if not fits(problem, stage_of, stages, microbatches=microbatches, schedule=schedule):
+            continue
+        value, _ = step_time(problem, stage_of, microbatches=microbatches)
+        if best is None or value < best[0]:
+            best = (value, stage_of)
+    return best
+
+
+def brute_force_assignment(
+    problem: PartitionProblem, *, stages: int, microbatches: int, schedule: ScheduleKind = "gpipe"
+) -> Best | None:
+    """The best (step time, stage_of) over all valid assignments, or None if none fits."""
+    assert problem.size <= 8 and stages <= 4, "brute force is P**N"
+    everything = itertools.product(range(stages), repeat=problem.size)
+    return _best(problem, everything, stages, microbatches, schedule)
+
+
+def brute_force(
+    problem: PartitionProblem, *, stages: int, microbatches: int, schedule: ScheduleKind = "gpipe"
+) -> float | None:
+    """The least step time over all valid assignments, or None if none fits."""
+    best = brute_force_assignment(
+        problem, stages=stages, microbatches=microbatches, schedule=schedule
+    )
+    return None if best is None else best[0]
+
+
+def _non_decreasing(n: int, stages: int) -> Iterator[tuple[int, ...]]:
+    return (
+        a
+        for a in itertools.product(range(stages), repeat=n)
+        if all(a[i] <= a[i + 1] for i in range(n - 1))
+    )
+
+
+def brute_force_intervals_assignment(
+    problem: PartitionProblem, *, stages: int, microbatches: int, schedule: ScheduleKind = "gpipe"
+) -> Best | None:
+    """Like :func:`brute_force_assignment`, restricted to contiguous intervals of the order."""
+    assert problem.size <= 8 and stages <= 4, "brute force is P**N"
+    return _best(problem, _non_decreasing(problem.size, stages), stages, microbatches, schedule)
+
+
+def brute_force_intervals(
+    problem: PartitionProblem, *, stages: int, microbatches: int, schedule: ScheduleKind = "gpipe"
+) -> float | None:
+    """The least step time over interval splits of the given order, or None if none fits."""
+    best = brute_force_intervals_assignment(
+        problem, stages=stages, microbatches=microbatches, schedule=schedule
+    )
+    return None if best is None else best[0]
+
+
+# --------------------------------------------------------------------------- generators
+
+
+def random_edges(rng: random.Random, n: int, kind: str) -> tuple[tuple[int, int], ...]:
+    """Edges ``u < v`` of a random DAG.
+
+    ``kind``: ``"chain"`` (i -> i+1 plus random skips), ``"dag"`` (each pair with
+    some probability, consecutive pairs sometimes missing, so several orders are
+    topological), ``"sparse"`` (few edges; blocks often independent).
+    """
+    edges: set[tuple[int, int]] = set()
+    if kind == "chain":
+        edges.update((i, i + 1) for i in range(n - 1))
+        for _ in range(rng.randint(0, n)):
+            u = rng.randrange(n)
+            v = rng.randrange(n)
+            if u + 1 < v:
+                edges.add((u, v))
+    else:
+        p = 0.5 if kind == "dag" else 0.2
+        for u in range(n):
+            for v in range(u + 1, n):
+                if rng.random() < p:
+                    edges.add((u, v))
+    return tuple(sorted(edges))
+
+
+def random_problem(
+    rng: random.Random,
+    n: int,
+    *,
+    kind: str = "chain",
+    shared: bool = False,
+    replicas: bool = False,
+    transfers: bool = True,
+) -> PartitionProblem:
+    """A random problem without a memory limit; see :func:`with_limit`.
+
+    Times are drawn from a few scales so that ties and near-ties both happen;
+    bytes are integers (exact in float, so memory comparisons are exact).
+    """
+    scale = rng.choice([1.0, 1e-3])
+    integers = rng.random() < 0.3  # small integers: many exact ties
+
+    def seconds(lo: float, hi: float) -> float:
+        if integers:
+            return float(rng.randint(int(lo * 4), int(hi * 4))) * scale
+        return rng.uniform(lo, hi) * scale
+
+    time_s = tuple(seconds(0.25, 5.0) for _ in range(n))
+    transfer_s = tuple(seconds(0.0, 2.0) if transfers else 0.0 for _ in range(n))
+    allreduce_s = tuple(seconds(0.0, 2.0) if replicas else 0.0 for _ in range(n))
+    static_bytes = tuple(float(rng.randint(0, 100)) for _ in range(n))
+    activation_bytes = tuple(float(rng.randint(0, 50)) for _ in range(n))
+    shared_params: list[tuple[float, float, tuple[int, ...]]] = []
+    if shared:
+        for _ in range(rng.randint(1, 2)):
+            readers = tuple(sorted(rng.sample(range(n), rng.randint(2, min(3, n)))))
+            shared_params.append(
+                (float(rng.randint(1, 200)), seconds(0.0, 2.0) if replicas else 0.0, readers)
+            )
+    return PartitionProblem(
+        time_s=time_s,
+        static_bytes=static_bytes,
+        activation_bytes=activation_bytes,
+        allreduce_s=allreduce_s,
+        transfer_s=transfer_s,
+        edges=random_edges(rng, n, kind),
+        shared=tuple(shared_params),
+    )
+
+
+def with_limit(
+    problem: PartitionProblem,
+    rng: random.Random,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind,
+    intervals: bool,
+) -> PartitionProblem:
+    """The problem with a memory limit near the least feasible peak (sometimes just below).
+
+    The limit is drawn between the smallest achievable peak memory (over the
+    assignments the solver under test may use) minus a little, so that some
+    problems are infeasible, and the peak of an unconstrained optimum, so that
+    the limit often binds.
+    """
+    assignments: Iterable[tuple[int, ...]]
+    if intervals:
+        assignments = _non_decreasing(problem.size, stages)
+    else:
+        assignments = itertools.product(range(stages), repeat=problem.size)
+    peaks = [
+        max(stage_memory(problem, a, stages, microbatches=microbatches, schedule=schedule))
+        for a in assignments
+        if check_assignment(problem, a, stages) is None
+    ]
+    if not peaks:
+        return problem
+    least, most = min(peaks), max(peaks)
+    if rng.random() < 0.2:
+        limit = least - rng.randint(1, 10)  # infeasible
+    elif rng.random() < 0.2:
+        limit = least  # feasible only at the exact peak
+    else:
+        limit = rng.uniform(least, least + (most - least) * 0.5)
+        limit = float(int(limit))  # integer limit: comparisons stay exact
+    return _replace(problem, memory_limit=float(limit))
+
+
+def _replace(problem: PartitionProblem, **changes: object) -> PartitionProblem:
+    import dataclasses
+
+    return dataclasses.replace(problem, **changes)  # type: ignore[arg-type]
