@@ -42,7 +42,7 @@ from partitioner.plan import (
 from partitioner.problem import Partition, ScheduleKind, stage_costs, stage_memory
 from partitioner.schedule import SCHEDULES, compute_order, lower, validate
 from partitioner.solve import solve
-from partitioner.stagegraph import StageSignature, build_stage, closure
+from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
 from partitioner.values import VALUE_KEY, ValueInfo, propagate_values
 
 __all__ = ["compile", "microbatch_inputs", "stage_layout", "Status"]
@@ -320,16 +320,8 @@ def _build_plan(
         params = tuple(sorted({p for n in names for p in _parameters_of(gm, nodes[n])}))
         compute = [n for n in names if n in compute_sets[s]]
         paths = [module_path(nodes[n]) or "(root)" for n in compute]
-        signature = StageSignature(
-            model_inputs=model_inputs,
-            received=tuple(dict.fromkeys(b.producer for b in inputs)),
-            sent=tuple(dict.fromkeys(b.producer for b in outputs)),
-            outputs=tuple(captured.output_nodes) if s == pp - 1 else (),
-        )
-        stage_gm = build_stage(captured, names, signature, statics=statics)
-        codes.append(_stage_code(s, signature, stage_gm))
         forward = sum(graph.node_forward_s[n] for n in compute) / dp
-        stages.append(StagePlan(
+        stage = StagePlan(
             index=s,
             ranks=layout[s],
             nodes=tuple(names),
@@ -348,7 +340,10 @@ def _build_plan(
                 send_bytes=sum(b.nbytes for b in outputs),
                 allreduce_s=allreduce[s],
             ),
-        ))
+        )
+        stages.append(stage)
+        signature = stage_signature(stage, model_outputs=tuple(captured.output_nodes), last=s == pp - 1)
+        codes.append(_stage_code(s, signature, build_stage(captured, names, signature, statics=statics)))
     sends_to = tuple(tuple(sorted({b.target for b in st.outputs})) for st in stages)
     receives_from = tuple(tuple(sorted({b.source for b in st.inputs})) for st in stages)
     lowered = lower(compute_order(schedule, stages=pp, microbatches=microbatches),

@@ -31,8 +31,9 @@ import torch.fx as fx
 
 from partitioner.capture import KIND_KEY, CapturedModel
 from partitioner.errors import PlanMismatchError
+from partitioner.plan import StagePlan
 
-__all__ = ["StageSignature", "build_stage", "closure"]
+__all__ = ["StageSignature", "build_stage", "closure", "stage_signature"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,16 @@ class StageSignature:
     received: tuple[str, ...]  # producer names of tensors received from earlier stages
     sent: tuple[str, ...]  # producer names of tensors this stage sends
     outputs: tuple[str, ...]  # the model's outputs (last stage only)
+
+
+def stage_signature(stage: StagePlan, *, model_outputs: tuple[str, ...], last: bool) -> StageSignature:
+    """The call signature the planner and the runtime both derive from a stage's plan."""
+    return StageSignature(
+        model_inputs=stage.model_inputs,
+        received=tuple(dict.fromkeys(b.producer for b in stage.inputs)),
+        sent=tuple(dict.fromkeys(b.producer for b in stage.outputs)),
+        outputs=model_outputs if last else (),
+    )
 
 
 def closure(gm: fx.GraphModule, compute: set[str]) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from partitioner.problem import (
     PartitionProblem,
@@ -162,7 +162,7 @@ def random_problem(
     static_bytes = tuple(float(rng.randint(0, 100)) for _ in range(n))
     activation_bytes = tuple(float(rng.randint(0, 50)) for _ in range(n))
     shared_params: list[tuple[float, float, tuple[int, ...]]] = []
-    if shared:
+    if shared and n >= 2:
         for _ in range(rng.randint(1, 2)):
             readers = tuple(sorted(rng.sample(range(n), rng.randint(2, min(3, n)))))
             shared_params.append(
@@ -191,30 +191,35 @@ def with_limit(
     """The problem with a memory limit near the least feasible peak (sometimes just below).
 
     The limit is drawn between the smallest achievable peak memory (over the
-    assignments the solver under test may use) minus a little, so that some
-    problems are infeasible, and the peak of an unconstrained optimum, so that
-    the limit often binds.
+    assignments the solver under test may use; sometimes a little below it, so
+    that the problem is infeasible) and the peak of an unconstrained optimum
+    (so that the limit usually binds and changes the answer).
     """
-    assignments: Iterable[tuple[int, ...]]
+    unlimited = _replace(problem, memory_limit=None)
+    assignments: list[tuple[int, ...]]
     if intervals:
-        assignments = _non_decreasing(problem.size, stages)
+        assignments = list(_non_decreasing(problem.size, stages))
     else:
-        assignments = itertools.product(range(stages), repeat=problem.size)
-    peaks = [
-        max(stage_memory(problem, a, stages, microbatches=microbatches, schedule=schedule))
-        for a in assignments
-        if check_assignment(problem, a, stages) is None
-    ]
-    if not peaks:
+        assignments = list(itertools.product(range(stages), repeat=problem.size))
+    valid = [a for a in assignments if check_assignment(problem, a, stages) is None]
+    if not valid:
         return problem
-    least, most = min(peaks), max(peaks)
-    if rng.random() < 0.2:
+
+    def peak(a: tuple[int, ...]) -> float:
+        return max(stage_memory(problem, a, stages, microbatches=microbatches, schedule=schedule))
+
+    least = min(peak(a) for a in valid)
+    best = _best(unlimited, valid, stages, microbatches, schedule)
+    assert best is not None
+    optimum_peak = peak(best[1])
+    roll = rng.random()
+    if roll < 0.2:
         limit = least - rng.randint(1, 10)  # infeasible
-    elif rng.random() < 0.2:
-        limit = least  # feasible only at the exact peak
+    elif roll < 0.35 or optimum_peak <= least:
+        limit = least  # feasible only at the least peak
     else:
-        limit = rng.uniform(least, least + (most - least) * 0.5)
-        limit = float(int(limit))  # integer limit: comparisons stay exact
+        # Integer limit (bytes are integers): comparisons stay exact.
+        limit = float(rng.randint(int(least), int(optimum_peak) - 1))
     return _replace(problem, memory_limit=float(limit))
 
 

@@ -1,0 +1,403 @@
+"""The ``autopartition`` command line: plan a model file, show a plan, verify it, run it.
+
+Exit codes: 0 ok, 2 bad input (with a one-paragraph message), 1 internal error,
+130 interrupted.
+
+Example::
+
+    >>> main(["examples/gpt.py", "--gpus", "4", "--batch-size", "16",
+    ...       "--microbatches", "4", "--device", "h100", "--out", "plan/"])  # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import shlex
+import sys
+import textwrap
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+from partitioner.errors import AutopartitionError
+
+__all__ = ["main", "parse_size"]
+
+_DEVICES = ("auto", "cpu", "cuda", "a100", "h100", "h200")
+_CAPTURE = ("auto", "export", "symbolic_trace")
+_SCHEDULES = ("gpipe", "1f1b")
+_DEFAULT_BATCH = 32
+_DEFAULT_MICROBATCHES = 8
+_WIDTH = 100
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+_EPILOG = """\
+examples:
+  autopartition examples/gpt.py --gpus 4 --batch-size 16 --microbatches 4 --out plan/
+  autopartition examples/gpt.py:gpt_medium --gpus 8 --device h100 --memory-per-gpu 80GiB
+  autopartition model.py --gpus 8 --pp 4 --dp 2 --schedule 1f1b
+  autopartition show plan/                         # the report again, from plan.json
+  autopartition verify plan/ --model model.py      # run on CPU ranks, compare with the model
+  autopartition run plan/ --nproc-per-node 8 -- train.py --epochs 1
+
+model file: build_model() (or a module-level `model`), example_inputs(batch_size) (or a
+module-level tuple), optionally loss_fn(outputs, target) and example_target(batch_size).
+
+exit codes: 0 ok, 2 bad input, 1 internal error (a bug), 130 interrupted.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(args)
+    except AutopartitionError as exc:
+        _error(str(exc))
+        return 2
+    except KeyboardInterrupt:
+        print("autopartition: interrupted", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - report, then exit 1
+        traceback.print_exc()
+        print(
+            "autopartition: internal error: this is a bug in autopartition, not in your input. "
+            "Please report it with the traceback above and the command you ran.",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def parse_size(text: str) -> float:
+    """A memory size in bytes: ``80GiB``, ``40GB``, ``512MiB``, ``1.5e9`` (bytes).
+
+    >>> parse_size("80GiB") == 80 * 1024**3, parse_size("40GB"), parse_size("1.5e9")
+    (True, 40000000000.0, 1500000000.0)
+    """
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a memory size; write a number with a unit such as "
+            "80GiB, 40GB, 512MiB, or plain bytes such as 1.5e9"
+        )
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+# ----------------------------------------------------------------- parsers
+
+
+def _dispatch(args: list[str]) -> int:
+    handlers: dict[str, tuple[Callable[[], argparse.ArgumentParser], Callable[[Any], int]]] = {
+        "show": (_show_parser, _show),
+        "verify": (_verify_parser, _verify),
+    }
+    if args and args[0] == "run":
+        return _run(args[1:])
+    if args and args[0] in handlers:
+        make, handle = handlers[args[0]]
+        parsed = _parse(make(), args[1:])
+    else:
+        make, handle = _plan_parser, _plan
+        parsed = _parse(make(), args)
+    if isinstance(parsed, int):
+        return parsed
+    return handle(parsed)
+
+
+def _parse(parser: argparse.ArgumentParser, args: list[str]) -> argparse.Namespace | int:
+    """Parse, turning argparse's exits (errors: 2, --help: 0) into return codes."""
+    try:
+        return parser.parse_args(args)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+
+
+def _fill(text: str) -> str:
+    return textwrap.fill(text, width=_WIDTH - 2)
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32, width=_WIDTH)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _size(text: str) -> float:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopartition",
+        usage="autopartition MODEL.py[:FACTORY] --gpus N [options]\n"
+        "       autopartition {show,verify,run} ... (see `autopartition show --help`)",
+        description=_fill("Split a PyTorch model into pipeline stages (x data-parallel replicas) over N GPUs: "
+        "capture, cost, solve; print the stage table and write the plan directory."),
+        epilog=_EPILOG,
+        formatter_class=_formatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("model", metavar="MODEL.py[:FACTORY]",
+                        help="model file; :FACTORY picks a factory other than build_model")
+    parser.add_argument("--gpus", type=_positive_int, required=True, metavar="N",
+                        help="number of GPUs (pipeline stages x replicas)")
+    parser.add_argument("--batch-size", type=_positive_int, metavar="B",
+                        help=f"mini-batch size (default: the model file's fixed batch, else {_DEFAULT_BATCH})")
+    parser.add_argument("--microbatches", type=_positive_int, default=_DEFAULT_MICROBATCHES, metavar="M",
+                        help=f"micro-batches per mini-batch (default {_DEFAULT_MICROBATCHES})")
+    parser.add_argument("--schedule", choices=_SCHEDULES, default="gpipe", type=str.lower,
+                        help="pipeline schedule (default gpipe)")
+    parser.add_argument("--pp", type=_positive_int, metavar="P", help="fix the number of pipeline stages")
+    parser.add_argument("--dp", type=_positive_int, metavar="D", help="fix the number of replicas per stage")
+    parser.add_argument("--device", choices=_DEVICES, default="auto", type=str.lower,
+                        help="auto/cpu/cuda measure here; a100/h100/h200 predict for that GPU (default auto)")
+    parser.add_argument("--memory-per-gpu", type=_size, metavar="SIZE",
+                        help="memory cap per GPU, e.g. 80GiB, 40GB, 512MiB (default: the device's)")
+    parser.add_argument("--capture", choices=_CAPTURE, default="auto",
+                        help="how to capture the graph (default auto: export, then symbolic_trace)")
+    parser.add_argument("--out", default="plan", metavar="DIR", help="plan directory to write (default plan/)")
+    parser.add_argument("--time-limit", type=_positive_float, default=10.0, metavar="S",
+                        help="solver time limit per pp x dp shape, seconds (default 10)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    return parser
+
+
+def _show_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopartition show",
+        description=_fill("Print the report of a saved plan (from plan.json alone)."),
+        epilog="example:\n  autopartition show plan/",
+        formatter_class=_formatter,
+    )
+    parser.add_argument("plan", metavar="DIR", help="plan directory (or its plan.json)")
+    return parser
+
+
+def _verify_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopartition verify",
+        description=_fill("Run the plan on CPU ranks and compare loss and gradients with the "
+        "unpartitioned model; print the largest difference."),
+        epilog="example:\n  autopartition verify plan/ --model examples/gpt.py --steps 3",
+        formatter_class=_formatter,
+    )
+    parser.add_argument("plan", metavar="DIR", help="plan directory")
+    parser.add_argument("--model", required=True, metavar="MODEL.py[:FACTORY]",
+                        help="the model file the plan was made from")
+    parser.add_argument("--steps", type=_positive_int, default=3, metavar="K",
+                        help="training steps to compare (default 3)")
+    parser.add_argument("--timeout", type=_positive_float, metavar="S",
+                        help="give up after S seconds (default: the verifier's)")
+    return parser
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopartition run",
+        usage="autopartition run DIR [--nproc-per-node K] [torchrun options] -- train.py [args]",
+        description=_fill("Start the training script on torchrun ranks laid out as the plan says. "
+        "Options other than --nproc-per-node go to torchrun (e.g. --nnodes, --rdzv-endpoint)."),
+        epilog="examples:\n  autopartition run plan/ -- train.py --epochs 1\n"
+        "  autopartition run plan/ --nnodes 2 --nproc-per-node 4 --rdzv-endpoint host:29500 -- train.py",
+        formatter_class=_formatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("plan", metavar="DIR", help="plan directory")
+    parser.add_argument("--nproc-per-node", type=_positive_int, metavar="K",
+                        help="ranks per node (default: the plan's GPU count on one node)")
+    return parser
+
+
+# ----------------------------------------------------------------- commands
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from partitioner import planner
+    from partitioner.modelfile import load_model_file
+    from partitioner.table import format_plan
+
+    say = _status(quiet=args.quiet)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise AutopartitionError(f"--out {args.out} is a file; choose a directory for the plan.")
+    say(f"loading {args.model}")
+    model_file = load_model_file(args.model)
+    batch = args.batch_size or model_file.default_batch_size or _DEFAULT_BATCH
+    model = model_file.build()
+    inputs = model_file.example_inputs(batch)
+    plan = planner.compile(
+        model,
+        inputs,
+        gpus=args.gpus,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        device=args.device,
+        memory_per_gpu=args.memory_per_gpu,
+        pp=args.pp,
+        dp=args.dp,
+        capture_method=cast(Any, args.capture),
+        time_limit=args.time_limit,
+        status=say,
+    )
+    saved = plan.save(out)
+    print(format_plan(plan))
+    print()
+    report = _write_report(plan, saved)
+    if report is not None:
+        print(f"report: {report}")
+    quoted = shlex.quote(str(saved))
+    stages = "stage_0.py" if plan.pp == 1 else f"stage_0.py … stage_{plan.pp - 1}.py"
+    print(f"plan saved to {saved}{os.sep} (plan.json, {stages}); next:")
+    print(f"  autopartition verify {quoted} --model {shlex.quote(args.model)}")
+    print(f"  autopartition run {quoted} -- train.py")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from partitioner.plan import Plan
+    from partitioner.table import format_plan
+
+    plan = Plan.load(args.plan)
+    print(format_plan(plan))
+    path = Path(args.plan)
+    report = _write_report(plan, path if path.is_dir() else path.parent)
+    if report is not None:
+        print()
+        print(f"report: {report}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from partitioner.plan import Plan
+
+    Plan.load(args.plan)  # a missing or corrupt plan is bad input (exit 2), found before any rank starts
+    verify = _runtime("runtime.verify", "verify_plan", "verify")
+    if verify is None:
+        return 1
+    options: dict[str, Any] = {"steps": args.steps}
+    if args.timeout is not None:
+        options["timeout"] = args.timeout
+    result = verify(args.plan, args.model, **options)
+    if isinstance(result, int) and not isinstance(result, bool):
+        return result
+    if result is not None:
+        print(result)
+    return 0 if getattr(result, "ok", True) else 1
+
+
+def _run(args: list[str]) -> int:
+    parser = _run_parser()
+    if "--" in args:
+        split = args.index("--")
+        own, script = args[:split], args[split + 1:]
+    else:
+        own, script = args, []
+    try:
+        parsed, torchrun_args = parser.parse_known_args(own)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    if not script:
+        scripts = [a for a in torchrun_args if a.endswith(".py")]
+        hint = f" (did you mean `-- {' '.join(scripts)}`?)" if scripts else ""
+        parser.print_usage(sys.stderr)
+        raise AutopartitionError(
+            "`autopartition run` needs the training script after `--`, as in "
+            f"`autopartition run {parsed.plan} -- train.py [args]`{hint}."
+        )
+    if parsed.nproc_per_node is not None:
+        torchrun_args = ["--nproc-per-node", str(parsed.nproc_per_node)] + torchrun_args
+    from partitioner.plan import Plan
+
+    Plan.load(parsed.plan)
+    run_plan = _runtime("runtime.launch", "run_plan", "run")
+    if run_plan is None:
+        return 1
+    return int(run_plan(parsed.plan, torchrun_args, script))
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _status(*, quiet: bool) -> Callable[[str], None]:
+    def say(message: str) -> None:
+        if not quiet:
+            print(f"[autopartition] {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _error(message: str) -> None:
+    paragraphs = message.splitlines() or [""]
+    lines = textwrap.wrap(f"autopartition: error: {paragraphs[0]}", width=_WIDTH,
+                          break_on_hyphens=False, break_long_words=False) or ["autopartition: error:"]
+    for paragraph in paragraphs[1:]:
+        lines += textwrap.wrap(paragraph, width=_WIDTH, break_on_hyphens=False, break_long_words=False) or [""]
+    print("\n".join(lines), file=sys.stderr)
+
+
+def _runtime(module: str, function: str, command: str) -> Callable[..., Any] | None:
+    """Import ``module.function`` lazily; on failure say so and return None (exit code 1)."""
+    try:
+        return cast(Callable[..., Any], getattr(importlib.import_module(module), function))
+    except (ImportError, AttributeError) as exc:
+        _error(
+            f"`autopartition {command}` needs {module}.{function}, which cannot be imported "
+            f"({type(exc).__name__}: {exc}). Reinstall autopartition (`pip install -e .` in its "
+            "checkout) so that the runtime package is present."
+        )
+        return None
+
+
+def _write_report(plan: Any, directory: Path) -> Path | None:
+    """Call ``partitioner.report.write_report`` when that module exists; return where it wrote."""
+    try:
+        report = importlib.import_module("partitioner.report")
+    except ImportError as exc:
+        if getattr(exc, "name", None) != "partitioner.report":
+            print(f"[autopartition] no report written: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    written = report.write_report(plan, directory)
+    return Path(written) if written is not None else None

@@ -1,0 +1,207 @@
+"""Figures: the pipeline timeline (GPipe-paper style) and per-stage bars, as PNG or SVG.
+
+matplotlib is imported only when a figure is drawn, through its object API
+(``matplotlib.figure.Figure``, rendered by Agg): no pyplot, no global backend
+switch, nothing opens a window.  The format follows the file's suffix
+(``.png``, ``.svg``, ``.pdf``).
+
+:func:`timeline_png` draws one row per track (stage 0 on top), like Figure 2 of
+Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
+Pipeline Parallelism", NeurIPS 2019: forward boxes in one colour, backward
+boxes in another, each labelled with its micro-batch when wide enough; waits
+for a peer's data are thin hatched strips, all-reduce buckets a hatched strip
+under the row, and idle time (the bubble) is left blank.
+
+Example::
+
+    >>> import tempfile, pathlib
+    >>> from partitioner.plan import example_plan
+    >>> from partitioner.simulate import simulate
+    >>> out = pathlib.Path(tempfile.mkdtemp())
+    >>> timeline_png(simulate(example_plan()).events, out / "timeline.png", title="example").stat().st_size > 0
+    True
+    >>> stage_bars_png(example_plan(), out / "stages.svg").suffix
+    '.svg'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from partitioner.plan import Plan
+from partitioner.timeline import ALLREDUCE_KIND, TimelineEvent
+
+if TYPE_CHECKING:
+    from partitioner.simulate import Simulation
+
+__all__ = ["COLORS", "byte_unit", "stage_bars_png", "timeline_png"]
+
+COLORS = {
+    "F": "#4C72B0",  # forward: blue
+    "B": "#DD8452",  # backward: orange
+    "wait": "#B4B4B4",  # RF / RB waiting for a peer
+    ALLREDUCE_KIND: "#8172B3",  # gradient all-reduce: purple
+    "static": "#64646E",
+    "activations": "#55A868",
+    "limit": "#C44E52",
+}
+_DPI = 150
+_OFF_SCALE = 5.0  # draw the memory limit only when it is within this factor of the usage
+_CHAR_PX = 6.5  # width of one label character at font size 7, in pixels at _DPI
+
+
+def byte_unit(largest: float) -> tuple[float, str]:
+    """(divisor, name) of the binary unit that shows ``largest`` bytes readably.
+
+    >>> byte_unit(3 * 2**30)
+    (1073741824, 'GiB')
+    """
+    for power, name in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if largest >= 1024**power:
+            return 1024**power, name
+    return 1, "B"
+
+
+def timeline_png(
+    events: Iterable[TimelineEvent],
+    path: str | Path,
+    *,
+    title: str,
+    track_name: str = "stage",
+) -> Path:
+    """Draw ``events`` as a pipeline timeline (x in ms, one row per track) and save it to ``path``."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    listed = list(events)
+    tracks = sorted({e.track for e in listed}) or [0]
+    row_of = {t: r for r, t in enumerate(tracks)}
+    end_ms = max((e.end_s for e in listed), default=0.0) * 1e3 or 1.0
+
+    fig = Figure(figsize=(11.0, max(2.4, 1.2 + 0.55 * len(tracks))), dpi=_DPI)
+    ax = fig.add_subplot()
+    axes_px = fig.get_figwidth() * _DPI * 0.78  # roughly the plotting area's width
+    px_per_ms = axes_px / (end_ms * 1.02)
+
+    for e in listed:
+        y = row_of[e.track]
+        start, width = e.start_s * 1e3, (e.end_s - e.start_s) * 1e3
+        if e.kind in ("F", "B"):
+            ax.broken_barh([(start, width)], (y - 0.35, 0.7), facecolors=COLORS[e.kind],
+                           edgecolors="white", linewidth=0.6)
+            text = str(e.microbatch)
+            if width * px_per_ms >= _CHAR_PX * len(text) + 4:
+                ax.text(start + width / 2, y, text, ha="center", va="center", fontsize=7,
+                        color="white", fontweight="bold")
+        elif e.kind in ("RF", "RB") and width > 0:
+            ax.broken_barh([(start, width)], (y - 0.04, 0.08), facecolors="none",
+                           edgecolors=COLORS["wait"], hatch="////", linewidth=0.3)
+        elif e.kind == ALLREDUCE_KIND and width > 0:
+            ax.broken_barh([(start, width)], (y + 0.37, 0.11), facecolors="none",
+                           edgecolors=COLORS[ALLREDUCE_KIND], hatch="xxxx", linewidth=0.5)
+        # Sends are non-blocking and take no time on the sender: nothing to draw.
+
+    ax.axvline(end_ms, color="black", linestyle="--", linewidth=0.8)
+    ax.text(end_ms, -0.45, f"step {end_ms:.3g} ms ", ha="right", va="center", fontsize=8)
+    ax.set_yticks(range(len(tracks)), [f"{track_name} {t}" for t in tracks])
+    ax.set_ylim(len(tracks) - 0.4, -0.7)  # track 0 on top
+    ax.set_xlim(0, end_ms * 1.02)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", color="#E5E5E5", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    kinds = {e.kind for e in listed}
+    handles: list[Any] = [Patch(facecolor=COLORS["F"], label="forward"),
+                          Patch(facecolor=COLORS["B"], label="backward")]
+    if kinds & {"RF", "RB"}:
+        handles.append(Patch(facecolor="none", edgecolor=COLORS["wait"], hatch="////", label="waiting for data"))
+    if ALLREDUCE_KIND in kinds:
+        handles.append(Patch(facecolor="none", edgecolor=COLORS[ALLREDUCE_KIND], hatch="xxxx", label="all-reduce"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    fig.subplots_adjust(left=0.08, right=0.86, top=0.88, bottom=max(0.12, 0.55 / fig.get_figheight()))
+    return _save(fig, path)
+
+
+def stage_bars_png(plan: Plan, path: str | Path, *, simulation: Simulation | None = None) -> Path:
+    """Per-stage time per micro-batch (forward, backward, transfers; stacked) and peak memory vs the GPU limit."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    from partitioner.simulate import message_seconds, simulate
+
+    sim = simulation if simulation is not None else simulate(plan)
+    stages = [st.index for st in plan.stages]
+    fwd = [st.predicted.forward_s * 1e3 for st in plan.stages]
+    bwd = [st.predicted.backward_s * 1e3 for st in plan.stages]
+    cm = plan.cost_model
+    comm = [
+        2e3 * sum(message_seconds(b.nbytes, bandwidth=cm.link_bandwidth, latency=cm.link_latency)
+                  for b in st.inputs)
+        for st in plan.stages
+    ]
+    static = [st.predicted.parameter_bytes * (2 + cm.optimizer_states) for st in plan.stages]
+    activations = [max(0.0, peak - base) for peak, base in zip(sim.peak_memory_bytes, static)]
+    predicted = list(plan.predicted.peak_memory_bytes)
+    limit = cm.memory_limit
+    used = max([a + b for a, b in zip(static, activations)] + predicted + [1.0])
+    on_scale = limit is not None and limit <= _OFF_SCALE * used
+    largest = max(used, limit or 0.0) if on_scale else used
+    div, unit = byte_unit(largest)
+
+    fig = Figure(figsize=(11.0, 3.8), dpi=_DPI)
+    left, right = fig.subplots(1, 2)
+    left.bar(stages, fwd, color=COLORS["F"], label="forward")
+    left.bar(stages, bwd, bottom=fwd, color=COLORS["B"], label="backward")
+    if any(comm):
+        left.bar(stages, comm, bottom=[f + b for f, b in zip(fwd, bwd)], color="white",
+                 edgecolor=COLORS["wait"], hatch="////", label="transfers in (fwd + bwd)")
+    left.set_title(f"time per micro-batch ({plan.microbatches} micro-batches per step)", fontsize=10)
+    left.set_ylabel("ms")
+    left.set_ylim(0, 1.3 * max([f + b + c for f, b, c in zip(fwd, bwd, comm)] + [1e-9]))
+    left.legend(fontsize=8, frameon=False, loc="upper left", ncol=3)
+
+    right.bar(stages, [s / div for s in static], color=COLORS["static"], label="parameters, grads, optimizer")
+    right.bar(stages, [a / div for a in activations], bottom=[s / div for s in static],
+              color=COLORS["activations"], label="activations in flight")
+    for x, a, b in zip(stages, static, activations):
+        right.text(x, (a + b) / div, f"{(a + b) / div:.3g}", ha="center", va="bottom", fontsize=8)
+    handles: list[Any] = [Patch(color=COLORS["static"], label="parameters, grads, optimizer"),
+                          Patch(color=COLORS["activations"], label="activations in flight (simulated)")]
+    if predicted:
+        handles.append(right.scatter(stages, [p / div for p in predicted], marker="_", s=400,
+                                     color="black", zorder=3, label="plan's predicted peak"))
+    title = "peak memory per GPU"
+    if limit is not None and on_scale:
+        handles.append(right.axhline(limit / div, color=COLORS["limit"], linestyle="--",
+                                     label=f"GPU limit {limit / div:.3g} {unit}"))
+    elif limit is not None:
+        limit_div, limit_unit = byte_unit(limit)
+        title += f" (GPU limit {limit / limit_div:.3g} {limit_unit}, off the scale)"
+    right.set_title(title, fontsize=10)
+    right.set_ylabel(unit)
+    right.set_ylim(0, 1.35 * largest / div)
+    right.legend(handles=handles, fontsize=8, frameon=False, loc="upper left", ncol=2)
+    for ax in (left, right):
+        ax.set_xticks(stages, [f"stage {s}" for s in stages])
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    fig.suptitle(f"{plan.model.class_name}: {_count(plan.pp, 'stage')} x {_count(plan.dp, 'replica')}, "
+                 f"{plan.schedule}", fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=_DPI)
+    return target
+

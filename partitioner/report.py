@@ -1,0 +1,258 @@
+"""Report: a plan directory's ``report.md``, pictures and predicted trace, from the saved plan alone.
+
+:func:`write_report` simulates the plan's own schedule
+(:func:`partitioner.simulate.simulate`), then writes next to ``plan.json``:
+
+* ``report.md``: summary, stage table, simulated vs closed-form step time,
+  bubble, busy share and peak memory per stage, the pp x dp shapes considered
+  and why the chosen one won, the solver's status and gap, tied parameters,
+  the rank layout, and the commands to verify and run the plan;
+* ``timeline.png`` (one row per stage, GPipe style) and ``stages.png``
+  (time and peak memory per stage);
+* ``predicted_trace.json``: the simulated step as a Chrome / Perfetto trace.
+
+Example::
+
+    >>> import tempfile
+    >>> from partitioner.plan import Plan, example_plan
+    >>> directory = Plan.save(example_plan(), tempfile.mkdtemp())
+    >>> path = write_report(Plan.load(directory), directory)
+    >>> path.name, "## Simulation" in path.read_text()
+    ('report.md', True)
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from partitioner.figures import byte_unit, stage_bars_png, timeline_png
+from partitioner.plan import Plan
+from partitioner.simulate import Simulation, simulate
+from partitioner.timeline import write_chrome_trace
+
+__all__ = ["REPORT_FILES", "report_markdown", "write_report"]
+
+REPORT_FILES = ("report.md", "timeline.png", "stages.png", "predicted_trace.json")
+
+
+def write_report(plan: Plan, directory: str | Path) -> Path:
+    """Write the report files into ``directory`` (the plan's); return the path of ``report.md``."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    sim = simulate(plan)
+    title = f"{plan.model.class_name}: {plan.pp} x {plan.dp}, {plan.schedule}, M = {plan.microbatches}"
+    timeline_png(sim.events, path / "timeline.png", title=f"{title} (simulated step)")
+    stage_bars_png(plan, path / "stages.png", simulation=sim)
+    write_chrome_trace(path / "predicted_trace.json", sim.events, title=f"predicted: {title}")
+    target = path / "report.md"
+    target.write_text(report_markdown(plan, simulation=sim, directory=path))
+    return target
+
+
+def report_markdown(plan: Plan, *, simulation: Simulation | None = None, directory: str | Path = "plan") -> str:
+    """The text of ``report.md`` (``directory`` appears in the commands)."""
+    sim = simulation if simulation is not None else simulate(plan)
+    sections = [
+        f"# autopartition plan: {plan.model.class_name}",
+        _summary(plan, sim),
+        "## Stages\n\n" + _stage_table(plan),
+        _simulation(plan, sim),
+        _candidates(plan),
+        _solver(plan),
+        _tied(plan),
+        _layout(plan),
+        _commands(plan, directory),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+# ------------------------------------------------------------------ sections
+
+
+def _summary(plan: Plan, sim: Simulation) -> str:
+    m = plan.model
+    cm = plan.cost_model
+    limit = "none given" if cm.memory_limit is None else f"{_bytes(cm.memory_limit)} per GPU"
+    rows = [
+        ("model", (f"{m.class_name} ({m.parameters:,} parameters, {_bytes(m.parameter_bytes)}; "
+                  f"captured with {m.capture}, fingerprint `{m.fingerprint}`)")),
+        ("GPUs", f"{plan.gpus} = {plan.pp} pipeline stages (pp) x {plan.dp} data-parallel replicas (dp)"),
+        ("schedule", f"{plan.schedule}, {plan.microbatches} micro-batches per step"),
+        ("batch", (f"{plan.batch_size} samples per step = {plan.dp} replicas x {plan.microbatches} "
+                  f"micro-batches x {plan.microbatch_size} sample{'' if plan.microbatch_size == 1 else 's'}")),
+        ("device", (f"{plan.device}; costs {cm.source}; link {cm.link_bandwidth / 1e9:.3g} GB/s, "
+                   f"{cm.link_latency * 1e6:.3g} µs per message")),
+        ("memory limit", limit),
+        ("predicted step", (f"{_ms(plan.predicted.step_s)} (closed form), {_ms(sim.step_s)} (simulated); "
+                           f"{plan.predicted.samples_per_s:,.1f} samples/s")),
+        ("bubble", f"{_pct(plan.predicted.bubble_fraction)} (closed form), {_pct(sim.bubble_fraction)} (simulated)"),
+    ]
+    return "## Summary\n\n" + _table(("", ""), rows)
+
+
+def _stage_table(plan: Plan) -> str:
+    rows = []
+    for st in plan.stages:
+        p = st.predicted
+        first, last = st.modules
+        rows.append((
+            str(st.index),
+            ", ".join(str(r) for r in st.ranks),
+            f"`{first}`" if first == last else f"`{first}` … `{last}`",
+            str(st.compute_nodes),
+            f"{len(st.parameters)} ({_bytes(p.parameter_bytes)})",
+            _ms(p.forward_s),
+            _ms(p.backward_s),
+            _bytes(p.send_bytes) if st.outputs else "-",
+            _ms(p.allreduce_s) if plan.dp > 1 else "-",
+            _bytes(_at(plan.predicted.peak_memory_bytes, st.index, p.memory_bytes)),
+        ))
+    head = ("stage", "ranks", "modules", "compute nodes", "parameters", "forward / mb", "backward / mb",
+            "sends / mb", "all-reduce", "peak memory")
+    return _table(head, rows)
+
+
+def _simulation(plan: Plan, sim: Simulation) -> str:
+    closed = plan.predicted.step_s
+    diff = (sim.step_s / closed - 1) if closed > 0 else 0.0
+    limit = plan.cost_model.memory_limit
+    lines = [
+        "## Simulation",
+        "",
+        (f"Replaying the plan's own schedule action by action gives a step of **{_ms(sim.step_s)}**, "
+        f"against **{_ms(closed)}** from the solver's closed form (`sum t + (M - 1) max t + max all-reduce`), "
+        f"a difference of {diff:+.1%}. The simulation overlaps transfers with compute where the schedule "
+        "allows, all-reduces gradients in DDP buckets during the last backward, and times forwards and "
+        "backwards separately; the closed form charges transfers and the all-reduce in full and treats "
+        "forward + backward as one block per stage."),
+        "",
+        (f"Bubble (idle share of the pipeline): {_pct(sim.bubble_fraction)} simulated, "
+        f"{_pct(plan.predicted.bubble_fraction)} closed form."),
+        "",
+    ]
+    rows = []
+    for s in range(sim.stages):
+        peak = sim.peak_memory_bytes[s]
+        planned = _at(plan.predicted.peak_memory_bytes, s, peak)
+        rows.append((
+            str(s),
+            _pct(sim.busy_fraction[s]),
+            str(sim.peak_in_flight[s]),
+            _bytes(peak),
+            _bytes(planned),
+            "-" if limit is None else _pct(peak / limit),
+        ))
+    lines.append(_table(("stage", "busy", "micro-batches in flight", "peak memory (simulated)",
+                         "peak memory (plan)", "of the GPU limit"), rows))
+    mismatched = [s for s in range(sim.stages)
+                  if abs(sim.peak_memory_bytes[s] - _at(plan.predicted.peak_memory_bytes, s, 0.0))
+                  > 0.01 * max(sim.peak_memory_bytes[s], 1.0)]
+    if mismatched:
+        lines += ["", (f"The simulated peak memory differs from the plan's by more than 1% on stage(s) "
+                      f"{', '.join(map(str, mismatched))}: the simulation counts parameters x "
+                      f"(2 + {plan.cost_model.optimizer_states} optimizer states) plus the activations in flight.")]
+    lines += [
+        "",
+        "![timeline: one row per stage, forward (blue) and backward (orange) per micro-batch](timeline.png)",
+        "",
+        "![time per micro-batch and peak memory per stage](stages.png)",
+        "",
+        ("The simulated step as a trace: `predicted_trace.json` (open it in https://ui.perfetto.dev "
+        "or chrome://tracing)."),
+    ]
+    return "\n".join(lines)
+
+
+def _candidates(plan: Plan) -> str:
+    rows = []
+    for c in plan.candidates:
+        chosen = c.pp == plan.pp and c.dp == plan.dp
+        rows.append((
+            f"**{c.pp} x {c.dp}**" if chosen else f"{c.pp} x {c.dp}",
+            "-" if c.step_s is None else _ms(c.step_s),
+            c.status + (" (chosen)" if chosen else ""),
+            c.note,
+        ))
+    feasible = sorted((c for c in plan.candidates if c.step_s is not None), key=lambda c: c.step_s or 0.0)
+    others = [c for c in feasible if (c.pp, c.dp) != (plan.pp, plan.dp)]
+    if not plan.candidates:
+        why = "The pp x dp shape was fixed; no other shape was considered."
+    elif not others:
+        why = f"{plan.pp} x {plan.dp} was the only shape that could be planned; the others' reasons are above."
+    else:
+        runner = others[0]
+        assert runner.step_s is not None
+        why = (f"{plan.pp} x {plan.dp} won with the lowest predicted step time, {_ms(plan.predicted.step_s)}; "
+               f"the next best, {runner.pp} x {runner.dp}, predicts {_ms(runner.step_s)} "
+               f"({runner.step_s / plan.predicted.step_s - 1:+.1%}).")
+    return "## Shapes considered (pp x dp)\n\n" + _table(("pp x dp", "predicted step", "status", "note"), rows) \
+        + "\n\n" + why
+
+
+def _solver(plan: Plan) -> str:
+    s = plan.solver
+    gap = max(0.0, 1 - s.lower_bound / s.objective) if s.objective > 0 else 0.0
+    return (
+        "## Solver\n\n"
+        f"`{s.name}` over {s.blocks} blocks: **{s.status}** in {s.wall_s:.3g} s; objective {_ms(s.objective)}, "
+        f"lower bound {_ms(s.lower_bound)}, gap {gap:.2%}."
+    )
+
+
+def _tied(plan: Plan) -> str:
+    if not plan.tied:
+        return "## Tied parameters\n\nNone: every parameter lives in exactly one place."
+    rows = [(f"`{t.name}`", ", ".join(f"`{a}`" for a in t.aliases), ", ".join(map(str, t.stages)))
+            for t in plan.tied]
+    note = "A parameter used in several stages has a copy in each stage listed."
+    return "## Tied parameters\n\n" + _table(("parameter", "names", "stages"), rows) + "\n\n" + note
+
+
+def _layout(plan: Plan) -> str:
+    rows = [(str(rank), str(stage), str(replica)) for rank, (stage, replica) in sorted(plan.rank_layout().items())]
+    return ("## Rank layout\n\nGlobal rank -> (stage, replica); a stage's replicas are consecutive ranks.\n\n"
+            + _table(("rank", "stage", "replica"), rows))
+
+
+def _commands(plan: Plan, directory: str | Path) -> str:
+    where = shlex.quote(str(directory))
+    return (
+        "## Commands\n\n"
+        "Check the plan against the unpartitioned model on CPU ranks, then train with it:\n\n"
+        "```\n"
+        f"autopartition verify {where} --model model.py\n"
+        f"autopartition run {where} --nproc-per-node {plan.gpus} -- train.py\n"
+        "```"
+    )
+
+
+# ------------------------------------------------------------------ formatting
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(_cell(h) for h in head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
+def _pct(fraction: float) -> str:
+    return f"{fraction:.1%}"
+
+
+def _bytes(nbytes: float) -> str:
+    div, unit = byte_unit(nbytes)
+    return f"{nbytes / div:.3g} {unit}"
+
+
+def _at(values: Sequence[float], index: int, default: float) -> float:
+    return values[index] if 0 <= index < len(values) else default

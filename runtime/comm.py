@@ -1,0 +1,106 @@
+"""Communication: process groups, point-to-point boundary tensors, timeouts.
+
+Backend by device: NCCL with a CUDA device when one is visible, gloo on CPU.
+Every wait has a timeout; when a peer dies or times out, :class:`PeerFailure`
+names the peer (global rank, stage, replica) and the action this rank was on.
+
+Example (two CPU ranks)::
+
+    # in each rank, after dist.init_process_group("gloo", ...)
+    work = send_tensors([t], peer=1, tag=0)      # non-blocking
+    got = recv_tensors([TensorSpec(...)], peer=0, tag=0, timeout=60.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from partitioner.values import dtype_from_name
+
+__all__ = [
+    "PeerFailure",
+    "RecvSpec",
+    "pick_device",
+    "backend_for",
+    "init_distributed",
+    "send_tensors",
+    "recv_tensors",
+    "wait_all",
+]
+
+
+class PeerFailure(RuntimeError):
+    """A peer died, raised, or did not answer within the timeout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecvSpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def pick_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` when CUDA is visible, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(device: torch.device, *, timeout: float) -> None:
+    """Join the job started by torchrun (env:// rendezvous) unless already joined."""
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        from partitioner.errors import AutopartitionError
+
+        raise AutopartitionError(
+            f"torch.distributed is not initialised and {', '.join(missing)} are not set. Launch with "
+            "`autopartition run plan/ -- train.py` (torchrun underneath) or call "
+            "dist.init_process_group yourself before building the Pipeline."
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
+
+
+def send_tensors(tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> list[dist.Work]:
+    """Start sending each tensor to ``peer``; returns the pending works (never blocks)."""
+    works = []
+    for t in tensors:
+        work = dist.isend(t.detach().contiguous(), dst=peer, tag=tag)
+        if work is not None:
+            works.append(work)
+    return works
+
+
+def recv_tensors(
+    specs: Sequence[RecvSpec], *, peer: int, tag: int, device: torch.device, timeout: float
+) -> list[torch.Tensor]:
+    """Receive one tensor per spec from ``peer``, waiting at most ``timeout`` seconds in all."""
+    out = [torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device=device) for s in specs]
+    works = [dist.irecv(t, src=peer, tag=tag) for t in out]
+    wait_all([w for w in works if w is not None], timeout=timeout)
+    return out
+
+
+def wait_all(works: Sequence[dist.Work], *, timeout: float) -> None:
+    """Wait for every work; a failure or timeout becomes :class:`PeerFailure`."""
+    delta = datetime.timedelta(seconds=timeout)
+    for work in works:
+        try:
+            finished = work.wait(timeout=delta)
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+            raise PeerFailure(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
+        if finished is False:
+            raise PeerFailure(f"no answer within {timeout:g} s")

@@ -1,0 +1,73 @@
+"""Build this rank's stage: recapture the model, check it matches the plan, keep one stage.
+
+The model is captured again at the plan's micro-batch shapes (inputs are zeros
+of the recorded shapes and dtypes), its graph fingerprint is compared with the
+plan's, boundary tensor shapes are checked, and the stage's nodes are copied
+into a module holding only that stage's parameters (original names).
+
+Example::
+
+    stage = build_local_stage(plan, model, stage_index=1)
+    outputs = stage.module(*model_inputs, *received)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from partitioner.capture import CapturedModel, capture
+from partitioner.errors import PlanMismatchError
+from partitioner.plan import Plan, StagePlan, graph_fingerprint
+from partitioner.stagegraph import StageSignature, build_stage, stage_signature
+from partitioner.values import dtype_from_name, propagate_values
+
+__all__ = ["LocalStage", "build_local_stage", "example_microbatch"]
+
+
+@dataclasses.dataclass
+class LocalStage:
+    plan: StagePlan
+    module: fx.GraphModule
+    signature: StageSignature
+    captured: CapturedModel
+    is_last: bool
+
+
+def example_microbatch(plan: Plan) -> tuple[torch.Tensor, ...]:
+    """Zeros shaped like one micro-batch of the model's inputs, as the plan recorded them."""
+    return tuple(torch.zeros(t.shape, dtype=dtype_from_name(t.dtype)) for t in plan.model.inputs)
+
+
+def build_local_stage(plan: Plan, model: torch.nn.Module, stage_index: int) -> LocalStage:
+    if type(model).__name__ != plan.model.class_name:
+        raise PlanMismatchError(
+            f"The plan was made for a {plan.model.class_name}, but the model is a {type(model).__name__}. "
+            "Pass the model the plan was made for, or plan this one."
+        )
+    micro = example_microbatch(plan)
+    captured = capture(model, micro, method=plan.model.capture)  # type: ignore[arg-type]
+    fingerprint = graph_fingerprint(captured.graph_module)
+    if fingerprint != plan.model.fingerprint:
+        raise PlanMismatchError(
+            f"The model's graph (fingerprint {fingerprint}) differs from the one the plan was made for "
+            f"({plan.model.fingerprint}): the model changed since planning. Plan it again with "
+            "`autopartition model.py --gpus N`."
+        )
+    infos = propagate_values(captured.graph_module, micro)
+    stage = plan.stages[stage_index]
+    for b in (*stage.inputs, *stage.outputs):
+        info = infos.get(b.producer)
+        if info is None or info.shape != b.shape or info.dtype != b.dtype:
+            got = "missing" if info is None else f"{info.shape} {info.dtype}"
+            raise PlanMismatchError(
+                f"Boundary tensor {b.producer} is {got} in the model but {b.shape} {b.dtype} in the plan. "
+                "The model or its input shapes changed: plan it again."
+            )
+    statics = {name: info.static for name, info in infos.items() if info.kind == "static"}
+    last = stage_index == plan.pp - 1
+    signature = stage_signature(stage, model_outputs=plan.model.outputs, last=last)
+    module = build_stage(captured, stage.nodes, signature, statics=statics)
+    return LocalStage(plan=stage, module=module, signature=signature, captured=captured, is_last=last)

@@ -1,0 +1,299 @@
+"""The ``autopartition`` command line: exit codes, messages, files written, and dispatch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from partitioner import cli, planner
+from partitioner.cli import main, parse_size
+from partitioner.plan import Plan, example_plan
+from partitioner.table import format_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+
+MLP = """
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential({layers})
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 64),)
+"""
+
+
+def _model(tmp_path: Path, layers: int = 2, text: str | None = None) -> str:
+    body = text or MLP.format(layers=", ".join(["nn.Linear(64, 64)"] * layers))
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _saved_plan(tmp_path: Path) -> Path:
+    return example_plan().save(tmp_path / "plan")
+
+
+def _error_of(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert "autopartition: error:" in err
+    assert all(len(line) <= 100 for line in err.splitlines() if not line.startswith("usage"))
+    return " ".join(err.split())
+
+
+# ----------------------------------------------------------------- plan
+
+
+def test_plan_show_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = main([GPT, "--gpus", "2", "--batch-size", "8", "--microbatches", "2", "--device", "h100",
+                 "--pp", "2"])
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    plan_dir = tmp_path / "plan"
+    assert (plan_dir / "plan.json").is_file() and (plan_dir / "stage_0.py").is_file()
+    assert (plan_dir / "stage_1.py").is_file()
+    plan = Plan.load(plan_dir)
+    assert format_plan(plan) in out
+    assert "plan saved to plan/" in out
+    assert f"autopartition verify plan --model {GPT}" in out and "autopartition run plan -- train.py" in out
+    assert "[autopartition] capturing GPT" in err and "[autopartition] chose 2 stages x 1 replicas" in err
+    for banner in ("Running HiGHS", "Copyright (c)", "HiGHS run time"):
+        assert banner not in out and banner not in err
+
+    assert main(["show", "plan"]) == 0
+    out, err = capfd.readouterr()
+    assert format_plan(plan) in out and "stage" in out and "wte.weight = lm_head.weight" in out
+
+
+def test_fixed_batch_from_model_file_and_quiet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    model = _model(tmp_path, text="""
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        example_inputs = (torch.randn(6, 8),)
+    """)
+    assert main([model, "--gpus", "1", "--microbatches", "3", "--device", "a100", "--quiet",
+                 "--out", "p1"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert "batch 6" in out and Plan.load(tmp_path / "p1").batch_size == 6
+
+
+def test_report_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                     capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[tuple[Plan, Path]] = []
+
+    def write_report(plan: Plan, directory: Path) -> Path:
+        calls.append((plan, Path(directory)))
+        return Path(directory) / "report.html"
+
+    fake = types.ModuleType("partitioner.report")
+    fake.write_report = write_report  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "partitioner.report", fake)
+    plan_dir = _saved_plan(tmp_path)
+    assert main(["show", str(plan_dir)]) == 0
+    assert calls == [(example_plan(), plan_dir)]
+    assert f"report: {plan_dir / 'report.html'}" in capsys.readouterr().out
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "--memory-per-gpu" in out and "autopartition show plan/" in out
+    for command in ("show", "verify", "run"):
+        assert main([command, "--help"]) == 0
+        assert f"autopartition {command}" in capsys.readouterr().out
+
+
+def test_python_dash_m() -> None:
+    done = subprocess.run([sys.executable, "-m", "partitioner", "show", "/nonexistent/plan"],
+                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and "No plan at /nonexistent/plan" in done.stderr
+
+
+# ----------------------------------------------------------------- bad input
+
+
+def test_missing_model_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "missing.py"), "--gpus", "2"]) == 2
+    message = _error_of(capsys)
+    assert "missing.py" in message and "does not exist" in message
+
+
+def test_gpus_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([_model(tmp_path), "--gpus", "0"]) == 2
+    assert "argument --gpus: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_gpus_required(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["model.py"]) == 2
+    assert "--gpus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["80 potatoes", "lots", "-1GiB", "0", "80G"])
+def test_bad_memory_per_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str) -> None:
+    assert main([_model(tmp_path), "--gpus", "2", f"--memory-per-gpu={value}"]) == 2
+    assert "argument --memory-per-gpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("80GiB", 80 * 2**30), ("40GB", 40e9), ("512MiB", 512 * 2**20), ("1.5e9", 1.5e9),
+     ("1KiB", 1024), ("2 tb", 2e12), ("100", 100)],
+)
+def test_parse_size(text: str, size: float) -> None:
+    assert parse_size(text) == size
+
+
+def test_out_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "taken").write_text("")
+    assert main([_model(tmp_path), "--gpus", "1", "--out", str(tmp_path / "taken")]) == 2
+    assert "is a file" in _error_of(capsys)
+
+
+def test_corrupt_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_dir = _saved_plan(tmp_path)
+    (plan_dir / "plan.json").write_text("{ this is not json")
+    assert main(["show", str(plan_dir)]) == 2
+    message = _error_of(capsys)
+    assert "not valid JSON" in message and "autopartition model.py" in message
+
+
+def test_unknown_format_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_dir = _saved_plan(tmp_path)
+    data = json.loads((plan_dir / "plan.json").read_text())
+    data["format_version"] = 99
+    (plan_dir / "plan.json").write_text(json.dumps(data))
+    assert main(["show", str(plan_dir)]) == 2
+    message = _error_of(capsys)
+    assert "format version 99" in message and "Re-plan" in message
+
+
+def test_missing_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(tmp_path / "nothing")]) == 2
+    assert "No plan at" in _error_of(capsys)
+
+
+def test_memory_too_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _model(tmp_path, layers=4)
+    code = main([model, "--gpus", "2", "--batch-size", "8", "--microbatches", "2", "--device", "h100",
+                 "--memory-per-gpu", "1KiB", "--out", str(tmp_path / "plan")])
+    assert code == 2
+    message = _error_of(capsys)
+    assert "per GPU" in message and "GPUs" in message and "--memory-per-gpu" in message
+    assert not (tmp_path / "plan").exists()
+
+
+def test_more_stages_than_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = _model(tmp_path, layers=2)
+    code = main([model, "--gpus", "8", "--pp", "8", "--batch-size", "8", "--microbatches", "1",
+                 "--device", "h100", "--out", str(tmp_path / "plan")])
+    assert code == 2
+    message = _error_of(capsys)
+    assert "8 GPUs" in message and "8x1" in message
+
+
+def test_batch_not_divisible(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([_model(tmp_path), "--gpus", "1", "--batch-size", "10", "--microbatches", "4",
+                 "--device", "h100", "--out", str(tmp_path / "plan")])
+    assert code == 2
+    assert "multiple of 4" in _error_of(capsys)
+
+
+# ----------------------------------------------------------------- failures
+
+
+def test_internal_error_is_a_bug(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Plan:
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(planner, "compile", broken)
+    assert main([_model(tmp_path), "--gpus", "1", "--out", str(tmp_path / "plan")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: kaboom" in err and "this is a bug" in err
+
+
+def test_keyboard_interrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(*args: Any, **kwargs: Any) -> Plan:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(planner, "compile", interrupted)
+    assert main([_model(tmp_path), "--gpus", "1", "--out", str(tmp_path / "plan")]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- verify and run
+
+
+def _fake(monkeypatch: pytest.MonkeyPatch, module: str, function: str, result: Any) -> list[Any]:
+    calls: list[Any] = []
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return result
+
+    fake = types.ModuleType(module)
+    setattr(fake, function, record)
+    monkeypatch.setitem(sys.modules, module, fake)
+    return calls
+
+
+def test_verify_calls_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake(monkeypatch, "runtime.verify", "verify_plan", None)
+    plan_dir = str(_saved_plan(tmp_path))
+    assert main(["verify", plan_dir, "--model", "m.py:f", "--steps", "2", "--timeout", "30"]) == 0
+    assert calls == [((plan_dir, "m.py:f"), {"steps": 2, "timeout": 30.0})]
+
+
+def test_verify_without_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "runtime.verify", None)
+    assert main(["verify", str(_saved_plan(tmp_path)), "--model", "m.py"]) == 1
+    assert "runtime.verify.verify_plan" in _error_of(capsys)
+
+
+def test_verify_needs_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(_saved_plan(tmp_path))]) == 2
+    assert "--model" in capsys.readouterr().err
+
+
+def test_run_splits_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake(monkeypatch, "runtime.launch", "run_plan", 3)
+    plan_dir = str(_saved_plan(tmp_path))
+    code = main(["run", plan_dir, "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-endpoint=h:1",
+                 "--", "train.py", "--lr", "1", "--", "x"])
+    assert code == 3
+    assert calls == [((plan_dir, ["--nproc-per-node", "4", "--nnodes", "2", "--rdzv-endpoint=h:1"],
+                       ["train.py", "--lr", "1", "--", "x"]), {})]
+
+
+def test_run_needs_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(_saved_plan(tmp_path)), "train.py"]) == 2
+    message = _error_of(capsys)
+    assert "after `--`" in message and "did you mean `-- train.py`" in message
+
+
+def test_run_without_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "runtime.launch", None)
+    assert main(["run", str(_saved_plan(tmp_path)), "--", "train.py"]) == 1
+    assert "runtime.launch.run_plan" in _error_of(capsys)
+
+
+def test_cli_module_exports() -> None:
+    assert sorted(cli.__all__) == ["main", "parse_size"]

@@ -1,0 +1,271 @@
+"""The closed-form cost model of :mod:`partitioner.problem`, on hand-computed examples.
+
+Every expected number below is worked out by hand in the comments next to it,
+not by calling the code under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from partitioner.problem import (
+    Partition,
+    PartitionProblem,
+    check_assignment,
+    in_flight,
+    stage_costs,
+    stage_memory,
+    step_time,
+)
+
+
+def diamond(**changes: object) -> PartitionProblem:
+    """0 -> {1, 2} -> 3, with distinct numbers everywhere so mix-ups show."""
+    problem = PartitionProblem(
+        time_s=(1.0, 2.0, 3.0, 4.0),
+        static_bytes=(10.0, 20.0, 30.0, 40.0),
+        activation_bytes=(1.0, 2.0, 3.0, 4.0),
+        allreduce_s=(0.1, 0.2, 0.3, 0.4),
+        transfer_s=(0.5, 0.25, 0.125, 8.0),
+        edges=((0, 1), (0, 2), (1, 3), (2, 3)),
+    )
+    return dataclasses.replace(problem, **changes)  # type: ignore[arg-type]
+
+
+def zeros(n: int) -> tuple[float, ...]:
+    return (0.0,) * n
+
+
+# --------------------------------------------------------------------------- stage_costs
+
+
+def test_stage_costs_diamond() -> None:
+    # stage 0 = {0}; stage 1 = {1, 2}; stage 2 = {3}.
+    # stage 1: 2 + 3 compute, block 0's output received once although 1 and 2 both read it.
+    # stage 2: 4 compute + transfers of block 1 (0.25) and block 2 (0.125).
+    times, allreduce = stage_costs(diamond(), (0, 1, 1, 2), 3)
+    assert times == pytest.approx([1.0, 5.5, 4.375])
+    assert allreduce == pytest.approx([0.1, 0.5, 0.4])
+
+
+def test_transfer_charged_once_per_receiving_stage() -> None:
+    # Block 0 feeds 1 and 2 on two different stages: each stage pays for it once.
+    problem = PartitionProblem(
+        time_s=(1.0, 1.0, 1.0),
+        static_bytes=zeros(3),
+        activation_bytes=zeros(3),
+        allreduce_s=zeros(3),
+        transfer_s=(0.5, 0.0, 0.0),
+        edges=((0, 1), (0, 2)),
+    )
+    times, _ = stage_costs(problem, (0, 1, 2), 3)
+    assert times == pytest.approx([1.0, 1.5, 1.5])
+    # ... and once in total when both readers share a stage.
+    times, _ = stage_costs(problem, (0, 1, 1), 2)
+    assert times == pytest.approx([1.0, 2.5])
+
+
+def test_transfer_not_charged_within_a_stage() -> None:
+    times, _ = stage_costs(diamond(), (0, 0, 0, 0), 1)
+    assert times == pytest.approx([10.0])  # 1 + 2 + 3 + 4, no transfers
+    # Block 3's own transfer_s (8.0) is never charged: nothing reads block 3.
+    times, _ = stage_costs(diamond(), (0, 0, 0, 1), 2)
+    assert times == pytest.approx([6.0, 4.375])
+
+
+def test_duplicate_edges_charged_once() -> None:
+    problem = PartitionProblem(
+        time_s=(1.0, 1.0),
+        static_bytes=zeros(2),
+        activation_bytes=zeros(2),
+        allreduce_s=zeros(2),
+        transfer_s=(0.5, 0.0),
+        edges=((0, 1), (0, 1)),
+    )
+    times, _ = stage_costs(problem, (0, 1), 2)
+    assert times == pytest.approx([1.0, 1.5])
+
+
+def test_shared_allreduce_once_per_stage_with_a_reader() -> None:
+    # Shared parameter read by blocks 0 and 2 (stages 0 and 1): both stages all-reduce it.
+    problem = diamond(shared=((100.0, 0.05, (0, 2)),))
+    _, allreduce = stage_costs(problem, (0, 1, 1, 2), 3)
+    assert allreduce == pytest.approx([0.15, 0.55, 0.4])
+    # Readers 1 and 2 on the same stage: that stage pays once.
+    problem = diamond(shared=((100.0, 0.05, (1, 2)),))
+    _, allreduce = stage_costs(problem, (0, 1, 1, 2), 3)
+    assert allreduce == pytest.approx([0.1, 0.55, 0.4])
+
+
+# --------------------------------------------------------------------------- step_time
+
+
+def test_step_time_diamond() -> None:
+    # sum t = 1 + 5.5 + 4.375 = 10.875; (M-1) max t = 2 * 5.5 = 11; max all-reduce = 0.5.
+    total, times = step_time(diamond(), (0, 1, 1, 2), microbatches=3)
+    assert total == pytest.approx(22.375)
+    assert times == pytest.approx((1.0, 5.5, 4.375))
+
+
+def test_step_time_docstring_example() -> None:
+    problem = PartitionProblem(
+        time_s=(1.0, 2.0),
+        static_bytes=(0.0, 0.0),
+        activation_bytes=(0.0, 0.0),
+        allreduce_s=(0.0, 0.0),
+        transfer_s=(0.5, 0.0),
+        edges=((0, 1),),
+    )
+    assert step_time(problem, (0, 1), microbatches=4) == (11.0, (1.0, 2.5))
+
+
+def test_step_time_single_stage_is_m_times_the_work() -> None:
+    # One stage: sum t + (M-1) t = M t, plus the all-reduce (0.1+0.2+0.3+0.4 = 1.0).
+    total, times = step_time(diamond(), (0, 0, 0, 0), microbatches=4)
+    assert times == pytest.approx((10.0,))
+    assert total == pytest.approx(41.0)
+
+
+def test_step_time_one_microbatch_is_the_sum() -> None:
+    total, _ = step_time(diamond(allreduce_s=zeros(4)), (0, 1, 1, 2), microbatches=1)
+    assert total == pytest.approx(10.875)
+
+
+def test_step_time_with_shared_allreduce() -> None:
+    # Shared all-reduce 0.05 on stages 0 and 1: max all-reduce 0.55 instead of 0.5.
+    problem = diamond(shared=((100.0, 0.05, (0, 2)),))
+    total, _ = step_time(problem, (0, 1, 1, 2), microbatches=3)
+    assert total == pytest.approx(22.425)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize(
+    ("microbatches", "expected"),
+    [
+        (1, [1, 1, 1]),
+        (2, [2, 2, 1]),
+        (3, [3, 2, 1]),
+        (8, [3, 2, 1]),
+    ],
+)
+def test_in_flight_1f1b(microbatches: int, expected: list[int]) -> None:
+    assert [in_flight(s, 3, microbatches, "1f1b") for s in range(3)] == expected
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 5])
+def test_in_flight_gpipe_holds_every_microbatch(microbatches: int) -> None:
+    assert [in_flight(s, 4, microbatches, "gpipe") for s in range(4)] == [microbatches] * 4
+
+
+def test_stage_memory_gpipe() -> None:
+    # static + M * activations: 10 + 4*1; (20+30) + 4*(2+3); 40 + 4*4.
+    memory = stage_memory(diamond(), (0, 1, 1, 2), 3, microbatches=4, schedule="gpipe")
+    assert memory == pytest.approx([14.0, 70.0, 56.0])
+
+
+def test_stage_memory_1f1b() -> None:
+    # In flight min(4, 3 - s) = 3, 2, 1: 10 + 3*1; 50 + 2*5; 40 + 1*4.
+    memory = stage_memory(diamond(), (0, 1, 1, 2), 3, microbatches=4, schedule="1f1b")
+    assert memory == pytest.approx([13.0, 60.0, 44.0])
+    # With M = 2 the first stage holds only 2: 10 + 2*1.
+    memory = stage_memory(diamond(), (0, 1, 1, 2), 3, microbatches=2, schedule="1f1b")
+    assert memory == pytest.approx([12.0, 60.0, 44.0])
+
+
+def test_stage_memory_shared_counted_once_per_stage() -> None:
+    # Readers 1, 2 (stage 1) and 3 (stage 2): +100 on stages 1 and 2, once each.
+    problem = diamond(shared=((100.0, 0.0, (1, 2, 3)),))
+    memory = stage_memory(problem, (0, 1, 1, 2), 3, microbatches=1, schedule="gpipe")
+    assert memory == pytest.approx([11.0, 155.0, 144.0])
+    # All readers on one stage: held once.
+    memory = stage_memory(problem, (0, 0, 0, 0), 1, microbatches=1, schedule="gpipe")
+    assert memory == pytest.approx([100.0 + 100.0 + 10.0])
+
+
+def test_stage_memory_shared_reader_listed_twice() -> None:
+    problem = diamond(shared=((100.0, 0.0, (1, 1)),))
+    memory = stage_memory(problem, (0, 1, 1, 2), 3, microbatches=1, schedule="gpipe")
+    assert memory == pytest.approx([11.0, 155.0, 44.0])
+
+
+# --------------------------------------------------------------------------- check_assignment
+
+
+def test_check_assignment_valid() -> None:
+    assert check_assignment(diamond(), (0, 1, 1, 2), 3) is None
+    assert check_assignment(diamond(), (0, 0, 1, 1), 2) is None
+    assert check_assignment(diamond(), (0, 0, 0, 0), 1) is None
+
+
+def test_check_assignment_order_other_than_given() -> None:
+    # 1 and 2 are independent: 2 may go before 1.
+    assert check_assignment(diamond(), (0, 1, 0, 1), 2) is None
+
+
+def test_check_assignment_backward_edge() -> None:
+    reason = check_assignment(diamond(), (0, 1, 0, 0), 2)
+    assert reason is not None and "1->3" in reason
+
+
+def test_check_assignment_empty_stage() -> None:
+    reason = check_assignment(diamond(), (0, 0, 2, 2), 3)
+    assert reason is not None and "stages used" in reason
+    # A stage index past the end is as wrong as a missing one.
+    assert check_assignment(diamond(), (0, 1, 1, 2), 2) is not None
+
+
+def test_check_assignment_length_mismatch() -> None:
+    reason = check_assignment(diamond(), (0, 1, 1), 2)
+    assert reason is not None and "3 stages given for 4 blocks" in reason
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_problem_size() -> None:
+    assert diamond().size == 4
+
+
+@pytest.mark.parametrize("field", ["static_bytes", "activation_bytes", "allreduce_s", "transfer_s"])
+def test_problem_rejects_length_mismatch(field: str) -> None:
+    base = dataclasses.asdict(diamond())
+    base[field] = base[field][:3]
+    with pytest.raises(ValueError, match=field):
+        PartitionProblem(**base)
+
+
+@pytest.mark.parametrize("edge", [(1, 0), (2, 2), (0, 4), (-1, 2)])
+def test_problem_rejects_edge_not_forward(edge: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match="not forward"):
+        diamond(edges=((0, 1), edge))
+
+
+def test_problem_allows_no_edges() -> None:
+    assert diamond(edges=()).edges == ()
+
+
+# --------------------------------------------------------------------------- Partition
+
+
+def partition(objective: float, lower_bound: float) -> Partition:
+    return Partition(
+        stage_of=(0,),
+        stages=1,
+        objective=objective,
+        lower_bound=lower_bound,
+        status="feasible",
+        solver="test",
+        wall_s=0.0,
+    )
+
+
+def test_partition_gap() -> None:
+    assert math.isclose(partition(10.0, 9.0).gap, 0.1)
+    assert partition(10.0, 10.0).gap == 0.0
+    assert partition(0.0, 0.0).gap == 0.0
+    assert partition(10.0, 11.0).gap == 0.0  # never negative

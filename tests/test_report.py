@@ -1,0 +1,108 @@
+"""The plan report and its figures, written from a saved plan alone."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from partitioner.figures import stage_bars_png, timeline_png
+from partitioner.plan import (
+    Boundary,
+    Candidate,
+    CostModelInfo,
+    Plan,
+    StagePlan,
+    StagePrediction,
+    StepPrediction,
+    TiedParameter,
+    example_plan,
+)
+from partitioner.problem import in_flight
+from partitioner.report import REPORT_FILES, report_markdown, write_report
+from partitioner.schedule import compute_order, lower
+from partitioner.simulate import simulate
+from partitioner.timeline import read_events
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MIB = 2**20
+
+
+def pipeline_plan(stages: int = 4, microbatches: int = 8, *, dp: int = 2, kind: str = "1f1b") -> Plan:
+    """A synthetic chain plan: stage s is (1 + s/5) times slower than stage 0, 400 MiB of parameters each."""
+    bounds = [Boundary(f"h{s}", (8, 1024, 256), "float32", s, s + 1) for s in range(stages - 1)]
+    parts = []
+    for s in range(stages):
+        pred = StagePrediction(
+            forward_s=1e-3 * (1 + 0.2 * s), backward_s=2e-3 * (1 + 0.2 * s), memory_bytes=0.0,
+            parameter_bytes=400 * MIB, activation_bytes=300.0 * MIB,
+            send_bytes=bounds[s].nbytes if s < stages - 1 else 0, allreduce_s=4e-3,
+        )
+        parts.append(StagePlan(
+            s, tuple(range(s * dp, (s + 1) * dp)), (f"n{s}",), 1, (f"{s}.weight",), ("x",) if s == 0 else (),
+            (bounds[s - 1],) if s else (), (bounds[s],) if s < stages - 1 else (), (str(s), str(s)), pred,
+        ))
+    sends_to = tuple((s + 1,) if s + 1 < stages else () for s in range(stages))
+    receives_from = tuple((s - 1,) if s else () for s in range(stages))
+    sched = lower(compute_order(kind, stages=stages, microbatches=microbatches),
+                  sends_to=sends_to, receives_from=receives_from, kind=kind)
+    memory = tuple(400 * MIB * 4 + in_flight(s, stages, microbatches, kind) * 300.0 * MIB  # type: ignore[arg-type]
+                   for s in range(stages))
+    return dataclasses.replace(
+        example_plan(), gpus=stages * dp, pp=stages, dp=dp, microbatches=microbatches, schedule=kind,
+        batch_size=microbatches * dp * 8, stages=tuple(parts),
+        actions=tuple(tuple(str(a) for a in row) for row in sched.actions),
+        predicted=StepPrediction(0.06, 0.3, 1000.0, memory),
+        cost_model=CostModelInfo("predicted for h100", 450e9, 1e-5, 80e9, 2),
+        candidates=(Candidate(stages * dp, 1, None, "infeasible", "no split fits in memory"),
+                    Candidate(stages, dp, 0.06, "optimal", "interval-dp, gap 0.0%"),
+                    Candidate(stages // 2, dp * 2, 0.09, "feasible", "ilp, gap 2.0%")),
+        tied=(TiedParameter("wte.weight", ("wte.weight", "lm_head.weight"), (0, stages - 1)),),
+        stage_code=tuple(f"# stage {s}\n" for s in range(stages)),
+    )
+
+
+def test_report_from_a_saved_plan(tmp_path: Path) -> None:
+    directory = Plan.save(example_plan(), tmp_path / "plan")
+    plan = Plan.load(directory)
+    report = write_report(plan, directory)
+    assert report == directory / "report.md"
+    for name in REPORT_FILES:
+        assert (directory / name).exists(), name
+    for name in ("timeline.png", "stages.png"):
+        assert (directory / name).read_bytes()[:8] == PNG_MAGIC
+    text = report.read_text()
+    sim = simulate(plan)
+    assert f"{sim.step_s * 1e3:.4g} ms" in text and "9 ms" in text  # simulated and closed-form step
+    assert "(timeline.png)" in text and "(stages.png)" in text
+    assert f"autopartition verify {directory} --model model.py" in text
+    assert f"autopartition run {directory} --nproc-per-node 2 -- train.py" in text
+    assert "interval-dp" in text and "optimal" in text
+    assert len(read_events(directory / "predicted_trace.json")) == len(sim.events)
+
+
+def test_report_sections_for_a_replicated_pipeline() -> None:
+    plan = pipeline_plan()
+    text = report_markdown(plan, directory="out")
+    for heading in ("## Summary", "## Stages", "## Simulation", "## Shapes considered", "## Solver",
+                    "## Tied parameters", "## Rank layout", "## Commands"):
+        assert heading in text
+    assert "8 = 4 pipeline stages (pp) x 2 data-parallel replicas (dp)" in text
+    assert "| 7 | 3 | 1 |" in text  # rank 7 is stage 3's second replica
+    assert "`wte.weight`, `lm_head.weight`" in text
+    assert "no split fits in memory" in text
+    assert "4 x 2 won with the lowest predicted step time" in text and "+50.0%" in text
+    assert "--nproc-per-node 8" in text
+    assert "peak memory (simulated)" in text and "differs" not in text  # simulation agrees with the plan
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_figures_for_four_stages(tmp_path: Path, suffix: str) -> None:
+    plan = pipeline_plan(4, 8, kind="gpipe")
+    sim = simulate(plan)
+    timeline = timeline_png(sim.events, tmp_path / f"timeline{suffix}", title="4 x 8 GPipe")
+    bars = stage_bars_png(plan, tmp_path / f"stages{suffix}", simulation=sim)
+    for path in (timeline, bars):
+        head = path.read_bytes()[:200]
+        assert head.startswith(PNG_MAGIC) if suffix == ".png" else b"<svg" in head

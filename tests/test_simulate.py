@@ -1,0 +1,175 @@
+"""The simulator against closed forms and hand-computed timelines."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from partitioner.errors import ScheduleError
+from partitioner.plan import example_plan
+from partitioner.schedule import Schedule, compute_order, lower, parse_actions
+from partitioner.simulate import (
+    allreduce_buckets,
+    bucket_count,
+    chain_topology,
+    message_seconds,
+    simulate,
+    simulate_schedule,
+    transfer_matrix,
+)
+
+SHAPES = [(1, 1), (1, 4), (2, 1), (2, 4), (3, 5), (4, 8), (5, 2), (8, 16)]
+
+
+def _chain(stages: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    sends_to = tuple((s + 1,) if s + 1 < stages else () for s in range(stages))
+    receives_from = tuple((s - 1,) if s else () for s in range(stages))
+    return sends_to, receives_from
+
+
+def _schedule(kind: str, stages: int, microbatches: int) -> Schedule:
+    sends_to, receives_from = _chain(stages)
+    order = compute_order(kind, stages=stages, microbatches=microbatches)
+    return lower(order, sends_to=sends_to, receives_from=receives_from, kind=kind)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "microbatches"), SHAPES)
+def test_equal_stages_match_the_closed_form(kind: str, stages: int, microbatches: int) -> None:
+    f, b = 1.0, 2.5
+    sim = simulate_schedule(_schedule(kind, stages, microbatches), forward_s=[f] * stages, backward_s=[b] * stages)
+    assert sim.step_s == pytest.approx((microbatches + stages - 1) * (f + b))
+    assert sim.busy_s == pytest.approx([microbatches * (f + b)] * stages)
+    assert sim.bubble_fraction == pytest.approx((stages - 1) / (microbatches + stages - 1))
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), SHAPES)
+def test_activations_in_flight(stages: int, microbatches: int) -> None:
+    static, act = 100.0, 7.0
+    for kind in ("gpipe", "1f1b"):
+        sim = simulate_schedule(
+            _schedule(kind, stages, microbatches), forward_s=[1.0] * stages, backward_s=[2.0] * stages,
+            static_bytes=[static] * stages, activation_bytes=[act] * stages,
+        )
+        expected = [microbatches if kind == "gpipe" else min(microbatches, stages - s) for s in range(stages)]
+        assert list(sim.peak_in_flight) == expected
+        assert list(sim.peak_memory_bytes) == pytest.approx([static + n * act for n in expected])
+        for points in sim.memory:  # starts and ends with only the static bytes
+            assert points[0] == (0.0, static)
+            assert points[-1][1] == pytest.approx(static)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 5])
+def test_transfers_overlap_with_compute_on_two_stages(microbatches: int) -> None:
+    # Stage 1 starts c late; gradients come back c later still; every other transfer hides
+    # behind compute while c <= min(f, b): step = (M + 1)(f + b) + 2c.
+    f, b, c = 1.0, 2.0, 0.25
+    sim = simulate_schedule(_schedule("gpipe", 2, microbatches), forward_s=[f, f], backward_s=[b, b], transfer_s=c)
+    assert sim.step_s == pytest.approx((microbatches + 1) * (f + b) + 2 * c)
+    waits = {e.action: (e.start_s, e.end_s) for e in sim.events if e.kind in ("RF", "RB")}
+    assert waits["1RF0"] == pytest.approx((0.0, f + c))
+    assert waits["0RB0"] == pytest.approx((microbatches * f, (microbatches + 1) * f + b + 2 * c))
+
+
+def test_a_slow_link_queues_messages() -> None:
+    # f = b = 1, c = 3, M = 2: the second activation waits for the first on the link
+    # (arrives at 7, not 5), and likewise the second gradient (15, not 13).
+    sim = simulate_schedule(_schedule("gpipe", 2, 2), forward_s=[1.0, 1.0], backward_s=[1.0, 1.0], transfer_s=3.0)
+    ends = {e.action: e.end_s for e in sim.events}
+    assert ends["1RF1"] == pytest.approx(7.0)
+    assert ends["0RB1"] == pytest.approx(15.0)
+    assert sim.step_s == pytest.approx(16.0)
+
+
+def test_skip_connection_waits_for_every_peer() -> None:
+    # Stage 0 feeds stages 1 and 2; the 0 -> 2 link is slow (5 s), the others free.
+    rows = [["0F0", "0SF0", "0RB0", "0B0"],
+            ["1RF0", "1F0", "1SF0", "1RB0", "1B0", "1SB0"],
+            ["2RF0", "2F0", "2B0", "2SB0"]]
+    seconds = [[0.0, 0.0, 5.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    sim = simulate_schedule(
+        Schedule.from_strings("gpipe", 1, rows), forward_s=[1.0] * 3, backward_s=[1.0] * 3,
+        sends_to=((1, 2), (2,), ()), receives_from=((), (0,), (0, 1)), transfer_s=seconds,
+    )
+    starts = {e.action: e.start_s for e in sim.events}
+    assert starts["2F0"] == pytest.approx(6.0)
+    assert starts["1B0"] == pytest.approx(8.0)
+    assert starts["0B0"] == pytest.approx(13.0)  # the gradient from stage 2 takes the slow link back
+    assert sim.step_s == pytest.approx(14.0)
+    as_function = simulate_schedule(
+        Schedule.from_strings("gpipe", 1, rows), forward_s=[1.0] * 3, backward_s=[1.0] * 3,
+        sends_to=((1, 2), (2,), ()), receives_from=((), (0,), (0, 1)),
+        transfer_s=lambda src, dst: seconds[src][dst],
+    )
+    assert as_function.events == sim.events
+
+
+def test_allreduce_exposed_versus_overlapped() -> None:
+    f, b, a, m = 1.0, 2.0, 2.0, 3
+    base = (m + 1) * (f + b)
+    sched = _schedule("gpipe", 2, m)
+    exposed = simulate_schedule(sched, forward_s=[f, f], backward_s=[b, b], allreduce_s=[a, a], buckets=1)
+    assert exposed.step_s == pytest.approx(base + a)
+    overlapped = simulate_schedule(sched, forward_s=[f, f], backward_s=[b, b], allreduce_s=[a, a], buckets=4)
+    assert overlapped.step_s == pytest.approx(base + a / 4)  # only the last bucket sticks out
+    buckets = [e for e in overlapped.events if e.kind == "AR" and e.track == 0]
+    assert [e.start_s for e in buckets] == pytest.approx([base - b + k * b / 4 for k in range(1, 5)])
+    assert exposed.busy_s == overlapped.busy_s  # all-reduce is not compute
+
+
+def test_allreduce_longer_than_the_backward_queues() -> None:
+    assert allreduce_buckets(0.0, 1.0, allreduce_s=4.0, buckets=2) == [(0.5, 2.5), (2.5, 4.5)]
+    assert allreduce_buckets(0.0, 1.0, allreduce_s=0.0, buckets=3) == []
+
+
+def test_deadlock_names_the_stuck_actions() -> None:
+    # Stage 0 waits for a gradient before it has sent the activation stage 1 waits for.
+    rows = [["0F0", "0RB0", "0SF0", "0B0"], ["1RF0", "1F0", "1B0", "1SB0"]]
+    sched = Schedule.from_strings("gpipe", 1, rows)
+    with pytest.raises(ScheduleError, match=r"stage 0 waits at 0RB0.*stage 1 waits at 1RF0"):
+        simulate_schedule(sched, forward_s=[1.0, 1.0], backward_s=[1.0, 1.0])
+
+
+def test_one_event_per_action_in_order() -> None:
+    sched = _schedule("1f1b", 3, 4)
+    sim = simulate_schedule(sched, forward_s=[1.0, 2.0, 1.5], backward_s=[2.0, 1.0, 3.0], transfer_s=0.1)
+    for s, row in enumerate(sched.actions):
+        events = [e for e in sim.events if e.track == s]
+        assert [e.action for e in events] == [str(a) for a in row]
+        assert all(e.end_s >= e.start_s >= 0 for e in events)
+        assert all(x.end_s <= y.start_s + 1e-12 for x, y in itertools.pairwise(events))
+    assert sim.step_s == pytest.approx(max(e.end_s for e in sim.events))
+
+
+def test_default_topology_is_the_chain() -> None:
+    sched = _schedule("gpipe", 3, 2)
+    assert chain_topology(sched) == _chain(3)
+    lonely = Schedule("gpipe", 1, (parse_actions(["0F0", "0B0"]),))
+    assert chain_topology(lonely) == (((),), ((),))
+
+
+def test_bad_lengths_are_rejected() -> None:
+    with pytest.raises(ValueError, match="forward_s"):
+        simulate_schedule(_schedule("gpipe", 2, 2), forward_s=[1.0], backward_s=[1.0, 1.0])
+    with pytest.raises(ValueError, match="2 x 2"):
+        transfer_matrix([[0.0]], 2)
+
+
+def test_small_formulas() -> None:
+    assert message_seconds(0, bandwidth=1e9, latency=1e-5) == 0.0
+    assert message_seconds(2e9, bandwidth=1e9, latency=1e-5) == pytest.approx(2.00001)
+    assert bucket_count(0, bucket_cap_mb=25.0) == 1
+    assert bucket_count(25 * 2**20, bucket_cap_mb=25.0) == 1
+    assert bucket_count(25 * 2**20 + 1, bucket_cap_mb=25.0) == 2
+
+
+def test_simulate_example_plan() -> None:
+    plan = example_plan()
+    sim = simulate(plan)
+    c = message_seconds(32, bandwidth=plan.cost_model.link_bandwidth, latency=plan.cost_model.link_latency)
+    f, b = plan.stages[0].predicted.forward_s, plan.stages[0].predicted.backward_s
+    assert sim.step_s == pytest.approx(3 * (f + b) + 2 * c)  # the P = 2 formula above
+    assert len(sim.events) == sum(len(row) for row in plan.actions)
+    assert sim.peak_memory_bytes == pytest.approx((64 * 4 + 2 * 32.0,) * 2)
+    assert 0 < sim.bubble_fraction < 1

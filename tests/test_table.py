@@ -1,0 +1,81 @@
+"""The text report of a plan, and the byte/second formatting helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from partitioner.plan import Candidate, CostModelInfo, TiedParameter, example_plan
+from partitioner.table import format_bytes, format_plan, format_seconds
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (1536, "1.50 KiB"), (32 * 1024, "32.0 KiB"),
+     (3 * 1024**2, "3.00 MiB"), (80 * 1024**3, "80.0 GiB"), (141e9, "131 GiB"), (2 * 1024**4, "2.00 TiB"),
+     (-2048, "-2.00 KiB"), (float("nan"), "? B")],
+)
+def test_format_bytes(n: float, text: str) -> None:
+    assert format_bytes(n) == text
+
+
+@pytest.mark.parametrize(
+    ("s", "text"),
+    [(0, "0 s"), (5e-9, "5.00 ns"), (2.5e-6, "2.50 µs"), (1.5e-3, "1.50 ms"), (0.0123, "12.3 ms"),
+     (0.9999, "1000 ms"), (4.0, "4.00 s"), (59.4, "59.4 s"), (200, "3 min 20 s"), (7300, "2 h 1 min"),
+     (-1e-3, "-1.00 ms")],
+)
+def test_format_seconds(s: float, text: str) -> None:
+    assert format_seconds(s) == text
+
+
+def test_format_plan_example() -> None:
+    text = format_plan(example_plan())
+    lines = text.splitlines()
+    assert lines[0].startswith("Sequential: 2 parameters (export) | 2 GPUs = 2 stages x 1 replica")
+    assert "gpipe, 2 micro-batches of 2, batch 4" in lines[0] and "costs measured on cpu" in lines[0]
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
+    for column in ("ranks", "modules", "nodes", "params", "peak memory", "fwd ms", "bwd ms", "sends"):
+        assert column in lines[header]
+    rows = lines[header + 2: header + 4]
+    assert rows[0].split()[:5] == ["0", "0", "0", "…", "1"]
+    assert rows[1].split()[:4] == ["1", "1", "2", "1"]
+    assert "1.000" in rows[0] and "2.000" in rows[0] and "32 B" in rows[0] and "977 KiB" in rows[0]
+    assert "predicted step 9.00 ms | bubble 33.3% | 444 samples/s" in text
+    assert "solver interval-dp: optimal, gap 0.0% to the lower bound, 3 blocks" in text
+    assert "tied parameters" not in text
+    chosen = [line for line in lines if line.lstrip().startswith("*")]
+    assert len(chosen) == 1 and chosen[0].split()[1:4] == ["2", "1", "9.00"]
+
+
+def test_format_plan_tied_candidates_and_limit() -> None:
+    base = example_plan()
+    plan = dataclasses.replace(
+        base,
+        tied=(TiedParameter("0.weight", ("0.weight", "2.weight"), (0, 1)),),
+        candidates=(
+            Candidate(2, 1, 9e-3, "optimal", "chosen"),
+            Candidate(1, 2, None, "skipped", "batch 4 does not split into 2 replicas x 4 micro-batches"),
+            Candidate(1, 2, None, "infeasible", "no split fits in memory"),
+        ),
+        cost_model=dataclasses.replace(base.cost_model, memory_limit=4e6),
+    )
+    text = format_plan(plan)
+    assert "0.weight = 2.weight on stages 0, 1" in text
+    assert "(25%)" in text and "limit 3.81 MiB per GPU" in text
+    lines = text.splitlines()
+    skipped = next(line for line in lines if "skipped" in line)
+    assert not skipped.lstrip().startswith("*") and " - " in skipped and "does not split" in skipped
+    assert any("infeasible" in line and "no split fits in memory" in line for line in lines)
+    assert sum(line.lstrip().startswith("*") for line in lines) == 1
+
+
+def test_format_plan_replicated_shows_allreduce() -> None:
+    base = example_plan()
+    stages = tuple(dataclasses.replace(s, ranks=(2 * s.index, 2 * s.index + 1)) for s in base.stages)
+    plan = dataclasses.replace(base, gpus=4, dp=2, stages=stages,
+                               cost_model=CostModelInfo("predicted for h100", 4.5e11, 1e-5, 80e9, 2))
+    text = format_plan(plan)
+    assert "allreduce ms" in text and "2 stages x 2 replicas" in text
+    assert "costs predicted for h100" in text and "(<0.1%)" in text
