@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("autopartition: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and closed: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception:  # noqa: BLE001 - report, then exit 1
         traceback.print_exc()
         print(
@@ -280,6 +283,8 @@ def _plan(args: argparse.Namespace) -> int:
         dp=args.dp,
         capture_method=cast(Any, args.capture),
         time_limit=args.time_limit,
+        loss_fn=model_file.loss_fn,
+        target=model_file.example_target(batch) if model_file.example_target else None,
         status=say,
     )
     saved = plan.save(out)

@@ -27,11 +27,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -42,7 +43,7 @@ from partitioner.capture import KIND_KEY, CapturedModel, node_parameters
 from partitioner.devices import DeviceSpec
 from partitioner.errors import CaptureError
 
-__all__ = ["NodeCost", "COST_KEY", "profile", "predicted_times", "Progress"]
+__all__ = ["NodeCost", "COST_KEY", "profile", "predicted_times", "Progress", "time_loss"]
 
 COST_KEY = "autopartition_cost"
 Progress = Callable[[int, int], None]
@@ -108,9 +109,121 @@ def profile(
     runner = _CostInterpreter(
         gm, measure=measure, device=device, warmup=warmup, repeats=repeats, progress=progress
     )
-    with torch.enable_grad():
+    with _rank_threads(device), torch.enable_grad():
         runner.run(*inputs)
-    return runner.costs
+        if not measure:
+            return runner.costs
+        forward, backward = _in_situ(gm, inputs, device=device, repeats=max(3, repeats))
+    return _calibrated(runner.costs, forward, backward)
+
+
+@contextlib.contextmanager
+def _rank_threads(device: torch.device) -> Iterator[None]:
+    """Measure CPU costs with one thread, as CPU ranks run (torchrun sets OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _in_situ(
+    gm: fx.GraphModule, inputs: tuple[Any, ...], *, device: torch.device, repeats: int
+) -> tuple[dict[str, float], float]:
+    """Per-node forward seconds inside real whole-graph passes, and the whole backward's seconds.
+
+    Ops timed alone run with hot caches and without their neighbours; inside the
+    real pass they can be several times slower (seen here: a 64x256 addmm 5x), so
+    forward times come from real passes and backward times are rescaled to the
+    real backward's total.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples: dict[str, list[float]] = {}
+    backward: list[float] = []
+    for _ in range(repeats + 1):
+        timer = _NodeTimer(gm, sync)
+        with torch.enable_grad():
+            outputs = timer.run(*inputs)
+            leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+            sync()
+            start = time.perf_counter()
+            if leaves:
+                torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+            sync()
+        backward.append(time.perf_counter() - start)
+        for name, seconds in timer.seconds.items():
+            samples.setdefault(name, []).append(seconds)
+    gm.zero_grad(set_to_none=True)
+    # The first pass is a warm-up.
+    return {k: statistics.median(v[1:]) for k, v in samples.items()}, statistics.median(backward[1:])
+
+
+def _calibrated(costs: dict[str, NodeCost], forward: dict[str, float], backward_total: float) -> dict[str, NodeCost]:
+    isolated = sum(c.backward_s for c in costs.values())
+    scale = backward_total / isolated if isolated > 0 else 1.0
+    return {
+        name: dataclasses.replace(c, forward_s=forward.get(name, c.forward_s), backward_s=c.backward_s * scale)
+        for name, c in costs.items()
+    }
+
+
+class _NodeTimer(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, sync: Callable[[], None]) -> None:
+        super().__init__(gm)
+        self.sync = sync
+        self.seconds: dict[str, float] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.meta.get(KIND_KEY) not in ("compute", "constant"):
+            return super().run_node(n)
+        self.sync()
+        start = time.perf_counter()
+        result = super().run_node(n)
+        self.sync()
+        self.seconds[n.name] = time.perf_counter() - start
+        return result
+
+
+def time_loss(
+    captured: CapturedModel,
+    inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    target: Any,
+    *,
+    device: torch.device | None = None,
+    repeats: int = 5,
+) -> tuple[float, float]:
+    """Median (forward, backward) seconds of ``loss_fn`` on the model's outputs for one micro-batch."""
+    device = device or torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        flat = captured.graph_module(*(x.to(device) for x in inputs))
+    target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, target)
+    forward, backward = [], []
+    with _rank_threads(device):
+        for _ in range(repeats + 1):
+            forward_s, backward_s = _time_loss_once(captured, flat, loss_fn, target, sync)
+            forward.append(forward_s)
+            backward.append(backward_s)
+    return statistics.median(forward[1:]), statistics.median(backward[1:])
+
+
+def _time_loss_once(
+    captured: CapturedModel, flat: Any, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, sync: Callable[[], None]
+) -> tuple[float, float]:
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in flat]
+    sync()
+    start = time.perf_counter()
+    loss = loss_fn(captured.unflatten_outputs(leaves), target)
+    sync()
+    middle = time.perf_counter()
+    if loss.requires_grad:
+        loss.backward()
+    sync()
+    return middle - start, time.perf_counter() - middle
+
 
 
 def _has_mutation(gm: fx.GraphModule) -> bool:

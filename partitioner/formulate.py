@@ -41,6 +41,7 @@ class GraphCosts:
     block_parameters: tuple[tuple[str, ...], ...]  # canonical names read by each block
     edges: tuple[tuple[int, int], ...]  # block edges u -> v, u < v
     block_sends: tuple[int, ...]  # bytes each block sends to one other stage
+    loss_s: tuple[float, float] = (0.0, 0.0)  # loss forward, backward: the last block's stage computes it
 
 
 def transfer_seconds(nbytes: float, spec: DeviceSpec) -> float:
@@ -61,6 +62,8 @@ def graph_costs(
     blocks: list[tuple[str, ...]],
     costs: dict[str, NodeCost],
     times: dict[str, tuple[float, float]],
+    *,
+    loss_s: tuple[float, float] = (0.0, 0.0),
 ) -> GraphCosts:
     """Aggregate node costs per block; ``times`` gives (forward, backward) seconds per node."""
     gm = captured.graph_module
@@ -92,6 +95,7 @@ def graph_costs(
         block_parameters=tuple(tuple(sorted(p)) for p in block_params),
         edges=tuple(sorted(edges)),
         block_sends=tuple(sends),
+        loss_s=loss_s,
     )
 
 
@@ -126,8 +130,12 @@ def formulate(
             allreduce[blocks[0]] += seconds
         else:
             shared.append((per_byte * nbytes, seconds, tuple(blocks)))
+    last = len(graph.blocks) - 1
     return PartitionProblem(
-        time_s=tuple(scale * sum(graph.node_time_s[n] for n in members) for members in graph.blocks),
+        time_s=tuple(
+            scale * (sum(graph.node_time_s[n] for n in members) + (sum(graph.loss_s) if b == last else 0.0))
+            for b, members in enumerate(graph.blocks)
+        ),
         static_bytes=tuple(static),
         activation_bytes=tuple(
             scale * sum(graph.node_saved_bytes.get(n, 0) for n in members) for members in graph.blocks

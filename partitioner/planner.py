@@ -17,10 +17,11 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from partitioner.capture import KIND_KEY, CaptureMethod, CapturedModel, capture, module_path, node_parameters
 from partitioner.coarsen import coarsen
-from partitioner.cost import NodeCost, predicted_times, profile
+from partitioner.cost import NodeCost, predicted_times, profile, time_loss
 from partitioner.devices import DEVICES, DeviceSpec, device_spec
 from partitioner.errors import AutopartitionError, InfeasibleError, PlanMismatchError
 from partitioner.formulate import GraphCosts, allreduce_seconds, formulate, graph_costs
@@ -66,9 +67,15 @@ def compile(
     optimizer_states: int = 2,
     bucket_cap_mb: float = 25.0,
     time_limit: float = 10.0,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
     status: Status | None = None,
 ) -> Plan:
-    """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0)."""
+    """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
+
+    With ``loss_fn`` and ``target`` (one mini-batch of targets) the loss's cost is
+    charged to the last stage, which computes it.
+    """
     say = status or (lambda _msg: None)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     batch = _batch_size(example_inputs)
@@ -94,7 +101,10 @@ def compile(
     blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
     if not blocks:
         raise AutopartitionError(f"{type(model).__name__} has no compute to partition.")
-    graph = graph_costs(captured, blocks, costs, times)
+    loss_s = (0.0, 0.0)
+    if loss_fn is not None and target is not None and measure:
+        loss_s = time_loss(captured, micro, loss_fn, microbatch_inputs_any(target, batch // microbatches), device=local)
+    graph = graph_costs(captured, blocks, costs, times, loss_s=loss_s)
 
     candidates, best = _search(
         graph, gpus=gpus, pp=pp, dp=dp, batch=batch, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
@@ -122,6 +132,11 @@ def compile(
         spec=spec, measure=measure, memory_limit=memory_limit, optimizer_states=optimizer_states,
         candidates=candidates, bucket_cap_mb=bucket_cap_mb, micro=micro,
     )
+
+
+def microbatch_inputs_any(value: Any, size: int) -> Any:
+    """The first ``size`` samples of every tensor in a pytree (targets may be nested)."""
+    return pytree.tree_map(lambda x: x[:size] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, value)
 
 
 def microbatch_inputs(inputs: tuple[Any, ...], size: int) -> tuple[torch.Tensor, ...]:
@@ -320,7 +335,9 @@ def _build_plan(
         params = tuple(sorted({p for n in names for p in _parameters_of(gm, nodes[n])}))
         compute = [n for n in names if n in compute_sets[s]]
         paths = [module_path(nodes[n]) or "(root)" for n in compute]
-        forward = sum(graph.node_forward_s[n] for n in compute) / dp
+        last = s == pp - 1
+        forward = (sum(graph.node_forward_s[n] for n in compute) + (graph.loss_s[0] if last else 0.0)) / dp
+        total = (sum(graph.node_time_s[n] for n in compute) + (sum(graph.loss_s) if last else 0.0)) / dp
         stage = StagePlan(
             index=s,
             ranks=layout[s],
@@ -333,7 +350,7 @@ def _build_plan(
             modules=(paths[0], paths[-1]),
             predicted=StagePrediction(
                 forward_s=forward,
-                backward_s=sum(graph.node_time_s[n] for n in compute) / dp - forward,
+                backward_s=total - forward,
                 memory_bytes=memory[s],
                 parameter_bytes=sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params),
                 activation_bytes=sum(graph.node_saved_bytes.get(n, 0) for n in compute) / dp,

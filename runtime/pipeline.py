@@ -12,7 +12,6 @@ Example (in each rank started by ``autopartition run`` / torchrun)::
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -23,7 +22,8 @@ from torch.utils import _pytree as pytree
 
 from partitioner.errors import AutopartitionError, PlanMismatchError
 from partitioner.plan import Plan
-from partitioner.schedule import validate
+from partitioner.schedule import Action, validate
+from partitioner.timeline import TimelineEvent, write_chrome_trace
 from runtime.comm import init_distributed, pick_device
 from runtime.execute import ActionRecord, StepRunner
 from runtime.replicate import make_groups, sum_tied_grads, sync_tied_weights, wrap_replicas
@@ -130,17 +130,42 @@ class Pipeline:
         self._stage.module.load_state_dict({k: state[k] for k in mine}, strict=False)
         sync_tied_weights(self._stage.module, self._groups)
 
-    def write_trace(self, path: str | Path) -> Path | None:
-        """Gather every rank's action timings; rank 0 writes one JSON file (others return None)."""
-        records = [(r.action, r.start_s - self._clock_zero, r.end_s - self._clock_zero) for r in self._runner.records]
+    @property
+    def stage(self) -> int:
+        return self.stage_index
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Every stage's state gathered on rank 0 (replica 0 of each stage), in the original names."""
+        local = {k: v.detach().cpu() for k, v in self.state_dict().items()} if self.replica == 0 else {}
         gathered: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
-        dist.gather_object(records, gathered if self.rank == 0 else None, dst=0)
+        dist.gather_object(local, gathered if self.rank == 0 else None, dst=0)
         if self.rank != 0:
             return None
-        out = Path(path)
-        rows = {str(rank): rows for rank, rows in enumerate(gathered)}
-        out.write_text(json.dumps({"format": "autopartition-measured-v1", "ranks": rows}))
-        return out
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        return merged
+
+    def trace_events(self) -> list[TimelineEvent]:
+        """This rank's recorded actions (``trace=True``), seconds from the common start."""
+        events = []
+        for record in self._runner.records:
+            action = Action.parse(record.action)
+            events.append(TimelineEvent(
+                track=self.rank, label=f"{action.kind}{action.microbatch}", action=record.action,
+                microbatch=action.microbatch, kind=action.kind,
+                start_s=record.start_s - self._clock_zero, end_s=record.end_s - self._clock_zero,
+            ))
+        return events
+
+    def write_trace(self, path: str | Path) -> Path | None:
+        """Gather every rank's actions; rank 0 writes one Chrome trace (one track per rank)."""
+        gathered: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
+        dist.gather_object(self.trace_events(), gathered if self.rank == 0 else None, dst=0)
+        if self.rank != 0:
+            return None
+        events = [e for part in gathered for e in part]
+        return write_chrome_trace(Path(path), events, title="measured", pid=1, track_name="rank")
 
     # --------------------------------------------------------------- helpers
 

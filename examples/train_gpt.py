@@ -1,0 +1,68 @@
+"""Train the example GPT through an autopartition plan: a script to copy.
+
+Plan, then launch on as many ranks as the plan has (CPU ranks use gloo, GPUs NCCL)::
+
+    autopartition examples/gpt.py --gpus 2 --batch-size 16 --microbatches 4 --out plan/
+    autopartition run plan/ -- examples/train_gpt.py --steps 20
+    autopartition run plan/ -- examples/train_gpt.py --steps 5 --trace trace.json --checkpoint gpt.pt
+
+``--trace`` writes a Chrome trace (one track per rank; open it in https://ui.perfetto.dev);
+``--checkpoint`` writes the whole model's state dict, in the original parameter names,
+loadable with ``build_model().load_state_dict(torch.load(path))``.
+"""
+
+import argparse
+import time
+
+import torch
+from gpt import SEQ_LEN, GPTConfig, build_model, loss_fn
+
+from runtime import Pipeline
+from runtime.launch import plan_from_env
+
+__all__ = ["main", "batches"]
+
+
+def batches(batch_size: int, *, seed: int = 0):  # type: ignore[no-untyped-def]
+    """Synthetic next-token data (the same stream on every rank, as the Pipeline expects)."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, GPTConfig().vocab_size, (batch_size, SEQ_LEN + 1), generator=generator)
+        yield (tokens[:, :-1],), tokens[:, 1:]  # inputs (B, T), target (B, T)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", help="plan directory (default: the one `autopartition run` passes)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--trace", help="write a Chrome trace of the last steps here")
+    parser.add_argument("--checkpoint", help="write the trained model's full state dict here")
+    args = parser.parse_args()
+
+    plan = plan_from_env(args.plan)
+    torch.manual_seed(0)  # every rank builds the same initial model
+    pipe = Pipeline(plan, build_model(), loss_fn, trace=args.trace is not None)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    data = batches(plan.batch_size)
+    for step in range(args.steps):
+        start = time.perf_counter()
+        inputs, target = next(data)
+        loss = pipe.step(inputs, target)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if loss is not None and pipe.replica == 0:
+            print(f"step {step:4d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - start):.1f} ms", flush=True)
+    if args.trace:
+        written = pipe.write_trace(args.trace)
+        if written:
+            print(f"trace: {written}")
+    if args.checkpoint:
+        state = pipe.full_state_dict()
+        if state is not None:
+            torch.save(state, args.checkpoint)
+            print(f"checkpoint: {args.checkpoint}")
+
+
+if __name__ == "__main__":
+    main()
