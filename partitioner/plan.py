@@ -126,9 +126,10 @@ class Candidate:
 
     pp: int
     dp: int
-    step_s: float | None  # None: infeasible or skipped
+    step_s: float | None  # closed-form objective; None: infeasible or skipped
     status: str
     note: str
+    simulated_s: float | None = None  # discrete-event simulation of the best candidates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,10 +270,11 @@ def _decode(kind: Any, value: Any, where: str) -> Any:
         unknown = set(value) - fields
         if unknown:
             raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
-        missing = fields - set(value)
+        optional = {f.name for f in dataclasses.fields(kind) if f.default is not dataclasses.MISSING}
+        missing = fields - set(value) - optional
         if missing:
             raise KeyError(f"{where} lacks fields {sorted(missing)}")
-        return kind(**{k: _decode(hints[k], value[k], f"{where}.{k}") for k in fields})
+        return kind(**{k: _decode(hints[k], value[k], f"{where}.{k}") for k in fields if k in value})
     if origin in (Union, types.UnionType):
         args = typing.get_args(kind)
         if value is None and type(None) in args:

@@ -42,11 +42,14 @@ from partitioner.plan import (
 )
 from partitioner.problem import Partition, ScheduleKind, stage_costs, stage_memory
 from partitioner.schedule import SCHEDULES, compute_order, lower, validate
+from partitioner.simulate import simulate
 from partitioner.solve import solve
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
 from partitioner.values import VALUE_KEY, ValueInfo, propagate_values
 
-__all__ = ["compile", "microbatch_inputs", "stage_layout", "Status"]
+__all__ = ["compile", "microbatch_inputs", "stage_layout", "Status", "SIMULATED_CANDIDATES"]
+
+SIMULATED_CANDIDATES = 3  # best closed-form shapes that are simulated before choosing
 
 Status = Callable[[str], None]
 
@@ -106,14 +109,26 @@ def compile(
         loss_s = time_loss(captured, micro, loss_fn, microbatch_inputs_any(target, batch // microbatches), device=local)
     graph = graph_costs(captured, blocks, costs, times, loss_s=loss_s)
 
-    candidates, best = _search(
+    candidates, feasible = _search(
         graph, gpus=gpus, pp=pp, dp=dp, batch=batch, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
         spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states, time_limit=time_limit, say=say,
     )
-    if best is None:
+    if not feasible:
         raise _infeasible(graph, gpus=gpus, microbatches=microbatches, schedule=schedule, spec=spec,
                           memory_limit=memory_limit, optimizer_states=optimizer_states, candidates=candidates)
-    (best_pp, best_dp), partition = best
+    options = dict(
+        gpus=gpus, batch=batch, microbatches=microbatches, schedule=schedule, spec=spec, measure=measure,
+        memory_limit=memory_limit, optimizer_states=optimizer_states, bucket_cap_mb=bucket_cap_mb, micro=micro,
+    )
+    # The closed form ranks every shape; the best few are simulated and the simulation decides.
+    ranked = sorted(feasible, key=lambda item: item[1].objective)[:SIMULATED_CANDIDATES]
+    simulated: dict[tuple[int, int], float] = {}
+    for (p, d), partition in ranked:
+        draft = _build_plan(model, captured, graph, partition, pp=p, dp=d, candidates=[],
+                            batch_divisor=d, **options)  # type: ignore[arg-type]
+        simulated[p, d] = simulate(draft).step_s
+    candidates = [dataclasses.replace(c, simulated_s=simulated.get((c.pp, c.dp))) for c in candidates]
+    (best_pp, best_dp), partition = min(ranked, key=lambda item: simulated[item[0]])
     if best_dp > 1:
         # Boundary shapes and baked-in sizes must be those of the real micro-batch.
         micro = microbatch_inputs(example_inputs, batch // (microbatches * best_dp))
@@ -125,13 +140,17 @@ def compile(
             )
         propagate_values(recaptured.graph_module, micro)
         captured = recaptured
+        options["micro"] = micro
     say(f"chose {best_pp} stages x {best_dp} replicas")
-    return _build_plan(
-        model, captured, graph, costs, partition,
-        pp=best_pp, dp=best_dp, gpus=gpus, batch=batch, microbatches=microbatches, schedule=schedule,
-        spec=spec, measure=measure, memory_limit=memory_limit, optimizer_states=optimizer_states,
-        candidates=candidates, bucket_cap_mb=bucket_cap_mb, micro=micro,
-    )
+    plan = _build_plan(model, captured, graph, partition, pp=best_pp, dp=best_dp, candidates=candidates,
+                       **options)  # type: ignore[arg-type]
+    sim = simulate(plan)
+    return dataclasses.replace(plan, predicted=StepPrediction(
+        step_s=sim.step_s,
+        bubble_fraction=sim.bubble_fraction,
+        samples_per_s=batch / sim.step_s if sim.step_s > 0 else 0.0,
+        peak_memory_bytes=tuple(float(m) for m in sim.peak_memory_bytes),
+    ))
 
 
 def microbatch_inputs_any(value: Any, size: int) -> Any:
@@ -221,9 +240,9 @@ def _search(
     optimizer_states: int,
     time_limit: float,
     say: Status,
-) -> tuple[list[Candidate], tuple[tuple[int, int], Partition] | None]:
+) -> tuple[list[Candidate], list[tuple[tuple[int, int], Partition]]]:
     candidates: list[Candidate] = []
-    best: tuple[tuple[int, int], Partition] | None = None
+    feasible: list[tuple[tuple[int, int], Partition]] = []
     for d in sorted(k for k in range(1, gpus + 1) if gpus % k == 0):
         p = gpus // d
         if (pp is not None and p != pp) or (dp is not None and d != dp):
@@ -243,13 +262,12 @@ def _search(
             continue
         candidates.append(Candidate(p, d, found.objective, found.status,
                                     f"{found.solver}, gap {100 * found.gap:.1f}%"))
-        if best is None or found.objective < best[1].objective:
-            best = ((p, d), found)
-    if best is None and not candidates:
+        feasible.append(((p, d), found))
+    if not candidates:
         raise AutopartitionError(
             f"No pp x dp shape fits --gpus {gpus} with the given --pp/--dp; check the numbers."
         )
-    return candidates, best
+    return candidates, feasible
 
 
 def _infeasible(
@@ -295,7 +313,6 @@ def _build_plan(
     model: torch.nn.Module,
     captured: CapturedModel,
     graph: GraphCosts,
-    costs: dict[str, NodeCost],
     partition: Partition,
     *,
     pp: int,
@@ -311,14 +328,16 @@ def _build_plan(
     candidates: list[Candidate],
     bucket_cap_mb: float,
     micro: tuple[torch.Tensor, ...],
+    batch_divisor: int = 1,
 ) -> Plan:
+    """The plan for one partition; ``batch_divisor`` scales boundary shapes (drafts ranked before recapture)."""
     gm = captured.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
     stage_of_node = {name: partition.stage_of[b] for b, members in enumerate(graph.blocks) for name in members}
     compute_sets: list[set[str]] = [set() for _ in range(pp)]
     for name, s in stage_of_node.items():
         compute_sets[s].add(name)
-    boundaries = _boundaries(gm, stage_of_node, pp)
+    boundaries = _boundaries(gm, stage_of_node, pp, batch_divisor=batch_divisor)
     problem = formulate(graph, dp=dp, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states)
     times, allreduce = stage_costs(problem, partition.stage_of, pp)
     memory = stage_memory(problem, partition.stage_of, pp, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
@@ -366,7 +385,7 @@ def _build_plan(
     lowered = lower(compute_order(schedule, stages=pp, microbatches=microbatches),
                     sends_to=sends_to, receives_from=receives_from, kind=schedule)
     validate(lowered, sends_to=sends_to, receives_from=receives_from)
-    step = partition.objective
+    step = partition.objective  # replaced by the simulation's step by compile()
     busy = [microbatches * t for t in times]
     n_params = sum(p.numel() for p in model.parameters())
     return Plan(
@@ -413,7 +432,9 @@ def _parameters_of(gm: fx.GraphModule, node: fx.Node) -> list[str]:
     return []
 
 
-def _boundaries(gm: fx.GraphModule, stage_of: dict[str, int], pp: int) -> tuple[Boundary, ...]:
+def _boundaries(
+    gm: fx.GraphModule, stage_of: dict[str, int], pp: int, *, batch_divisor: int = 1
+) -> tuple[Boundary, ...]:
     """Tensors produced in one stage and read in a later one, once per (producer, reader stage)."""
     found: dict[tuple[str, int], Boundary] = {}
     for node in gm.graph.nodes:
@@ -432,7 +453,10 @@ def _boundaries(gm: fx.GraphModule, stage_of: dict[str, int], pp: int) -> tuple[
                     f"Node {node.format_node()} produces a {info.kind} that would cross stages {source}->{target}; "
                     "this is a bug in coarsening."
                 )
-            found[node.name, target] = Boundary(node.name, info.shape, info.dtype, source, target)
+            shape = info.shape
+            if batch_divisor > 1 and shape and shape[0] % batch_divisor == 0:
+                shape = (shape[0] // batch_divisor, *shape[1:])
+            found[node.name, target] = Boundary(node.name, shape, info.dtype, source, target)
     return tuple(sorted(found.values(), key=lambda b: (b.target, b.source, list(stage_of).index(b.producer))))
 
 

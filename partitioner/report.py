@@ -172,10 +172,12 @@ def _candidates(plan: Plan) -> str:
         rows.append((
             f"**{c.pp} x {c.dp}**" if chosen else f"{c.pp} x {c.dp}",
             "-" if c.step_s is None else _ms(c.step_s),
+            "-" if c.simulated_s is None else _ms(c.simulated_s),
             c.status + (" (chosen)" if chosen else ""),
             c.note,
         ))
-    feasible = sorted((c for c in plan.candidates if c.step_s is not None), key=lambda c: c.step_s or 0.0)
+    feasible = sorted((c for c in plan.candidates if c.step_s is not None),
+                      key=lambda c: c.simulated_s if c.simulated_s is not None else (c.step_s or 0.0))
     others = [c for c in feasible if (c.pp, c.dp) != (plan.pp, plan.dp)]
     if not plan.candidates:
         why = "The pp x dp shape was fixed; no other shape was considered."
@@ -183,11 +185,14 @@ def _candidates(plan: Plan) -> str:
         why = f"{plan.pp} x {plan.dp} was the only shape that could be planned; the others' reasons are above."
     else:
         runner = others[0]
-        assert runner.step_s is not None
-        why = (f"{plan.pp} x {plan.dp} won with the lowest predicted step time, {_ms(plan.predicted.step_s)}; "
-               f"the next best, {runner.pp} x {runner.dp}, predicts {_ms(runner.step_s)} "
-               f"({runner.step_s / plan.predicted.step_s - 1:+.1%}).")
-    return "## Shapes considered (pp x dp)\n\n" + _table(("pp x dp", "predicted step", "status", "note"), rows) \
+        runner_s = runner.simulated_s if runner.simulated_s is not None else runner.step_s
+        assert runner_s is not None
+        why = (f"{plan.pp} x {plan.dp} won with the lowest predicted step time, {_ms(plan.predicted.step_s)} "
+               "(the solver ranks every shape by its closed form; the best few are then simulated and the "
+               f"simulation decides); the next best, {runner.pp} x {runner.dp}, predicts {_ms(runner_s)} "
+               f"({runner_s / plan.predicted.step_s - 1:+.1%}).")
+    return "## Shapes considered (pp x dp)\n\n" + _table(
+        ("pp x dp", "closed form", "simulated", "status", "note"), rows) \
         + "\n\n" + why
 
 

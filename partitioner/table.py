@@ -163,10 +163,11 @@ def _candidates(plan: Plan) -> list[str]:
             str(c.pp),
             str(c.dp),
             format_seconds(c.step_s) if c.step_s is not None else "-",
+            format_seconds(c.simulated_s) if c.simulated_s is not None else "-",
             c.status,
             c.note,
         ])
-    body = _render(["", "pp", "dp", "step", "status", "note"], rows, {1, 2, 3})
+    body = _render(["", "pp", "dp", "closed form", "simulated", "status", "note"], rows, {1, 2, 3, 4})
     return ["pp x dp candidates (* = chosen):"] + ["  " + line for line in body]
 
 
