@@ -14,7 +14,7 @@ from partitioner.errors import AutopartitionError
 from partitioner.plan import Plan
 from partitioner.planner import compile
 
-__all__ = ["compile", "Plan", "load_plan", "AutopartitionError"]
+__all__ = ["AutopartitionError", "Plan", "compile", "load_plan"]
 
 
 def load_plan(directory: str) -> Plan:

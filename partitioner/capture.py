@@ -25,19 +25,20 @@ import dataclasses
 import linecache
 import os
 import traceback
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.utils import _pytree as pytree
 
 from partitioner.errors import CaptureError
 
 __all__ = [
+    "KIND_KEY",
     "CaptureMethod",
     "CapturedModel",
     "NodeKind",
-    "KIND_KEY",
     "capture",
     "module_path",
     "node_parameters",
@@ -286,7 +287,7 @@ def _user_frame(exc: BaseException) -> str | None:
     best: str | None = None
     for frame in traceback.extract_tb(exc.__traceback__):
         name = frame.filename
-        if name.startswith((torch_dir, stdlib_dir, here)) or name.startswith("<"):
+        if name.startswith((torch_dir, stdlib_dir, here, "<")):
             continue
         line = (frame.line or linecache.getline(name, frame.lineno or 0)).strip()
         best = f"{name}:{frame.lineno} in {frame.name}(): `{line}`"

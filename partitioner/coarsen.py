@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-import torch.fx as fx
+from torch import fx
 
 from partitioner.capture import KIND_KEY, module_path
 from partitioner.values import VALUE_KEY, ValueInfo

@@ -32,10 +32,11 @@ import copy
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -43,7 +44,7 @@ from partitioner.capture import KIND_KEY, CapturedModel, node_parameters
 from partitioner.devices import DeviceSpec
 from partitioner.errors import CaptureError
 
-__all__ = ["NodeCost", "COST_KEY", "profile", "predicted_times", "Progress", "time_loss"]
+__all__ = ["COST_KEY", "NodeCost", "Progress", "predicted_times", "profile", "time_loss"]
 
 COST_KEY = "autopartition_cost"
 Progress = Callable[[int, int], None]
@@ -61,7 +62,7 @@ class NodeCost:
     io_bytes: int  # tensor bytes read and written by the forward
     dtype: str  # dtype of the output, chooses the peak for predictions
 
-    def scaled(self, factor: float) -> "NodeCost":
+    def scaled(self, factor: float) -> NodeCost:
         """Cost for a batch ``factor`` times as large (linear in batch)."""
         return NodeCost(
             forward_s=self.forward_s * factor,
@@ -76,6 +77,8 @@ class NodeCost:
 
 def predicted_times(cost: NodeCost, spec: DeviceSpec) -> tuple[float, float]:
     """Roofline forward and backward seconds of one node on ``spec``."""
+    if cost.forward_flops == 0 and cost.io_bytes == 0:
+        return 0.0, 0.0  # views and other metadata-only ops
     peak = spec.peak(cost.dtype)
     bandwidth = spec.memory_bandwidth
     forward = max(cost.forward_flops / peak, cost.io_bytes / bandwidth) + spec.kernel_overhead
@@ -264,7 +267,7 @@ class _CostInterpreter(fx.Interpreter):
             return super().run_node(n)
         try:
             result, cost = self._cost(n)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise CaptureError(
                 f"Profiling failed at node {n.format_node()}: {exc}. "
                 "Check that example_inputs() returns inputs the model accepts."
@@ -299,11 +302,12 @@ class _CostInterpreter(fx.Interpreter):
                 saved.append(t.numel() * t.element_size())
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with FlopCounterMode(display=False) as counter:
-                out = call()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as counter:
+            out = call()
         forward_flops = float(counter.get_total_flops())
         io_bytes += sum(_nbytes(v) for v in pytree.tree_leaves(out))
+        if _is_view(out, (args, kwargs)):
+            io_bytes = 0  # a view launches no kernel and moves no bytes
         diff_out = [
             t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -358,6 +362,16 @@ class _CostInterpreter(fx.Interpreter):
             sync()
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
+
+
+def _is_view(out: Any, inputs: Any) -> bool:
+    if not isinstance(out, torch.Tensor) or out.numel() == 0:
+        return False
+    storage = out.untyped_storage().data_ptr()
+    return any(
+        isinstance(t, torch.Tensor) and t.numel() > 0 and t.untyped_storage().data_ptr() == storage
+        for t in pytree.tree_leaves(inputs)
+    )
 
 
 def _nbytes(value: Any) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["DeviceSpec", "DEVICES", "device_spec", "GIB"]
+__all__ = ["DEVICES", "GIB", "DeviceSpec", "device_spec"]
 
 GIB = 1024**3
 

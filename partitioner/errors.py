@@ -9,8 +9,8 @@ from __future__ import annotations
 __all__ = [
     "AutopartitionError",
     "CaptureError",
-    "ModelFileError",
     "InfeasibleError",
+    "ModelFileError",
     "PlanFormatError",
     "PlanMismatchError",
     "ScheduleError",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch.fx as fx
+from torch import fx
 
 from partitioner.capture import KIND_KEY, CapturedModel, node_parameters
 from partitioner.cost import NodeCost
@@ -25,7 +25,7 @@ from partitioner.devices import DeviceSpec
 from partitioner.problem import PartitionProblem
 from partitioner.values import VALUE_KEY, ValueInfo
 
-__all__ = ["GraphCosts", "formulate", "allreduce_seconds", "transfer_seconds"]
+__all__ = ["GraphCosts", "allreduce_seconds", "formulate", "transfer_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 
 from partitioner.problem import Partition, PartitionProblem, ScheduleKind, in_flight, step_time
 
-__all__ = ["solve_intervals", "interval_matrices"]
+__all__ = ["interval_matrices", "solve_intervals"]
 
 
 def interval_matrices(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -52,8 +52,8 @@ def interval_matrices(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray
         consumers.setdefault(u, []).append(v)
     for u, readers in consumers.items():
         _add_if_reader_inside(cost, sorted(set(readers)), problem.transfer_s[u], lo=u + 1)
-    for nbytes, _, readers in problem.shared:
-        _add_if_reader_inside(static, sorted(set(readers)), nbytes, lo=0)
+    for nbytes, _, shared_readers in problem.shared:
+        _add_if_reader_inside(static, sorted(set(shared_readers)), nbytes, lo=0)
     invalid = np.tril(np.ones((n + 1, n + 1), dtype=bool))
     cost[invalid] = np.inf
     return cost, static, activation

@@ -23,26 +23,29 @@ import typing
 from pathlib import Path
 from typing import Any, Union
 
-import torch.fx as fx
+from torch import fx
 
 from partitioner.errors import PlanFormatError
 from partitioner.schedule import Schedule
 
+if typing.TYPE_CHECKING:
+    from partitioner.simulate import Simulation
+
 __all__ = [
     "FORMAT_VERSION",
     "Boundary",
-    "TensorSpec",
-    "StagePrediction",
-    "StagePlan",
-    "StepPrediction",
-    "SolverInfo",
     "Candidate",
-    "TiedParameter",
-    "ModelInfo",
     "CostModelInfo",
+    "ModelInfo",
     "Plan",
-    "graph_fingerprint",
+    "SolverInfo",
+    "StagePlan",
+    "StagePrediction",
+    "StepPrediction",
+    "TensorSpec",
+    "TiedParameter",
     "example_plan",
+    "graph_fingerprint",
 ]
 
 FORMAT_VERSION = 1
@@ -190,6 +193,18 @@ class Plan:
         """Global rank -> (stage, replica).  Stage-major: a stage's replicas are consecutive ranks."""
         return {r: (s.index, i) for s in self.stages for i, r in enumerate(s.ranks)}
 
+    def simulate(self) -> Simulation:
+        """Discrete-event simulation of one step (see :mod:`partitioner.simulate`)."""
+        from partitioner.simulate import simulate
+
+        return simulate(self)
+
+    def report(self) -> str:
+        """The stage table and summary, as ``autopartition show`` prints it."""
+        from partitioner.table import format_plan
+
+        return format_plan(self)
+
     def schedule_data(self) -> Schedule:
         return Schedule.from_strings(self.schedule, self.microbatches, self.actions)
 
@@ -205,7 +220,7 @@ class Plan:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     @staticmethod
-    def from_json(text: str, *, origin: str = "plan.json") -> "Plan":
+    def from_json(text: str, *, origin: str = "plan.json") -> Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -232,12 +247,14 @@ class Plan:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         (path / "plan.json").write_text(self.to_json() + "\n")
+        for stale in path.glob("stage_*.py"):  # from an earlier plan with more stages
+            stale.unlink()
         for index, code in enumerate(self.stage_code):
             (path / f"stage_{index}.py").write_text(code)
         return path
 
     @staticmethod
-    def load(directory: str | Path) -> "Plan":
+    def load(directory: str | Path) -> Plan:
         path = Path(directory)
         file = path / "plan.json" if path.is_dir() else path
         if not file.exists():
@@ -274,7 +291,7 @@ def _decode(kind: Any, value: Any, where: str) -> Any:
         missing = fields - set(value) - optional
         if missing:
             raise KeyError(f"{where} lacks fields {sorted(missing)}")
-        return kind(**{k: _decode(hints[k], value[k], f"{where}.{k}") for k in fields if k in value})
+        return kind(**{k: _decode(hints[k], value[k], f"{where}.{k}") for k in fields if k in value})  # type: ignore[operator]
     if origin in (Union, types.UnionType):
         args = typing.get_args(kind)
         if value is None and type(None) in args:
@@ -302,7 +319,7 @@ def _decode(kind: Any, value: Any, where: str) -> Any:
 def example_plan() -> Plan:
     """A tiny, hand-made two-stage plan (for docs and tests)."""
     b = Boundary("relu", (2, 4), "float32", 0, 1)
-    pred = StagePrediction(1e-3, 2e-3, 1e6, 64, 32.0, 32, 0.0)
+    pred = StagePrediction(1e-3, 2e-3, 320.0, 64, 32.0, 32, 0.0)
     stages = (
         StagePlan(0, (0,), ("w0", "linear", "relu"), 2, ("0.weight",), ("x",), (), (b,), ("0", "1"), pred),
         StagePlan(1, (1,), ("w2", "linear_1"), 1, ("2.weight",), (), (b,), (), ("2", "2"), pred),
@@ -315,7 +332,7 @@ def example_plan() -> Plan:
         actions=(("0F0", "0SF0", "0F1", "0SF1", "0RB0", "0B0", "0RB1", "0B1"),
                  ("1RF0", "1F0", "1RF1", "1F1", "1B0", "1SB0", "1B1", "1SB1")),
         tied=(),
-        predicted=StepPrediction(9e-3, 1 / 3, 444.4, (1e6, 1e6)),
+        predicted=StepPrediction(9e-3, 1 / 3, 444.4, (320.0, 320.0)),
         solver=SolverInfo("interval-dp", "optimal", 9e-3, 9e-3, 0.01, 3),
         cost_model=CostModelInfo("measured on cpu", 1e9, 6e-5, None, 2),
         candidates=(Candidate(2, 1, 9e-3, "optimal", "chosen"),),

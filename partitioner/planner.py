@@ -12,19 +12,26 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.utils import _pytree as pytree
 
-from partitioner.capture import KIND_KEY, CaptureMethod, CapturedModel, capture, module_path, node_parameters
+from partitioner.capture import (
+    KIND_KEY,
+    CapturedModel,
+    CaptureMethod,
+    capture,
+    module_path,
+    node_parameters,
+)
 from partitioner.coarsen import coarsen
-from partitioner.cost import NodeCost, predicted_times, profile, time_loss
+from partitioner.cost import predicted_times, profile, time_loss
 from partitioner.devices import DEVICES, DeviceSpec, device_spec
 from partitioner.errors import AutopartitionError, InfeasibleError, PlanMismatchError
-from partitioner.formulate import GraphCosts, allreduce_seconds, formulate, graph_costs
+from partitioner.formulate import GraphCosts, formulate, graph_costs
 from partitioner.plan import (
     FORMAT_VERSION,
     Boundary,
@@ -47,7 +54,7 @@ from partitioner.solve import solve
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
 from partitioner.values import VALUE_KEY, ValueInfo, propagate_values
 
-__all__ = ["compile", "microbatch_inputs", "stage_layout", "Status", "SIMULATED_CANDIDATES"]
+__all__ = ["SIMULATED_CANDIDATES", "Status", "compile", "microbatch_inputs", "stage_layout"]
 
 SIMULATED_CANDIDATES = 3  # best closed-form shapes that are simulated before choosing
 
@@ -116,10 +123,11 @@ def compile(
     if not feasible:
         raise _infeasible(graph, gpus=gpus, microbatches=microbatches, schedule=schedule, spec=spec,
                           memory_limit=memory_limit, optimizer_states=optimizer_states, candidates=candidates)
-    options = dict(
-        gpus=gpus, batch=batch, microbatches=microbatches, schedule=schedule, spec=spec, measure=measure,
-        memory_limit=memory_limit, optimizer_states=optimizer_states, bucket_cap_mb=bucket_cap_mb, micro=micro,
-    )
+    options: dict[str, Any] = {
+        "gpus": gpus, "batch": batch, "microbatches": microbatches, "schedule": schedule, "spec": spec,
+        "measure": measure, "memory_limit": memory_limit, "optimizer_states": optimizer_states,
+        "bucket_cap_mb": bucket_cap_mb, "micro": micro,
+    }
     # The closed form ranks every shape; the best few are simulated and the simulation decides.
     ranked = sorted(feasible, key=lambda item: item[1].objective)[:SIMULATED_CANDIDATES]
     simulated: dict[tuple[int, int], float] = {}
@@ -283,7 +291,12 @@ def _infeasible(
 ) -> AutopartitionError:
     if not any(c.status == "infeasible" for c in candidates):
         reasons = "; ".join(f"{c.pp}x{c.dp}: {c.note}" for c in candidates)
-        return AutopartitionError(f"No pp x dp shape can be planned for {gpus} GPUs ({reasons}).")
+        most = len(graph.blocks)
+        return AutopartitionError(
+            f"No pp x dp shape can be planned for {gpus} GPUs ({reasons}). The model can be split into at "
+            f"most {most} pipeline stages here; use --pp {min(most, gpus)} or fewer (the rest of the GPUs "
+            "become data-parallel replicas), and a batch size divisible by replicas x micro-batches."
+        )
     unlimited = formulate(graph, dp=1, spec=spec, memory_limit=None, optimizer_states=optimizer_states)
     stages = min(gpus, len(graph.blocks))
     relaxed = solve(unlimited, stages=stages, microbatches=microbatches, schedule=schedule, use_ilp=False)  # type: ignore[arg-type]
@@ -295,14 +308,15 @@ def _infeasible(
         if solve(bounded, stages=p, microbatches=microbatches, schedule=schedule, use_ilp=False) is not None:  # type: ignore[arg-type]
             need_gpus = p
             break
-    gib = 1024**3
-    more = (f"It would take {need_gpus} GPUs as pipeline stages" if need_gpus
-            else "Even one block per GPU does not fit")
+    from partitioner.table import format_bytes
+
+    more = (f"It would fit on {need_gpus} GPUs as pipeline stages" if need_gpus
+            else f"Even {len(graph.blocks)} stages (the most this model splits into) do not fit")
     return InfeasibleError(
-        f"No split of the model over {gpus} GPUs fits in {memory_limit / gib:.2f} GiB per GPU "  # type: ignore[operator]
+        f"No split of the model over {gpus} GPUs fits in {format_bytes(memory_limit or 0)} per GPU "
         f"(parameters, gradients, optimizer state and activations of the micro-batches in flight). "
-        f"{more}, or about {need_memory / gib:.2f} GiB per GPU with {stages} stages. "
-        "Add GPUs, raise --memory-per-gpu, use more micro-batches with --schedule 1f1b, or shrink the batch."
+        f"{more}; with {stages} stages each GPU would need about {format_bytes(need_memory)}. "
+        "Add GPUs, raise --memory-per-gpu, use --schedule 1f1b (fewer micro-batches in flight), or shrink the batch."
     )
 
 

@@ -15,17 +15,18 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 __all__ = [
-    "PartitionProblem",
     "Partition",
+    "PartitionProblem",
     "ScheduleKind",
+    "check_assignment",
     "in_flight",
     "stage_costs",
     "stage_memory",
     "step_time",
-    "check_assignment",
 ]
 
 ScheduleKind = Literal["gpipe", "1f1b"]

@@ -30,19 +30,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from partitioner.errors import ScheduleError
 
 __all__ = [
+    "SCHEDULES",
     "Action",
     "ActionKind",
     "Schedule",
-    "SCHEDULES",
     "compute_order",
     "lower",
-    "validate",
     "parse_actions",
+    "validate",
 ]
 
 ActionKind = Literal["F", "B", "SF", "RF", "SB", "RB"]
@@ -62,7 +63,7 @@ class Action:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
     @staticmethod
-    def parse(text: str) -> "Action":
+    def parse(text: str) -> Action:
         match = _PATTERN.match(text.strip())
         if match is None:
             raise ScheduleError(
@@ -93,7 +94,7 @@ class Schedule:
         return [[str(a) for a in acts] for acts in self.actions]
 
     @staticmethod
-    def from_strings(kind: str, microbatches: int, rows: Sequence[Sequence[str]]) -> "Schedule":
+    def from_strings(kind: str, microbatches: int, rows: Sequence[Sequence[str]]) -> Schedule:
         return Schedule(kind, microbatches, tuple(parse_actions(row) for row in rows))
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pulp
 
@@ -47,7 +47,7 @@ from partitioner.problem import (
     step_time,
 )
 
-__all__ = ["solve", "solve_ilp", "is_chain", "ILP_SIZE_LIMIT"]
+__all__ = ["ILP_SIZE_LIMIT", "is_chain", "solve", "solve_ilp"]
 
 # Blocks x stages above which the ILP is skipped (DESIGN.md: a 700-node, 8-stage
 # ILP took 43 s here; 300 x 4 about 1 s).

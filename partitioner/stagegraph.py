@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch.fx as fx
+from torch import fx
 
 from partitioner.capture import KIND_KEY, CapturedModel
 from partitioner.errors import PlanMismatchError
@@ -97,7 +97,7 @@ def build_stage(
         if node.name not in wanted:
             continue
 
-        def lookup(arg: fx.Node) -> Any:
+        def lookup(arg: fx.Node, node: fx.Node = node) -> Any:
             if arg.name in env:
                 return env[arg.name]
             if arg.name in statics:

@@ -25,14 +25,14 @@ import dataclasses
 from typing import Any, Literal
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from partitioner.errors import CaptureError
 
-__all__ = ["ValueInfo", "VALUE_KEY", "propagate_values", "dtype_from_name", "dtype_name"]
+__all__ = ["VALUE_KEY", "ValueInfo", "dtype_from_name", "dtype_name", "propagate_values"]
 
 VALUE_KEY = "autopartition_value"
 
@@ -63,7 +63,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+        raise ValueError(f"unknown dtype {name!r}")  # noqa: TRY004 - a bad value in a plan file
     return value
 
 
@@ -72,7 +72,7 @@ def propagate_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, V
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         FakeTensorProp(gm, mode).propagate(*inputs)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CaptureError(
             f"Shape propagation failed on the captured graph: {str(exc).splitlines()[0]}. "
             "The example inputs must have the shapes the model was captured with."

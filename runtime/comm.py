@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,11 +26,11 @@ from partitioner.values import dtype_from_name
 __all__ = [
     "PeerFailure",
     "RecvSpec",
-    "pick_device",
     "backend_for",
     "init_distributed",
-    "send_tensors",
+    "pick_device",
     "recv_tensors",
+    "send_tensors",
     "wait_all",
 ]
 
@@ -100,7 +100,7 @@ def wait_all(works: Sequence[dist.Work], *, timeout: float) -> None:
     for work in works:
         try:
             finished = work.wait(timeout=delta)
-        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+        except Exception as exc:
             raise PeerFailure(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
         if finished is False:
             raise PeerFailure(f"no answer within {timeout:g} s")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from partitioner.schedule import Action
 from runtime.comm import PeerFailure, RecvSpec, recv_tensors, send_tensors, wait_all
 from runtime.stage import LocalStage
 
-__all__ = ["StepRunner", "ActionRecord", "StepFailure"]
+__all__ = ["ActionRecord", "StepFailure", "StepRunner"]
 
 
 class StepFailure(RuntimeError):

@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from partitioner.errors import AutopartitionError
 from partitioner.plan import Plan
 
-__all__ = ["PLAN_ENV", "torchrun_command", "run_plan", "plan_from_env"]
+__all__ = ["PLAN_ENV", "plan_from_env", "run_plan", "torchrun_command"]
 
 PLAN_ENV = "AUTOPARTITION_PLAN"
 

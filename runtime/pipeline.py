@@ -13,8 +13,9 @@ Example (in each rank started by ``autopartition run`` / torchrun)::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from partitioner.plan import Plan
 from partitioner.schedule import Action, validate
 from partitioner.timeline import TimelineEvent, write_chrome_trace
 from runtime.comm import init_distributed, pick_device
-from runtime.execute import ActionRecord, StepRunner
+from runtime.execute import StepRunner
 from runtime.replicate import make_groups, sum_tied_grads, sync_tied_weights, wrap_replicas
 from runtime.stage import build_local_stage
 
@@ -192,6 +193,6 @@ class Pipeline:
             return value[start : start + plan.microbatch_size].to(self.device)
 
         return [
-            (tuple(piece(x, mb) for x in inputs), pytree.tree_map(lambda v: piece(v, mb), target))
+            (tuple(piece(x, mb) for x in inputs), pytree.tree_map(lambda v, mb=mb: piece(v, mb), target))
             for mb in range(plan.microbatches)
         ]

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from partitioner.plan import Plan
 
-__all__ = ["Groups", "TiedCopy", "make_groups", "wrap_replicas", "sync_tied_weights", "sum_tied_grads"]
+__all__ = ["Groups", "TiedCopy", "make_groups", "sum_tied_grads", "sync_tied_weights", "wrap_replicas"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Groups:
 
 
 def make_groups(plan: Plan, rank: int) -> Groups:
-    stage_index, replica = plan.rank_layout()[rank]
+    stage_index, _ = plan.rank_layout()[rank]
     stage_group = None
     if plan.dp > 1:
         for stage in plan.stages:
@@ -62,7 +62,7 @@ def make_groups(plan: Plan, rank: int) -> Groups:
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine = set(t.aliases) & set(plan.stages[stage_index].parameters)
-                tied.append(TiedCopy(t.name, sorted(mine)[0], group, ranks[0]))
+                tied.append(TiedCopy(t.name, min(mine), group, ranks[0]))
     return Groups(stage=stage_group, tied=tuple(tied))
 
 

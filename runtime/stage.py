@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from partitioner.capture import CapturedModel, capture
 from partitioner.errors import PlanMismatchError

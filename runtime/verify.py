@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from partitioner.errors import AutopartitionError
 from partitioner.plan import Plan
 
-__all__ = ["VerifyResult", "verify", "verify_plan", "free_port"]
+__all__ = ["VerifyResult", "free_port", "verify", "verify_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +143,7 @@ def _rank_main(
     model = model_file.build()
     pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout)
     inputs = model_file.example_inputs(plan.batch_size)
+    assert model_file.example_target is not None  # checked by verify() before spawning
     target = model_file.example_target(plan.batch_size)
     opt = torch.optim.SGD(pipe.parameters(), lr=lr, momentum=0.9)
     losses: list[float] = []
