@@ -32,7 +32,12 @@ from partitioner.plan import Plan
 from partitioner.simulate import Simulation, simulate
 from partitioner.timeline import write_chrome_trace
 
-__all__ = ["REPORT_FILES", "report_markdown", "write_report"]
+__all__ = [
+    "REPORT_FILES",
+    "closed_form_bubble",
+    "report_markdown",
+    "write_report",
+]
 
 REPORT_FILES = ("report.md", "timeline.png", "stages.png", "predicted_trace.json")
 
@@ -85,9 +90,9 @@ def _summary(plan: Plan, sim: Simulation) -> str:
         ("device", (f"{plan.device}; costs {cm.source}; link {cm.link_bandwidth / 1e9:.3g} GB/s, "
                    f"{cm.link_latency * 1e6:.3g} µs per message")),
         ("memory limit", limit),
-        ("predicted step", (f"{_ms(plan.predicted.step_s)} (closed form), {_ms(sim.step_s)} (simulated); "
+        ("predicted step", (f"{_ms(plan.solver.objective)} (closed form), {_ms(sim.step_s)} (simulated); "
                            f"{plan.predicted.samples_per_s:,.1f} samples/s")),
-        ("bubble", f"{_pct(plan.predicted.bubble_fraction)} (closed form), {_pct(sim.bubble_fraction)} (simulated)"),
+        ("bubble", f"{_pct(closed_form_bubble(plan))} (closed form), {_pct(sim.bubble_fraction)} (simulated)"),
     ]
     return "## Summary\n\n" + _table(("", ""), rows)
 
@@ -115,7 +120,7 @@ def _stage_table(plan: Plan) -> str:
 
 
 def _simulation(plan: Plan, sim: Simulation) -> str:
-    closed = plan.predicted.step_s
+    closed = plan.solver.objective
     diff = (sim.step_s / closed - 1) if closed > 0 else 0.0
     limit = plan.cost_model.memory_limit
     lines = [
@@ -129,7 +134,7 @@ def _simulation(plan: Plan, sim: Simulation) -> str:
         "forward + backward as one block per stage."),
         "",
         (f"Bubble (idle share of the pipeline): {_pct(sim.bubble_fraction)} simulated, "
-        f"{_pct(plan.predicted.bubble_fraction)} closed form."),
+        f"{_pct(closed_form_bubble(plan))} closed form."),
         "",
     ]
     rows = []
@@ -163,6 +168,15 @@ def _simulation(plan: Plan, sim: Simulation) -> str:
         "or chrome://tracing)."),
     ]
     return "\n".join(lines)
+
+
+def closed_form_bubble(plan: Plan) -> float:
+    """Idle share of ``pp`` GPUs over the closed-form step: ``1 - sum_s M (f_s + b_s) / (pp * step)``."""
+    step = plan.solver.objective
+    if step <= 0:
+        return 0.0
+    busy = sum(plan.microbatches * (s.predicted.forward_s + s.predicted.backward_s) for s in plan.stages)
+    return max(0.0, 1 - busy / (plan.pp * step))
 
 
 def _candidates(plan: Plan) -> str:
