@@ -22,9 +22,9 @@ from partitioner.capture import CapturedModel, capture
 from partitioner.errors import PlanMismatchError
 from partitioner.plan import Plan, StagePlan, graph_fingerprint
 from partitioner.stagegraph import StageSignature, build_stage, stage_signature
-from partitioner.values import dtype_from_name, propagate_values
+from partitioner.values import ValueInfo, dtype_from_name, propagate_values
 
-__all__ = ["LocalStage", "build_local_stage", "example_microbatch"]
+__all__ = ["LocalStage", "build_local_stage", "example_microbatch", "recapture"]
 
 
 @dataclasses.dataclass
@@ -41,7 +41,8 @@ def example_microbatch(plan: Plan) -> tuple[torch.Tensor, ...]:
     return tuple(torch.zeros(t.shape, dtype=dtype_from_name(t.dtype)) for t in plan.model.inputs)
 
 
-def build_local_stage(plan: Plan, model: torch.nn.Module, stage_index: int) -> LocalStage:
+def recapture(plan: Plan, model: torch.nn.Module) -> tuple[CapturedModel, dict[str, ValueInfo]]:
+    """Capture ``model`` as the plan did and check it is the same graph with the same boundary shapes."""
     if type(model).__name__ != plan.model.class_name:
         raise PlanMismatchError(
             f"The plan was made for a {plan.model.class_name}, but the model is a {type(model).__name__}. "
@@ -57,8 +58,7 @@ def build_local_stage(plan: Plan, model: torch.nn.Module, stage_index: int) -> L
             "`autopartition model.py --gpus N`."
         )
     infos = propagate_values(captured.graph_module, micro)
-    stage = plan.stages[stage_index]
-    for b in (*stage.inputs, *stage.outputs):
+    for b in (b for stage in plan.stages for b in stage.outputs):
         info = infos.get(b.producer)
         if info is None or info.shape != b.shape or info.dtype != b.dtype:
             got = "missing" if info is None else f"{info.shape} {info.dtype}"
@@ -66,6 +66,13 @@ def build_local_stage(plan: Plan, model: torch.nn.Module, stage_index: int) -> L
                 f"Boundary tensor {b.producer} is {got} in the model but {b.shape} {b.dtype} in the plan. "
                 "The model or its input shapes changed: plan it again."
             )
+    return captured, infos
+
+
+def build_local_stage(plan: Plan, model: torch.nn.Module, stage_index: int) -> LocalStage:
+    """This rank's stage module, after :func:`recapture`'s checks."""
+    captured, infos = recapture(plan, model)
+    stage = plan.stages[stage_index]
     statics = {name: info.static for name, info in infos.items() if info.kind == "static"}
     last = stage_index == plan.pp - 1
     signature = stage_signature(stage, model_outputs=plan.model.outputs, last=last)

@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from partitioner.errors import AutopartitionError
 from partitioner.plan import Plan
+from runtime.stage import recapture
 
 __all__ = ["VerifyResult", "free_port", "verify", "verify_plan"]
 
@@ -81,6 +82,8 @@ def verify(
         raise AutopartitionError(
             f"{model_spec} needs loss_fn(outputs, target) and example_target(batch_size) for verification."
         )
+    torch.manual_seed(0)
+    recapture(plan, model_file.build())  # a plan for another model fails here, before any rank starts
     reference = _reference(model_file, plan, steps=steps, lr=lr)
     with tempfile.TemporaryDirectory(prefix="autopartition-verify-") as out:
         port = free_port()
