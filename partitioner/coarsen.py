@@ -41,13 +41,14 @@ def coarsen(gm: fx.GraphModule, *, max_blocks: int, times: dict[str, float] | No
     cuttable = _cuttable(nodes, position)
     paths = [module_path(n).split(".") if module_path(n) else [] for n in nodes]
     depth = max(len(p) for p in paths)
-    for d in range(depth + 1, -1, -1):
-        # d = depth + 1 means "every node on its own".
+    runs: list[list[int]] = []
+    for d in range(depth + 1, 0, -1):
+        # d = depth + 1 means "every node on its own"; d = 1 the top-level modules.
         keys = [tuple(p[:d]) if d <= depth else (str(i),) for i, p in enumerate(paths)]
         runs = _runs(keys, cuttable)
         if len(runs) <= max_blocks:
             return [tuple(nodes[i].name for i in run) for run in runs]
-    runs = _runs([()] * len(nodes), cuttable)
+    # Even top-level modules are too many: merge neighbours into even blocks, on module boundaries.
     runs = _merge_evenly(runs, max_blocks, [times.get(n.name, 1.0) if times else 1.0 for n in nodes])
     return [tuple(nodes[i].name for i in run) for run in runs]
 
@@ -58,7 +59,8 @@ def _cuttable(nodes: list[fx.Node], position: dict[str, int]) -> list[bool]:
     ok = [True] * len(nodes)
     for k, node in enumerate(nodes):
         info = node.meta.get(VALUE_KEY)
-        if isinstance(info, ValueInfo) and info.kind == "bundle":
+        # Tuples of tensors and values fake propagation cannot see (``x.device``) stay with their readers.
+        if isinstance(info, ValueInfo) and info.kind in ("bundle", "none") and node.users:
             last = max((position[u.name] for u in node.users if u.name in position), default=k)
             blocked_until = max(blocked_until, last)
         if k < blocked_until:

@@ -145,6 +145,7 @@ def _in_situ(
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     samples: dict[str, list[float]] = {}
     backward: list[float] = []
+    params = [p for p in gm.parameters() if p.requires_grad]
     for _ in range(repeats + 1):
         timer = _NodeTimer(gm, sync)
         with torch.enable_grad():
@@ -152,13 +153,13 @@ def _in_situ(
             leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
             sync()
             start = time.perf_counter()
-            if leaves:
-                torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+            if leaves and params:
+                # autograd.grad, not backward: the user's .grad stays as it was.
+                torch.autograd.grad(leaves, params, [torch.ones_like(t) for t in leaves], allow_unused=True)
             sync()
         backward.append(time.perf_counter() - start)
         for name, seconds in timer.seconds.items():
             samples.setdefault(name, []).append(seconds)
-    gm.zero_grad(set_to_none=True)
     # The first pass is a warm-up.
     return {k: statistics.median(v[1:]) for k, v in samples.items()}, statistics.median(backward[1:])
 
@@ -230,10 +231,13 @@ def _time_loss_once(
 
 
 def _has_mutation(gm: fx.GraphModule) -> bool:
+    """Could running the graph change model state (in-place aten ops, modules with buffers)?"""
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None)
         if schema is not None and schema.is_mutable:
             return True
+        if node.op == "call_module" and any(True for _ in gm.get_submodule(str(node.target)).buffers()):
+            return True  # e.g. BatchNorm's running statistics under symbolic tracing
     return False
 
 

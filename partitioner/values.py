@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from partitioner.capture import KIND_KEY
 from partitioner.errors import CaptureError
 
 __all__ = ["VALUE_KEY", "ValueInfo", "dtype_from_name", "dtype_name", "propagate_values"]
@@ -82,6 +83,11 @@ def propagate_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, V
         info = _info(node.meta.get("val"))
         node.meta[VALUE_KEY] = info
         infos[node.name] = info
+        if info.kind == "none" and node.meta.get(KIND_KEY) == "compute" and all(
+            a.meta.get(KIND_KEY) in ("input", "buffer", "constant") for a in node.all_input_nodes
+        ):
+            # Metadata of a model input (``x.device``): every stage can read it itself.
+            node.meta[KIND_KEY] = "constant"
     return infos
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 import types
 from pathlib import Path
@@ -67,7 +68,7 @@ def _boundaries(blocks: list[tuple[str, ...]]) -> set[int]:
 
 def _depth_runs(gm: fx.GraphModule, depth: int) -> int:
     keys = [tuple(module_path(n).split(".")[:depth]) if module_path(n) else () for n in compute_nodes(gm)]
-    return 1 + sum(1 for a, b in zip(keys, keys[1:]) if a != b)
+    return 1 + sum(1 for a, b in itertools.pairwise(keys) if a != b)
 
 
 def test_docstring_example() -> None:

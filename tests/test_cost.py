@@ -202,3 +202,16 @@ def test_profiling_leaves_no_gradients(method: str) -> None:
     assert all(p.grad is None for p in model.parameters())
     assert all(p.grad is None for p in captured.graph_module.parameters())
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_profiling_keeps_existing_gradients() -> None:
+    """A model planned mid-training keeps the gradients it has accumulated."""
+    model = _mlp()
+    inputs = (torch.randn(B, IN),)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    captured = _captured(model, inputs)
+    profile(captured, inputs, measure=True, warmup=0, repeats=1)
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"profiling dropped {name}.grad"
+        assert torch.equal(p.grad, torch.full_like(p, 0.5)), name

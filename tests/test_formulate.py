@@ -12,7 +12,13 @@ from partitioner.capture import CapturedModel, capture
 from partitioner.coarsen import coarsen
 from partitioner.cost import predicted_times, profile
 from partitioner.devices import DEVICES, DeviceSpec
-from partitioner.formulate import GraphCosts, allreduce_seconds, formulate, graph_costs, transfer_seconds
+from partitioner.formulate import (
+    GraphCosts,
+    allreduce_seconds,
+    formulate,
+    graph_costs,
+    transfer_seconds,
+)
 from partitioner.values import propagate_values
 
 V, H, B, T = 50, 16, 4, 6
