@@ -1,11 +1,14 @@
 """Capture: turn an ``nn.Module`` plus example inputs into a clean fx graph.
 
-Two routes, chosen automatically (``method="auto"``):
+Two routes, chosen automatically (``method="auto"``: symbolic tracing first,
+then export):
 
-* ``torch.export.export(..., strict=False)``: aten-level graphs, the only route
-  that captures Hugging Face models; fine-grained, so splits can fall inside a
-  layer.
-* ``torch.fx.symbolic_trace``: plain modules only; coarse, module-level graphs.
+* ``torch.fx.symbolic_trace``: plain modules; leaf modules (``nn.Linear``,
+  ``nn.LayerNorm``) and functional ops as nodes.  Fast (0.06 s for a 12-layer
+  GPT here, against 2.3 s for export) and not specialised to input shapes, so
+  one capture serves every micro-batch size and ranks start quickly.
+* ``torch.export.export(..., strict=False)``: aten-level graphs specialised to
+  the example shapes; the only route that captures Hugging Face models.
 
 Either way the graph keeps each node's ``nn_module_stack`` so that plans speak in
 the user's module names, and non-compute nodes (export guards, metadata
@@ -16,7 +19,7 @@ Example::
     >>> import torch
     >>> captured = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
     >>> captured.method
-    'export'
+    'symbolic_trace'
 """
 
 from __future__ import annotations
@@ -103,8 +106,8 @@ def capture(
 ) -> CapturedModel:
     """Capture ``model`` called on ``example_inputs`` (positional tensors) as an fx graph.
 
-    ``method="auto"`` tries ``torch.export`` (non-strict) first and falls back to
-    ``torch.fx.symbolic_trace``; when both fail the error names the line of the
+    ``method="auto"`` tries ``torch.fx.symbolic_trace`` first and falls back to
+    ``torch.export`` (non-strict); when both fail the error names the line of the
     model's code that stopped each of them.
     """
     if not isinstance(model, torch.nn.Module):
@@ -121,7 +124,7 @@ def capture(
                 "tensors (batch in dimension 0). Wrap other arguments in the model or pass them as tensors."
             )
     routes: list[Literal["export", "symbolic_trace"]]
-    routes = ["export", "symbolic_trace"] if method == "auto" else [method]  # type: ignore[list-item]
+    routes = ["symbolic_trace", "export"] if method == "auto" else [method]  # type: ignore[list-item]
     failures: list[str] = []
     for route in routes:
         try:

@@ -111,6 +111,7 @@ def formulate(
     spec: DeviceSpec,
     memory_limit: float | None,
     optimizer_states: int = 2,
+    bucket_cap_mb: float = 25.0,
 ) -> PartitionProblem:
     """The solver's problem for ``dp`` replicas per stage (any number of stages)."""
     scale = 1.0 / dp
@@ -124,7 +125,8 @@ def formulate(
     shared: list[tuple[float, float, tuple[int, ...]]] = []
     for p, blocks in readers.items():
         nbytes = graph.parameter_bytes[p]
-        seconds = allreduce_seconds(nbytes, dp, spec, messages=0)  # latency: per bucket, not per tensor
+        # Latency is paid per DDP bucket: each byte carries its share, the first bucket is fixed.
+        seconds = allreduce_seconds(nbytes, dp, spec, messages=0) + _latency_share(nbytes, dp, spec, bucket_cap_mb)
         if len(blocks) == 1:
             static[blocks[0]] += per_byte * nbytes
             allreduce[blocks[0]] += seconds
@@ -145,7 +147,12 @@ def formulate(
         edges=graph.edges,
         shared=tuple(shared),
         memory_limit=memory_limit,
+        allreduce_latency_s=2 * (dp - 1) * spec.link_latency,
     )
+
+
+def _latency_share(nbytes: float, dp: int, spec: DeviceSpec, bucket_cap_mb: float) -> float:
+    return nbytes / (bucket_cap_mb * 1024**2) * 2 * (dp - 1) * spec.link_latency
 
 
 def is_compute(node: fx.Node) -> bool:

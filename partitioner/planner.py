@@ -118,7 +118,8 @@ def compile(
 
     candidates, feasible = _search(
         graph, gpus=gpus, pp=pp, dp=dp, batch=batch, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
-        spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states, time_limit=time_limit, say=say,
+        spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states, bucket_cap_mb=bucket_cap_mb,
+        time_limit=time_limit, say=say,
     )
     if not feasible:
         raise _infeasible(graph, gpus=gpus, microbatches=microbatches, schedule=schedule, spec=spec,
@@ -138,9 +139,10 @@ def compile(
     candidates = [dataclasses.replace(c, simulated_s=simulated.get((c.pp, c.dp))) for c in candidates]
     (best_pp, best_dp), partition = min(ranked, key=lambda item: simulated[item[0]])
     if best_dp > 1:
-        # Boundary shapes and baked-in sizes must be those of the real micro-batch.
+        # Boundary shapes and baked-in sizes must be those of the real micro-batch: a traced
+        # graph is shape-generic (propagate again); an exported one is specialised (recapture).
         micro = microbatch_inputs(example_inputs, batch // (microbatches * best_dp))
-        recaptured = capture(model, micro, method=captured.method)
+        recaptured = capture(model, micro, method=captured.method) if captured.method == "export" else captured
         if graph_fingerprint(recaptured.graph_module) != graph_fingerprint(captured.graph_module):
             raise AutopartitionError(
                 f"{type(model).__name__} captures to a different graph at micro-batch size "
@@ -246,6 +248,7 @@ def _search(
     spec: DeviceSpec,
     memory_limit: float | None,
     optimizer_states: int,
+    bucket_cap_mb: float,
     time_limit: float,
     say: Status,
 ) -> tuple[list[Candidate], list[tuple[tuple[int, int], Partition]]]:
@@ -263,7 +266,8 @@ def _search(
             candidates.append(Candidate(p, d, None, "skipped", f"only {len(graph.blocks)} blocks to place"))
             continue
         say(f"solving {p} stages x {d} replicas")
-        problem = formulate(graph, dp=d, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states)
+        problem = formulate(graph, dp=d, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states,
+                            bucket_cap_mb=bucket_cap_mb)
         found = solve(problem, stages=p, microbatches=microbatches, schedule=schedule, time_limit=time_limit)
         if found is None:
             candidates.append(Candidate(p, d, None, "infeasible", "no split fits in memory"))
@@ -352,7 +356,8 @@ def _build_plan(
     for name, s in stage_of_node.items():
         compute_sets[s].add(name)
     boundaries = _boundaries(gm, stage_of_node, pp, batch_divisor=batch_divisor)
-    problem = formulate(graph, dp=dp, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states)
+    problem = formulate(graph, dp=dp, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states,
+                        bucket_cap_mb=bucket_cap_mb)
     times, allreduce = stage_costs(problem, partition.stage_of, pp)
     memory = stage_memory(problem, partition.stage_of, pp, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
     statics = {n.name: n.meta[VALUE_KEY].static for n in gm.graph.nodes if n.meta[VALUE_KEY].kind == "static"}
@@ -388,7 +393,7 @@ def _build_plan(
                 parameter_bytes=sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params),
                 activation_bytes=sum(graph.node_saved_bytes.get(n, 0) for n in compute) / dp,
                 send_bytes=sum(b.nbytes for b in outputs),
-                allreduce_s=allreduce[s],
+                allreduce_s=allreduce[s] + problem.allreduce_latency_s,
             ),
         )
         stages.append(stage)

@@ -57,6 +57,7 @@ class PartitionProblem:
     edges: tuple[tuple[int, int], ...]
     shared: tuple[tuple[float, float, tuple[int, ...]], ...] = ()
     memory_limit: float | None = None
+    allreduce_latency_s: float = 0.0  # fixed cost of a stage's first all-reduce bucket (replicas > 1)
 
     @property
     def size(self) -> int:
@@ -142,7 +143,7 @@ def step_time(
     """Closed-form step time ``sum t + (M-1) max t + max all-reduce`` and the stage times."""
     stages = max(stage_of) + 1
     times, allreduce = stage_costs(problem, stage_of, stages)
-    total = sum(times) + (microbatches - 1) * max(times) + max(allreduce)
+    total = sum(times) + (microbatches - 1) * max(times) + max(allreduce) + problem.allreduce_latency_s
     return total, tuple(times)
 
 

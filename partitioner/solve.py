@@ -196,7 +196,7 @@ def solve_ilp(
     objective = pulp.lpSum(stage_time) + (M - 1) * bottleneck + allreduce
     lp += objective
     if upper_bound is not None:
-        lp += objective <= upper_bound / t_unit * (1 + 1e-9)
+        lp += objective <= (upper_bound - problem.allreduce_latency_s) / t_unit * (1 + 1e-9)
     for _ in range(_RETRIES):
         status, bound, name = _run(lp, time_limit)
         if status not in ("optimal", "feasible"):
@@ -211,7 +211,7 @@ def solve_ilp(
     else:
         return None
     value, _ = step_time(problem, stage_of, microbatches=M)
-    bound = None if bound is None else bound * t_unit
+    bound = None if bound is None else bound * t_unit + problem.allreduce_latency_s
     return Partition(
         stage_of=stage_of,
         stages=P,
@@ -290,7 +290,7 @@ def _fits(problem: PartitionProblem, stage_of: tuple[int, ...], P: int, M: int, 
 def _simple_bound(problem: PartitionProblem, stages: int, microbatches: int) -> float:
     """A bound valid for any split: all work once, plus M-1 times an even share or the largest block."""
     total = sum(problem.time_s)
-    return total + (microbatches - 1) * max(total / stages, max(problem.time_s))
+    return total + (microbatches - 1) * max(total / stages, max(problem.time_s)) + problem.allreduce_latency_s
 
 
 def _with(partition: Partition, **changes: object) -> Partition:

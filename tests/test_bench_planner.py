@@ -1,4 +1,4 @@
-"""Smoke tests of ``tools/bench_planner.py``'s baseline splits and exact references (no torch, < 10 s).
+"""Smoke tests of ``tools/bench_planner.py``: baseline splits and exact references (< 10 s).
 
 The split functions are checked against brute force over every contiguous split;
 the exact references (:func:`best_contiguous`, :func:`exact_split`) against
@@ -42,8 +42,11 @@ def largest_part(weights, stage_of) -> float:
 
 
 def is_split(stage_of, n: int, stages: int) -> bool:
-    return len(stage_of) == n and stage_of[0] == 0 and stage_of[-1] == stages - 1 and all(
-        b - a in (0, 1) for a, b in zip(stage_of, stage_of[1:])
+    return (
+        len(stage_of) == n
+        and stage_of[0] == 0
+        and stage_of[-1] == stages - 1
+        and all(b - a in (0, 1) for a, b in itertools.pairwise(stage_of))
     )
 
 
@@ -100,8 +103,14 @@ def _problem(seed: int, kind: str):
     microbatches = rng.choice([1, 2, 4, 8])
     problem = _brute.random_problem(rng, n, kind=kind, shared=rng.random() < 0.5)
     if rng.random() < 0.5:
-        problem = _brute.with_limit(problem, rng, stages=stages, microbatches=microbatches, schedule="gpipe",
-                                    intervals=kind == "chain")
+        problem = _brute.with_limit(
+            problem,
+            rng,
+            stages=stages,
+            microbatches=microbatches,
+            schedule="gpipe",
+            intervals=kind == "chain",
+        )
     return problem, stages, microbatches
 
 
@@ -146,3 +155,8 @@ def test_whole_layer_split_only_cuts_between_units() -> None:
         for split in contiguous_splits(4, 3)
     )
     assert math.isclose(got[0], best, rel_tol=1e-12)
+
+
+def test_stage_sizes_runs_for_many_stages() -> None:
+    split = bench.equal_layers(98, 64)
+    assert bench.stage_sizes(split) == "2x34|1x30"

@@ -90,22 +90,22 @@ def test_plain_module_via_symbolic_trace() -> None:
     assert sorted(node_parameters(gm, first)) == ["0.bias", "0.weight"]
 
 
-def test_auto_prefers_export() -> None:
+def test_auto_prefers_symbolic_trace() -> None:
     captured = capture(_mlp(), (torch.randn(3, 8),))
-    assert captured.method == "export"
+    assert captured.method == "symbolic_trace"
 
 
-def test_auto_falls_back_to_symbolic_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_falls_back_to_export(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*_args: Any, **_kwargs: Any) -> Any:
-        raise RuntimeError("export is unavailable here")
+        raise RuntimeError("tracing is unavailable here")
 
-    monkeypatch.setattr(capture_mod, "_export", broken)
+    monkeypatch.setattr(capture_mod, "_trace", broken)
     model, x = _mlp(), (torch.randn(3, 8),)
     captured = capture(model, x, method="auto")
-    assert captured.method == "symbolic_trace"
+    assert captured.method == "export"
     torch.testing.assert_close(_run(captured, x), model(*x), rtol=0, atol=0)
-    with pytest.raises(CaptureError, match="export is unavailable here"):
-        capture(model, x, method="export")
+    with pytest.raises(CaptureError, match="tracing is unavailable here"):
+        capture(model, x, method="symbolic_trace")
 
 
 # ----------------------------------------------------------------- GPT graph

@@ -117,14 +117,20 @@ def test_allreduce_zero_at_dp1_and_ring_at_dp2(tied: tuple[CapturedModel, GraphC
     one = formulate(graph, dp=1, spec=SPEC, memory_limit=None)
     assert all(s == 0.0 for s in one.allreduce_s)
     assert all(s == 0.0 for _, s, _ in one.shared)
-    two = formulate(graph, dp=2, spec=SPEC, memory_limit=None)
+    bucket = 25 * 1024**2
+    two = formulate(graph, dp=2, spec=SPEC, memory_limit=None, bucket_cap_mb=25)
     mid = _block_of(graph, "linear")
     nbytes = (H * H + H) * 4
-    # Ring: 2 (D-1)/D x bytes / bandwidth = bytes / bandwidth at D = 2 (latency is per bucket).
-    assert two.allreduce_s[mid] == pytest.approx(nbytes / SPEC.link_bandwidth)
-    assert two.shared[0][1] == pytest.approx(V * H * 4 / SPEC.link_bandwidth)
-    four = formulate(graph, dp=4, spec=SPEC, memory_limit=None)
-    assert four.allreduce_s[mid] == pytest.approx(1.5 * nbytes / SPEC.link_bandwidth)
+    # Ring: 2 (D-1)/D x bytes / bandwidth = bytes / bandwidth at D = 2, plus each byte's share of
+    # the per-bucket latency 2 (D-1) alpha; the first bucket's latency is a fixed term.
+    share = 2 * SPEC.link_latency / bucket
+    assert two.allreduce_s[mid] == pytest.approx(nbytes / SPEC.link_bandwidth + nbytes * share)
+    assert two.shared[0][1] == pytest.approx(V * H * 4 / SPEC.link_bandwidth + V * H * 4 * share)
+    assert two.allreduce_latency_s == pytest.approx(2 * SPEC.link_latency)
+    four = formulate(graph, dp=4, spec=SPEC, memory_limit=None, bucket_cap_mb=25)
+    assert four.allreduce_s[mid] == pytest.approx(1.5 * nbytes / SPEC.link_bandwidth + nbytes * 3 * share)
+    assert four.allreduce_latency_s == pytest.approx(6 * SPEC.link_latency)
+    assert one.allreduce_latency_s == 0.0
 
 
 def test_allreduce_formula() -> None:

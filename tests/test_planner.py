@@ -19,6 +19,7 @@ from partitioner import compile
 from partitioner.capture import KIND_KEY, capture
 from partitioner.errors import AutopartitionError, InfeasibleError
 from partitioner.plan import Plan, graph_fingerprint
+from partitioner.values import propagate_values
 from partitioner.planner import stage_layout
 from partitioner.schedule import validate
 
@@ -53,7 +54,9 @@ class Model:
         key = (plan.model.capture, size)
         if key not in self._graphs:
             micro = tuple(x[:size] for x in self.inputs)
-            self._graphs[key] = capture(self.module, micro, method=plan.model.capture).graph_module  # type: ignore[arg-type]
+            gm = capture(self.module, micro, method=plan.model.capture).graph_module  # type: ignore[arg-type]
+            propagate_values(gm, micro)  # final node kinds: input metadata becomes recomputable
+            self._graphs[key] = gm
         gm = self._graphs[key]
         assert graph_fingerprint(gm) == plan.model.fingerprint
         return gm

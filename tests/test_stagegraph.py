@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from partitioner import compile
-from partitioner.capture import KIND_KEY, CapturedModel, capture
+from partitioner.capture import KIND_KEY, node_parameters, CapturedModel, capture
 from partitioner.errors import PlanMismatchError
 from partitioner.plan import Plan, graph_fingerprint
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
@@ -68,7 +68,7 @@ def gpt_staged() -> Staged:
     gpt = _example("gpt")
     model = gpt.build_model()
     inputs = gpt.example_inputs(4)
-    plan = compile(model, inputs, gpus=3, microbatches=2, device="h100", pp=3)
+    plan = compile(model, inputs, gpus=3, microbatches=2, device="h100", pp=3, capture_method="export")
     assert plan.pp == 3 and plan.dp == 1
     return Staged(model, plan, tuple(x[:2] for x in inputs))
 
@@ -159,8 +159,10 @@ def test_each_stage_holds_only_its_parameters(gpt_staged: Staged) -> None:
             assert param is original[name]  # the model's own tensors, not copies
             seen.add(id(param))
         # No parameter of another layer sneaks in: a stage's parameters are those its nodes read.
-        read = {str(n.target) for n in s.captured.graph_module.graph.nodes
-                if n.name in stage.nodes and n.meta[KIND_KEY] == "parameter"}
+        gm = s.captured.graph_module
+        read = {str(n.target) for n in gm.graph.nodes if n.name in stage.nodes and n.meta[KIND_KEY] == "parameter"}
+        read |= {p for n in gm.graph.nodes if n.name in stage.nodes and n.op == "call_module"
+                 for p in node_parameters(gm, n)}
         assert set(names) == read
     assert seen == {id(p) for p in s.model.parameters()}  # together: every parameter
     # Untied parameters live in exactly one stage; the tied embedding in the first and last.

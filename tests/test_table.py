@@ -41,7 +41,7 @@ def test_format_plan_example() -> None:
     rows = lines[header + 2: header + 4]
     assert rows[0].split()[:5] == ["0", "0", "0", "…", "1"]
     assert rows[1].split()[:4] == ["1", "1", "2", "1"]
-    assert "1.000" in rows[0] and "2.000" in rows[0] and "32 B" in rows[0] and "977 KiB" in rows[0]
+    assert "1.000" in rows[0] and "2.000" in rows[0] and "32 B" in rows[0] and "320 B" in rows[0]
     assert "predicted step 9.00 ms | bubble 33.3% | 444 samples/s" in text
     assert "solver interval-dp: optimal, gap 0.0% to the lower bound, 3 blocks" in text
     assert "tied parameters" not in text
@@ -59,11 +59,11 @@ def test_format_plan_tied_candidates_and_limit() -> None:
             Candidate(1, 2, None, "skipped", "batch 4 does not split into 2 replicas x 4 micro-batches"),
             Candidate(1, 2, None, "infeasible", "no split fits in memory"),
         ),
-        cost_model=dataclasses.replace(base.cost_model, memory_limit=4e6),
+        cost_model=dataclasses.replace(base.cost_model, memory_limit=1280.0),
     )
     text = format_plan(plan)
     assert "0.weight = 2.weight on stages 0, 1" in text
-    assert "(25%)" in text and "limit 3.81 MiB per GPU" in text
+    assert "(25%)" in text and "limit 1.25 KiB per GPU" in text
     lines = text.splitlines()
     skipped = next(line for line in lines if "skipped" in line)
     assert not skipped.lstrip().startswith("*") and " - " in skipped and "does not split" in skipped

@@ -1,11 +1,12 @@
-"""Benchmark the planner: its predicted step time against standard pipeline splits, and its wall time.
+"""Benchmark the planner: predicted step time against standard pipeline splits; wall time.
 
 Commands (from the repository root)::
 
-    .venv/bin/python tools/bench_planner.py --quick         # smoke run, under a minute
-    .venv/bin/python tools/bench_planner.py                 # full run: the numbers (several minutes)
-    .venv/bin/python tools/bench_planner.py --no-wall       # only the split tables
-    .venv/bin/python tools/bench_planner.py --cprofile      # also print the top functions of each timed compile
+    .venv/bin/python tools/bench_planner.py --quick     # smoke run, under a minute
+    .venv/bin/python tools/bench_planner.py             # full run: the numbers (a few minutes)
+    .venv/bin/python tools/bench_planner.py --no-wall   # only the split tables
+    .venv/bin/python tools/bench_planner.py --wall-only # only the wall-time rows
+    .venv/bin/python tools/bench_planner.py --cprofile  # + cProfile's top functions per compile
 
 The tables go to stdout, progress to stderr.
 
@@ -52,14 +53,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -115,9 +118,7 @@ def min_max_split(weights: Sequence[float], stages: int) -> tuple[int, ...]:
     best[0][0] = 0.0
     for s in range(1, stages + 1):
         for j in range(s, n - (stages - s) + 1):
-            best[s][j] = min(
-                max(best[s - 1][i], prefix[j] - prefix[i]) for i in range(s - 1, j)
-            )
+            best[s][j] = min(max(best[s - 1][i], prefix[j] - prefix[i]) for i in range(s - 1, j))
     bottleneck = best[stages][n]
     tol = 1e-12 * max(1.0, abs(bottleneck))
     # Greedy from the left; a stage may stop early only if the rest still fits.
@@ -127,13 +128,17 @@ def min_max_split(weights: Sequence[float], stages: int) -> tuple[int, ...]:
     for s in range(stages - 1, -1, -1):
         for i in range(n - 1, -1, -1):
             ok[s][i] = any(
-                ok[s + 1][j] for j in range(i + 1, n + 1) if prefix[j] - prefix[i] <= bottleneck + tol
+                ok[s + 1][j]
+                for j in range(i + 1, n + 1)
+                if prefix[j] - prefix[i] <= bottleneck + tol
             )
     out: list[int] = []
     i = 0
     for s in range(stages):
         j = max(
-            j for j in range(i + 1, n + 1) if prefix[j] - prefix[i] <= bottleneck + tol and ok[s + 1][j]
+            j
+            for j in range(i + 1, n + 1)
+            if prefix[j] - prefix[i] <= bottleneck + tol and ok[s + 1][j]
         )
         out.extend([s] * (j - i))
         i = j
@@ -161,12 +166,21 @@ def units_to_blocks(unit_stage: Sequence[int], unit_of_block: Sequence[int]) -> 
     return tuple(unit_stage[u] for u in unit_of_block)
 
 
-def stage_sizes(stage_of: Sequence[int]) -> str:
-    """``3|3|2|2``: units (or blocks) per stage."""
+def stage_sizes(stage_of: Sequence[int], *, runs_over: int = 12) -> str:
+    """``3|3|2|2``: units (or blocks) per stage; ``2x34|1x30`` (runs) beyond ``runs_over`` stages."""
     counts: dict[int, int] = {}
     for s in stage_of:
         counts[s] = counts.get(s, 0) + 1
-    return "|".join(str(counts[s]) for s in sorted(counts))
+    sizes = [counts[s] for s in sorted(counts)]
+    if len(sizes) <= runs_over:
+        return "|".join(str(n) for n in sizes)
+    runs: list[list[int]] = []
+    for n in sizes:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return "|".join(str(n) if k == 1 else f"{n}x{k}" for n, k in runs)
 
 
 def _check(n: int, stages: int) -> None:
@@ -211,7 +225,9 @@ def chain_dp(
             choice[s] = np.argmin(total, axis=0)
             rows = choice[s]
             new_best = total[rows, np.arange(k)]
-            worst = np.maximum(worst[rows], np.where(np.isfinite(new_best), allowed[rows, np.arange(k)], 0.0))
+            worst = np.maximum(
+                worst[rows], np.where(np.isfinite(new_best), allowed[rows, np.arange(k)], 0.0)
+            )
             best = new_best
         if not np.isfinite(best[k - 1]):
             return None
@@ -308,7 +324,9 @@ def interval_cost(problem: Any, cuts: Sequence[int]) -> tuple[np.ndarray, np.nda
     return cost, static, act
 
 
-def _masks(problem: Any, static: np.ndarray, act: np.ndarray, stages: int, microbatches: int) -> np.ndarray | None:
+def _masks(
+    problem: Any, static: np.ndarray, act: np.ndarray, stages: int, microbatches: int
+) -> np.ndarray | None:
     if problem.memory_limit is None:
         return None
     limit = problem.memory_limit * (1 + 1e-12)
@@ -317,7 +335,9 @@ def _masks(problem: Any, static: np.ndarray, act: np.ndarray, stages: int, micro
     return np.broadcast_to(fits, (stages, *fits.shape))
 
 
-def best_contiguous(problem: Any, cuts: Sequence[int], stages: int, microbatches: int) -> tuple[float, tuple[int, ...]] | None:
+def best_contiguous(
+    problem: Any, cuts: Sequence[int], stages: int, microbatches: int
+) -> tuple[float, tuple[int, ...]] | None:
     """Exact best split of the blocks into stages that start only at ``cuts`` (0 first, N last)."""
     if stages > len(cuts) - 1:
         return None
@@ -336,7 +356,11 @@ def best_whole_layer_split(
     problem: Any, unit_of_block: Sequence[int], stages: int, microbatches: int
 ) -> tuple[float, tuple[int, ...]] | None:
     """Exact least ``step_time`` over contiguous splits of whole units (stage per block)."""
-    cuts = [0] + [b for b in range(1, problem.size) if unit_of_block[b] != unit_of_block[b - 1]] + [problem.size]
+    cuts = (
+        [0]
+        + [b for b in range(1, problem.size) if unit_of_block[b] != unit_of_block[b - 1]]
+        + [problem.size]
+    )
     return best_contiguous(problem, cuts, stages, microbatches)
 
 
@@ -361,7 +385,9 @@ def down_sets(problem: Any, limit: int = MAX_DOWN_SETS) -> list[int] | None:
     return out
 
 
-def exact_split(problem: Any, stages: int, microbatches: int, limit: int = MAX_DOWN_SETS) -> tuple[float, tuple[int, ...]] | None:
+def exact_split(
+    problem: Any, stages: int, microbatches: int, limit: int = MAX_DOWN_SETS
+) -> tuple[float, tuple[int, ...]] | None:
     """Least ``step_time`` over every valid assignment (no edge backward, no stage empty, the
     last block in the last stage, memory within the limit), by a DP over down-sets.
 
@@ -379,7 +405,6 @@ def exact_split(problem: Any, stages: int, microbatches: int, limit: int = MAX_D
     last = 1 << (n - 1)
     # Intermediate boundaries must leave the last block (the model's output) for the last stage.
     sets = [d for d in sets if d == full or not d & last]
-    k = len(sets)
     member = np.array([[(d >> v) & 1 for v in range(n)] for d in sets], dtype=bool)
     f = member.astype(np.float64)
     subset = (f @ (~member).astype(np.float64).T) == 0  # subset[a, b]: D_a within D_b
@@ -437,8 +462,13 @@ class ModelSpec:
     def config(self) -> Any:
         from examples.gpt import GPTConfig
 
-        return GPTConfig(vocab_size=self.vocab, block_size=self.seq, n_layer=self.n_layer,
-                         n_head=self.n_head, n_embd=self.n_embd)
+        return GPTConfig(
+            vocab_size=self.vocab,
+            block_size=self.seq,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+        )
 
     def build(self) -> Any:
         from examples.gpt import build_model
@@ -507,7 +537,9 @@ def build_problem(spec: ModelSpec, microbatches: int, say: Callable[[str], None]
     costs = profile(captured, micro, measure=False)
     device = DEVICES[DEVICE]
     times = {name: predicted_times(c, device) for name, c in costs.items()}
-    blocks = coarsen(captured.graph_module, max_blocks=256, times={k: f + b for k, (f, b) in times.items()})
+    blocks = coarsen(
+        captured.graph_module, max_blocks=256, times={k: f + b for k, (f, b) in times.items()}
+    )
     graph = graph_costs(captured, blocks, costs, times)
     problem = formulate(graph, dp=1, spec=device, memory_limit=float(device.memory_bytes))
     nodes = captured.nodes()
@@ -515,9 +547,13 @@ def build_problem(spec: ModelSpec, microbatches: int, say: Callable[[str], None]
     for members in blocks:
         u = unit_of_path(module_path(nodes[members[0]]), spec.n_layer)
         units.append(u if u is not None else (units[-1] if units else 0))
-    if any(b < a for a, b in zip(units, units[1:])) or sorted(set(units)) != list(range(spec.n_layer + 2)):
+    if any(b < a for a, b in itertools.pairwise(units)) or sorted(set(units)) != list(
+        range(spec.n_layer + 2)
+    ):
         raise RuntimeError(f"{spec.name}: solver blocks do not follow the layer order: {units}")
-    groups = [["wte", "wpe"]] + [[f"blocks.{i}"] for i in range(spec.n_layer)] + [["ln_f", "lm_head"]]
+    groups = (
+        [["wte", "wpe"]] + [[f"blocks.{i}"] for i in range(spec.n_layer)] + [["ln_f", "lm_head"]]
+    )
     params = []
     for names in groups:
         seen: dict[int, int] = {}
@@ -525,8 +561,9 @@ def build_problem(spec: ModelSpec, microbatches: int, say: Callable[[str], None]
             for p in model.get_submodule(name).parameters():
                 seen[id(p)] = p.numel()
         params.append(sum(seen.values()))
-    return Built(problem, tuple(blocks), tuple(units), tuple(params),
-                 tuple("+".join(g) for g in groups))
+    return Built(
+        problem, tuple(blocks), tuple(units), tuple(params), tuple("+".join(g) for g in groups)
+    )
 
 
 # --------------------------------------------------------------------------- the split tables
@@ -554,8 +591,14 @@ class Row:
 BASELINES = ("equal-layer", "equal-param", "by-time", "best-layer")
 
 
-def bench_row(spec: ModelSpec, built: Built, stages: int, microbatches: int, say: Callable[[str], None],
-              exact: bool) -> Row:
+def bench_row(
+    spec: ModelSpec,
+    built: Built,
+    stages: int,
+    microbatches: int,
+    say: Callable[[str], None],
+    exact: bool,
+) -> Row:
     from partitioner.planner import compile
     from partitioner.problem import check_assignment, stage_memory
 
@@ -578,36 +621,53 @@ def bench_row(spec: ModelSpec, built: Built, stages: int, microbatches: int, say
         assert check_assignment(problem, stage_of, stages) is None, name
         baselines[name] = _step(problem, stage_of, microbatches)
         splits[name] = stage_sizes(unit_stage)
-        if limit is not None and max(stage_memory(problem, stage_of, stages, microbatches=microbatches,
-                                                  schedule="gpipe")) > limit:
+        if (
+            limit is not None
+            and max(
+                stage_memory(problem, stage_of, stages, microbatches=microbatches, schedule="gpipe")
+            )
+            > limit
+        ):
             over.append(name)
     best = best_whole_layer_split(problem, built.unit_of_block, stages, microbatches)
     if best is not None:
         baselines["best-layer"] = best[0]
-        unit_stage = [0] * n_units
+        best_units = [0] * n_units
         for b, u in enumerate(built.unit_of_block):
-            unit_stage[u] = best[1][b]
-        splits["best-layer"] = stage_sizes(unit_stage)
+            best_units[u] = best[1][b]
+        splits["best-layer"] = stage_sizes(best_units)
     say(f"{spec.name} P={stages}: compile (capture, cost, solve)")
     start = time.perf_counter()
-    plan = compile(spec.build(), spec.inputs(microbatches), gpus=stages, pp=stages, microbatches=microbatches,
-                   device=DEVICE)
+    plan = compile(
+        spec.build(),
+        spec.inputs(microbatches),
+        gpus=stages,
+        pp=stages,
+        microbatches=microbatches,
+        device=DEVICE,
+    )
     compile_s = time.perf_counter() - start
     # Re-evaluate the plan's assignment on our problem: both must be the same problem.
     block_of = {name: b for b, members in enumerate(built.blocks) for name in members}
-    stage_of = [-1] * problem.size
+    plan_stage = [-1] * problem.size
     for st in plan.stages:
         for name in st.nodes:
             if name in block_of:
-                stage_of[block_of[name]] = st.index
-    recheck = _step(problem, stage_of, microbatches) if min(stage_of) >= 0 else math.nan
+                plan_stage[block_of[name]] = st.index
+    recheck = _step(problem, plan_stage, microbatches) if min(plan_stage) >= 0 else math.nan
     row = Row(
-        model=spec.name, stages=stages, microbatches=microbatches,
+        model=spec.name,
+        stages=stages,
+        microbatches=microbatches,
         ideal=ideal_step(problem.time_s, stages, microbatches),
-        ours=plan.solver.objective, ours_recheck=recheck,
+        ours=plan.solver.objective,
+        ours_recheck=recheck,
         ours_solver=f"{plan.solver.name} ({plan.solver.status})",
-        ours_split=" | ".join(st.modules[0] for st in plan.stages),
-        baselines=baselines, splits=splits, over_memory=over, compile_s=compile_s,
+        ours_split=_first_modules([st.modules[0] for st in plan.stages]),
+        baselines=baselines,
+        splits=splits,
+        over_memory=over,
+        compile_s=compile_s,
     )
     if exact:
         say(f"{spec.name} P={stages}: exact references")
@@ -618,6 +678,16 @@ def bench_row(spec: ModelSpec, built: Built, stages: int, microbatches: int, say
         found = exact_split(problem, stages, microbatches) if sets is not None else None
         row.exact = found[0] if found else None
     return row
+
+
+def _first_modules(names: list[str], keep: int = 12) -> str:
+    if len(names) <= keep:
+        return " | ".join(names)
+    return (
+        " | ".join(names[: keep - 2])
+        + f" | ... ({len(names) - keep} more) ... | "
+        + " | ".join(names[-2:])
+    )
 
 
 def _ms(x: float | None) -> str:
@@ -639,19 +709,33 @@ def print_tables(rows: list[Row], models: dict[str, ModelSpec]) -> bool:
         ok = all(r.ours <= v * (1 + 1e-9) for v in feasible)
         ok_all &= ok
         mark = "yes" if ok else "NO"
-        table_ms.append([r.model, r.stages, r.microbatches, _ms(r.ideal), _ms(r.ours)] + [_ms(v) for v in base] + [mark])
-        table_x.append([r.model, r.stages, r.microbatches, "1.000x", _ratio(r.ours, r.ideal)]
-                       + [_ratio(v, r.ideal) for v in base] + [mark])
+        table_ms.append(
+            [r.model, r.stages, r.microbatches, _ms(r.ideal), _ms(r.ours)]
+            + [_ms(v) for v in base]
+            + [mark]
+        )
+        table_x.append(
+            [r.model, r.stages, r.microbatches, "1.000x", _ratio(r.ours, r.ideal)]
+            + [_ratio(v, r.ideal) for v in base]
+            + [mark]
+        )
     print("Predicted GPipe step time, ms per step (device h100, FLOP/byte roofline, dp = 1)")
     _print(header, table_ms)
     print()
-    print("Same, as a ratio to the perfectly balanced ideal (sum t + (M-1) sum t / P, free communication)")
+    print(
+        "Same, as a ratio to the perfectly balanced ideal (sum t + (M-1) sum t / P, free communication)"
+    )
     _print(header, table_x)
     print()
-    print("Models: " + "; ".join(f"{m.name} = {m.describe()}" for m in models.values())
-          + f"; one micro-batch = 1 sample; M = {MICROBATCHES}.")
+    print(
+        "Models: "
+        + "; ".join(f"{m.name} = {m.describe()}" for m in models.values())
+        + f"; one micro-batch = 1 sample; M = {MICROBATCHES}."
+    )
     print()
-    print("Splits (units per stage: embeddings, blocks.0..L-1, head) and ours (first module of each stage)")
+    print(
+        "Splits (units per stage: embeddings, blocks.0..L-1, head) and ours (first module of each stage)"
+    )
     for r in rows:
         parts = [f"{b} {r.splits[b]}" for b in BASELINES if b in r.splits]
         over = f"  [over memory: {', '.join(r.over_memory)}]" if r.over_memory else ""
@@ -659,22 +743,55 @@ def print_tables(rows: list[Row], models: dict[str, ModelSpec]) -> bool:
         print(f"      ours [{r.ours_solver}, compile {r.compile_s:.1f} s]: {r.ours_split}")
         if not math.isclose(r.ours, r.ours_recheck, rel_tol=1e-9):
             ok_all = False
-            print(f"      MISMATCH: plan objective {_ms(r.ours)} ms, its split on our problem {_ms(r.ours_recheck)} ms")
+            print(
+                f"      MISMATCH: plan objective {_ms(r.ours)} ms, its split on our problem {_ms(r.ours_recheck)} ms"
+            )
     exact_rows = [r for r in rows if r.contiguous is not None or r.exact is not None]
     if exact_rows:
         print()
         print("Optimality: ours vs the best contiguous split of the solver blocks in their order,")
-        print("and vs the exact optimum over every valid assignment (DP over down-sets of the block graph)")
+        print(
+            "and vs the exact optimum over every valid assignment (DP over down-sets of the block graph)"
+        )
         table = []
         for r in exact_rows:
-            gap = "-" if r.exact is None else f"{100 * (r.ours / r.exact - 1):+.3f}%"
-            within = "-" if r.exact is None else ("yes" if r.ours <= r.exact * TARGET_RATIO else "NO")
+            gap = (
+                "-"
+                if r.exact is None
+                else f"{100 * (r.ours / r.exact - 1) + 0.0:+.3f}%".replace("-0.000", "+0.000")
+            )
+            within = (
+                "-" if r.exact is None else ("yes" if r.ours <= r.exact * TARGET_RATIO else "NO")
+            )
             if r.exact is not None:
                 ok_all &= r.ours <= r.exact * TARGET_RATIO
-            table.append([r.model, r.stages, _ms(r.ours), _ms(r.contiguous), _ms(r.exact),
-                          r.down_set_count if r.down_set_count is not None else f">{MAX_DOWN_SETS}", gap, within,
-                          r.ours_solver])
-        _print(["model", "P", "ours", "contiguous", "exact", "down-sets", "gap", "within 1%", "solver"], table)
+            table.append(
+                [
+                    r.model,
+                    r.stages,
+                    _ms(r.ours),
+                    _ms(r.contiguous),
+                    _ms(r.exact),
+                    r.down_set_count if r.down_set_count is not None else f">{MAX_DOWN_SETS}",
+                    gap,
+                    within,
+                    r.ours_solver,
+                ]
+            )
+        _print(
+            [
+                "model",
+                "P",
+                "ours",
+                "contiguous",
+                "exact",
+                "down-sets",
+                "gap",
+                "within 1%",
+                "solver",
+            ],
+            table,
+        )
     return ok_all
 
 
@@ -682,7 +799,11 @@ def _print(header: list[str], rows: list[list[Any]]) -> None:
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     for k, row in enumerate(cells):
-        print("  ".join(c.ljust(w) if i < 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        print(
+            "  ".join(
+                c.ljust(w) if i < 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+            )
+        )
         if k == 0:
             print("  ".join("-" * w for w in widths))
 
@@ -690,12 +811,22 @@ def _print(header: list[str], rows: list[list[Any]]) -> None:
 # --------------------------------------------------------------------------- wall time
 
 
-PHASES = ("capture", "propagate_values", "profile", "coarsen", "graph_costs", "formulate", "solve", "_build_plan")
+COUNTED = ("capture", "propagate_values")  # phases whose call count is shown when > 1
+PHASES = (
+    "capture",
+    "propagate_values",
+    "profile",
+    "coarsen",
+    "graph_costs",
+    "formulate",
+    "solve",
+    "_build_plan",
+)
 
 
 def wall_child(layers: int, gpus: int, repeat: bool, cprofile: bool) -> dict[str, Any]:
     """Time ``compile`` over every pp x dp in this (fresh) process, phase by phase."""
-    import partitioner.planner as planner
+    from partitioner import planner
 
     spec = WALL_MODELS[layers, gpus]
     model = spec.build()
@@ -707,7 +838,9 @@ def wall_child(layers: int, gpus: int, repeat: bool, cprofile: bool) -> dict[str
         if fn is None:
             continue
 
-        def timed(*args: Any, _fn: Callable[..., Any] = fn, _name: str = name, **kwargs: Any) -> Any:
+        def timed(
+            *args: Any, _fn: Callable[..., Any] = fn, _name: str = name, **kwargs: Any
+        ) -> Any:
             if active:
                 return _fn(*args, **kwargs)
             active.append(_name)
@@ -730,44 +863,90 @@ def wall_child(layers: int, gpus: int, repeat: bool, cprofile: bool) -> dict[str
 
             profiler = cProfile.Profile()
             profiler.enable()
-        start = time.perf_counter()
-        plan = planner.compile(model, inputs, gpus=gpus, microbatches=MICROBATCHES, device=DEVICE,
-                               status=lambda m: print(f"    {m}", file=sys.stderr))
+        start, cpu_start = time.perf_counter(), time.process_time()
+        plan = planner.compile(
+            model, inputs, gpus=gpus, microbatches=MICROBATCHES, device=DEVICE, status=_child_status
+        )
         total = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
         if profiler is not None:
             import pstats
 
             profiler.disable()
             pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
-        runs.append({
-            "total": total,
-            "phases": {k: v[0] for k, v in spent.items()},
-            "calls": {k: v[1] for k, v in spent.items()},
-            "pp": plan.pp, "dp": plan.dp, "blocks": plan.solver.blocks,
-            "candidates": [[c.pp, c.dp, c.step_s, c.status, c.note] for c in plan.candidates],
-        })
-    return {"model": spec.name, "describe": spec.describe(), "batch": gpus * MICROBATCHES, "runs": runs}
+        runs.append(
+            {
+                "total": total,
+                "cpu": cpu,
+                "phases": {k: v[0] for k, v in spent.items()},
+                "calls": {k: v[1] for k, v in spent.items()},
+                "pp": plan.pp,
+                "dp": plan.dp,
+                "blocks": plan.solver.blocks,
+                "candidates": [[c.pp, c.dp, c.step_s, c.status, c.note] for c in plan.candidates],
+            }
+        )
+    return {
+        "model": spec.name,
+        "describe": spec.describe(),
+        "batch": gpus * MICROBATCHES,
+        "runs": runs,
+    }
 
 
-def run_wall(layers: int, gpus: int, repeat: bool, cprofile: bool, say: Callable[[str], None]) -> dict[str, Any]:
+def _child_status(message: str) -> None:
+    """The planner's status lines, without the per-node progress (only its last line)."""
+    if message.startswith(("counting costs", "measuring costs")):
+        done, _, total = message.rpartition(" ")[2].partition("/")
+        if done != total:
+            return
+    print(f"    {message}", file=sys.stderr, flush=True)
+
+
+def run_wall(
+    layers: int, gpus: int, repeat: bool, cprofile: bool, say: Callable[[str], None]
+) -> dict[str, Any]:
     say(f"wall time: {layers}-layer GPT on {gpus} GPUs (fresh process)")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--wall-child", f"{layers},{gpus}"]
     if repeat:
         cmd.append("--repeat")
     if cprofile:
         cmd.append("--cprofile")
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    done = subprocess.run(
+        cmd,
+        check=False,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     if done.returncode != 0:
         raise RuntimeError(f"wall-time child failed ({done.returncode})")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["load"] = os.getloadavg()[0]  # other work on the machine inflates wall times
+    return result
 
 
 def print_wall(results: dict[tuple[int, int], dict[str, Any]]) -> bool:
     ok_all = True
-    print("Planner wall time: compile() over every pp x dp, fresh process (cold) and again in it (warm)")
-    names = ["capture", "propagate_values", "profile", "coarsen", "graph_costs", "formulate", "solve", "_build_plan"]
+    print(
+        "Planner wall time: compile() over every pp x dp, in a fresh process (cold), then again (warm)"
+    )
+    print("(cpu s: the process's CPU time, less sensitive to other load; torch may use 2 threads)")
+    names = [
+        "capture",
+        "propagate_values",
+        "profile",
+        "coarsen",
+        "graph_costs",
+        "formulate",
+        "solve",
+        "_build_plan",
+    ]
     short = ["capture", "values", "profile", "coarsen", "costs", "formulate", "solve", "build plan"]
-    header = ["case", "run", "total s", "target", "met"] + short + ["other", "chose", "blocks"]
+    header = (
+        ["case", "run", "total s", "cpu s", "target", "met"] + short + ["other", "chose", "blocks"]
+    )
     table = []
     for (layers, gpus), res in results.items():
         target = WALL_TARGETS[layers, gpus]
@@ -780,22 +959,45 @@ def print_wall(results: dict[tuple[int, int], dict[str, Any]]) -> bool:
             cells = []
             for n in names:
                 v = phases.get(n)
-                cells.append("-" if v is None else f"{v:.2f}" + (f" x{calls[n]}" if n == "capture" and calls[n] > 1 else ""))
+                cells.append(
+                    "-"
+                    if v is None
+                    else f"{v:.2f}" + (f" x{calls[n]}" if n in COUNTED and calls[n] > 1 else "")
+                )
             other = run["total"] - sum(phases.values())
-            table.append([f"{layers}L / {gpus} GPUs", "cold" if k == 0 else "warm", f"{run['total']:.2f}",
-                          f"< {target:.0f}", "yes" if met else "NO"] + cells
-                         + [f"{other:.2f}", f"{run['pp']}x{run['dp']}", run["blocks"]])
+            table.append(
+                [
+                    f"{layers}L / {gpus} GPUs",
+                    "cold" if k == 0 else "warm",
+                    f"{run['total']:.2f}",
+                    f"{run['cpu']:.2f}",
+                    f"< {target:.0f}",
+                    "yes" if met else "NO",
+                ]
+                + cells
+                + [f"{other:.2f}", f"{run['pp']}x{run['dp']}", run["blocks"]]
+            )
     _print(header, table)
     for (layers, gpus), res in results.items():
         run = res["runs"][0]
-        print(f"  {layers}L / {gpus} GPUs: {res['model']} = {res['describe']}, batch {res['batch']}, M = {MICROBATCHES}; "
-              "candidates (pp x dp: step ms, status):")
-        print("    " + "; ".join(f"{p}x{d}: {_ms(s)} {st} ({note})" for p, d, s, st, note in run["candidates"]))
+        print(
+            f"  {layers}L / {gpus} GPUs: {res['model']} = {res['describe']}, batch {res['batch']}, M = {MICROBATCHES}; "
+            f"1-min load average after the run {res['load']:.1f} on {os.cpu_count()} cores; "
+            "candidates (pp x dp: step ms, status):"
+        )
+        print(
+            "    "
+            + "; ".join(
+                f"{p}x{d}: {_ms(s)} {st} ({note})" for p, d, s, st, note in run["candidates"]
+            )
+        )
         if run["total"] > WALL_TARGETS[layers, gpus]:
             phases = run["phases"]
             top = max(phases, key=phases.get)  # type: ignore[arg-type]
-            print(f"    TARGET MISSED: {run['total']:.1f} s > {WALL_TARGETS[layers, gpus]:.0f} s; "
-                  f"largest phase {top} ({phases[top]:.1f} s, {100 * phases[top] / run['total']:.0f}%)")
+            print(
+                f"    TARGET MISSED: {run['total']:.1f} s > {WALL_TARGETS[layers, gpus]:.0f} s; "
+                f"largest phase {top} ({phases[top]:.1f} s, {100 * phases[top] / run['total']:.0f}%)"
+            )
     return ok_all
 
 
@@ -804,10 +1006,17 @@ def print_wall(results: dict[tuple[int, int], dict[str, Any]]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small model, two widths, 12L/8 wall time (< 60 s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small model, two widths, 12L/8 wall time (< 60 s)"
+    )
     parser.add_argument("--no-wall", action="store_true", help="skip the wall-time rows")
+    parser.add_argument("--wall-only", action="store_true", help="only the wall-time rows")
     parser.add_argument("--no-exact", action="store_true", help="skip the exact-optimum references")
-    parser.add_argument("--cprofile", action="store_true", help="print cProfile's top functions of each cold compile")
+    parser.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="print cProfile's top functions of each cold compile",
+    )
     parser.add_argument("--wall-child", help=argparse.SUPPRESS)
     parser.add_argument("--repeat", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -828,19 +1037,28 @@ def main(argv: list[str] | None = None) -> int:
     models = QUICK_MODELS if args.quick else FULL_MODELS
     stage_sets = QUICK_STAGES if args.quick else FULL_STAGES
     rows: list[Row] = []
-    for spec in models:
+    for spec in [] if args.wall_only else models:
         built = build_problem(spec, MICROBATCHES, say)
-        say(f"{spec.name}: {built.problem.size} solver blocks, {len(built.unit_params)} layer units")
+        say(
+            f"{spec.name}: {built.problem.size} solver blocks, {len(built.unit_params)} layer units"
+        )
         for stages in stage_sets[spec.name]:
             rows.append(bench_row(spec, built, stages, MICROBATCHES, say, exact=not args.no_exact))
-    ok = print_tables(rows, {m.name: m for m in models})
+    ok = print_tables(rows, {m.name: m for m in models}) if rows else True
     if not args.no_wall:
         cases = [(12, 8)] if args.quick else [(12, 8), (96, 64)]
-        results = {c: run_wall(*c, repeat=(c == (12, 8)), cprofile=args.cprofile, say=say) for c in cases}
+        results = {
+            c: run_wall(
+                *c, repeat=(c == (12, 8) and not args.quick), cprofile=args.cprofile, say=say
+            )
+            for c in cases
+        }
         print()
         ok &= print_wall(results)
     print()
-    print(f"All targets met: {'yes' if ok else 'NO'} (bench wall time {time.perf_counter() - start:.0f} s)")
+    print(
+        f"All targets met: {'yes' if ok else 'NO'} (bench wall time {time.perf_counter() - start:.0f} s)"
+    )
     return 0 if ok else 1
 
 
