@@ -211,7 +211,8 @@ class StepRunner:
         except PeerFailure as exc:
             stage, replica = self.plan.rank_layout()[peer]
             raise PeerFailure(
-                f"waiting for rank {peer} (stage {stage}, replica {replica}), which died, raised or hung: {exc}"
+                f"waiting for rank {peer} (stage {stage}, replica {replica}), which died, raised, hung, or "
+                f"was itself stopped by another rank's failure: {exc}"
             ) from exc
 
     def _by_peer(self, boundaries: Sequence[Boundary], side: str) -> list[tuple[int, list[Boundary]]]:

@@ -116,20 +116,44 @@ class Pipeline:
         return loss
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters and buffers under the original model's names."""
-        return {k: v for k, v in self._stage.module.state_dict().items() if k in self._state_keys}
+        """This stage's parameters and buffers under the original model's names.
+
+        A tied parameter appears under every name the model's own state dict gives
+        it, whichever name the captured graph used for it.
+        """
+        own = self._stage.module.state_dict()
+        state = {k: v for k, v in own.items() if k in self._state_keys}
+        for name, aliases in self._aliases().items():
+            for alias in aliases:
+                if alias in self._state_keys:
+                    state.setdefault(alias, own[name])
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load this stage's entries from a full (unpartitioned) state dict."""
-        mine = self.state_dict()
-        missing = sorted(set(mine) - set(state))
+        aliases = self._aliases()
+        wanted: dict[str, torch.Tensor] = {}
+        missing: list[str] = []
+        for key in self._stage.module.state_dict():
+            if key not in self._state_keys and key not in aliases:
+                continue  # non-persistent buffers: not part of a checkpoint
+            found = next((state[k] for k in (key, *aliases.get(key, ())) if k in state), None)
+            if found is None:
+                missing.append(key)
+            else:
+                wanted[key] = found
         if missing:
             raise PlanMismatchError(
                 f"The state dict lacks {len(missing)} entries this stage needs, e.g. {missing[:3]}. "
                 "Load a checkpoint of the same model."
             )
-        self._stage.module.load_state_dict({k: state[k] for k in mine}, strict=False)
+        self._stage.module.load_state_dict(wanted, strict=False)
         sync_tied_weights(self._stage.module, self._groups)
+
+    def _aliases(self) -> dict[str, tuple[str, ...]]:
+        """Each tied parameter this stage holds (by its name here) -> all of its names."""
+        own = set(self._stage.plan.parameters)
+        return {name: t.aliases for t in self.plan.tied for name in t.aliases if name in own}
 
     @property
     def stage(self) -> int:

@@ -99,7 +99,8 @@ def verify(
         except mp.ProcessExitedException as exc:
             raise AutopartitionError(f"A rank exited while verifying the plan: {exc}") from exc
         ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(plan.gpus)]
-    return _compare(reference, ranks, steps=steps, tolerance=tolerance)
+    aliases = {name: set(t.aliases) for t in plan.tied for name in t.aliases}
+    return _compare(reference, ranks, steps=steps, tolerance=tolerance, aliases=aliases)
 
 
 def verify_plan(plan_dir: str, model_spec: str, *, steps: int = 3, timeout: float = 120.0) -> int:
@@ -169,7 +170,14 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max()) / scale if want.numel() else 0.0
 
 
-def _compare(reference: dict[str, Any], ranks: list[dict[str, Any]], *, steps: int, tolerance: float) -> VerifyResult:
+def _compare(
+    reference: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    *,
+    steps: int,
+    tolerance: float,
+    aliases: dict[str, set[str]] | None = None,
+) -> VerifyResult:
     loss_diff = 0.0
     grad_diff, worst_grad = 0.0, "-"
     param_diff, worst_param = 0.0, "-"
@@ -191,6 +199,10 @@ def _compare(reference: dict[str, Any], ranks: list[dict[str, Any]], *, steps: i
                 param_diff, worst_param = d, f"{name} on rank {rank}"
     if not seen_loss:
         loss_diff = float("inf")
+    held = {name for result in ranks for name in result["params"]}
+    orphans = sorted(n for n in reference["params"] if not ({n} | (aliases or {}).get(n, set())) & held)
+    if orphans:  # a parameter no stage holds would never train
+        param_diff, worst_param = float("inf"), f"{orphans[0]} is held by no rank"
     return VerifyResult(steps, loss_diff, grad_diff, worst_grad, param_diff, worst_param, tolerance,
                         tuple(reference["losses"]))
 

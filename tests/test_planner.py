@@ -19,9 +19,9 @@ from partitioner import compile
 from partitioner.capture import KIND_KEY, capture
 from partitioner.errors import AutopartitionError, InfeasibleError
 from partitioner.plan import Plan, graph_fingerprint
-from partitioner.values import propagate_values
 from partitioner.planner import stage_layout
 from partitioner.schedule import validate
+from partitioner.values import propagate_values
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8

@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from partitioner import compile
-from partitioner.capture import KIND_KEY, node_parameters, CapturedModel, capture
+from partitioner.capture import KIND_KEY, CapturedModel, capture, node_parameters
 from partitioner.errors import PlanMismatchError
 from partitioner.plan import Plan, graph_fingerprint
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature

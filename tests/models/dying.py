@@ -4,10 +4,13 @@ When the environment variable ``AUTOPARTITION_TEST_DIE_RANK`` equals this proces
 ``RANK``, ``loss_fn`` calls ``os._exit(17)`` on micro-batch ``DIE_AT_MICROBATCH`` of
 step ``DIE_AT_STEP`` (both counted from 0: the second micro-batch of the second
 step), so the first step completes and the process then vanishes in the middle of a
-step, with its peers blocked on it, as a crashed GPU process would.
+step, with its peers blocked on it, as a crashed GPU process would.  With
+``AUTOPARTITION_TEST_HANG=1`` it sleeps there instead (a hung rank: its connections
+stay open, so only the peers' timeouts can stop them).
 """
 
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +59,9 @@ def loss_fn(outputs: Tensor, target: Tensor) -> Tensor:
     step, microbatch = divmod(_calls, MICROBATCHES)
     _calls += 1
     die_rank = os.environ.get("AUTOPARTITION_TEST_DIE_RANK")
-    if die_rank is not None and os.environ.get("RANK") == die_rank:
-        if (step, microbatch) == (DIE_AT_STEP, DIE_AT_MICROBATCH):
-            os._exit(EXIT_CODE)  # no cleanup, no exception: the process just disappears
+    mine = die_rank is not None and os.environ.get("RANK") == die_rank
+    if mine and (step, microbatch) == (DIE_AT_STEP, DIE_AT_MICROBATCH):
+        if os.environ.get("AUTOPARTITION_TEST_HANG") == "1":
+            time.sleep(3600)  # the test kills this process
+        os._exit(EXIT_CODE)  # no cleanup, no exception: the process just disappears
     return F.cross_entropy(outputs, target)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,13 @@ def failure_worker(
     steps: int,
     timeout: float,
     die_rank: int,
+    hang: bool = False,
 ) -> None:
     """Train ``steps`` steps; on any exception write ``type: message`` to ``rank{R}.txt`` and exit 1.
 
-    ``rank{R}.steps`` holds the number of steps this rank completed.
+    ``rank{R}.steps`` holds the number of steps this rank completed, ``rank{R}.failed_at``
+    the time (``time.time()``) the exception was caught.  ``die_rank`` dies (or with
+    ``hang`` hangs) mid-step in ``tests/models/dying.py``'s loss_fn.
     """
     from partitioner.modelfile import load_model_file
     from partitioner.plan import Plan
@@ -52,6 +56,7 @@ def failure_worker(
 
     set_rank_env(rank, world, port)
     os.environ["AUTOPARTITION_TEST_DIE_RANK"] = str(die_rank)
+    os.environ["AUTOPARTITION_TEST_HANG"] = "1" if hang else "0"
     torch.set_num_threads(1)
     out = Path(out_dir)
     done = 0
@@ -71,6 +76,7 @@ def failure_worker(
             done += 1
             (out / f"rank{rank}.steps").write_text(str(done))
     except BaseException as exc:  # noqa: BLE001 - report whatever stopped this rank
+        (out / f"rank{rank}.failed_at").write_text(repr(time.time()))
         (out / f"rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
         (out / f"rank{rank}.traceback").write_text(traceback.format_exc())
         sys.exit(1)
@@ -90,7 +96,7 @@ def api_worker(
     """Exercise the Pipeline API on one rank; results go to ``rank{R}.pt`` in ``out_dir``.
 
     Records: the stage's state-dict keys before training; the error of a step with a
-    mini-batch of the wrong size and of one with a missing input; the state dict
+    mini-batch of the wrong size and of one with too many inputs; the state dict
     after ``steps`` SGD steps (with momentum, as the tests' reference); the state dict
     after loading the full checkpoint at ``checkpoint``, and the loss of one more step
     from it (None off the last stage).
@@ -121,7 +127,7 @@ def api_worker(
     wrong = model_file.example_inputs(plan.batch_size + plan.dp * plan.microbatches)
     wrong_target = model_file.example_target(plan.batch_size + plan.dp * plan.microbatches)  # type: ignore[misc]
     result["wrong_batch_error"] = error_of(lambda: pipe.step(wrong, wrong_target))
-    result["missing_input_error"] = error_of(lambda: pipe.step(inputs[:-1] + inputs, target))
+    result["extra_input_error"] = error_of(lambda: pipe.step(inputs + inputs, target))
 
     opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []

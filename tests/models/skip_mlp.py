@@ -1,8 +1,9 @@
 """A tiny MLP with long skip connections, for the multi-process equivalence tests.
 
 ``early`` (the first layer's output) is read by the last layer, so in a pipeline of
-three or more stages it crosses at least two stage boundaries; ``mid`` is read by
-two later layers.
+three or more stages it crosses at least two stage boundaries; ``mid`` (after
+``layers.1``) is added after ``layers.3``, ``layers.5`` and ``layers.7``, so it is
+read by several later stages (its gradient is the sum of theirs).
 """
 
 import torch
@@ -29,7 +30,7 @@ class SkipMLP(nn.Module):
             h = torch.tanh(layer(h))  # (B, W)
             if i == 1:
                 mid = h
-            if i in (5, 7):
+            if i in (3, 5, 7):
                 h = h + mid  # (B, W)
         return self.head(h + early)  # (B, C)
 
