@@ -20,7 +20,7 @@ from gpt import SEQ_LEN, GPTConfig, build_model, loss_fn
 from runtime import Pipeline
 from runtime.launch import plan_from_env
 
-__all__ = ["main", "batches"]
+__all__ = ["batches", "main"]
 
 
 def batches(batch_size: int, *, seed: int = 0):  # type: ignore[no-untyped-def]

@@ -60,19 +60,21 @@ class NodeCost:
     forward_flops: float
     backward_flops: float
     saved_bytes: int  # activations kept for backward
-    io_bytes: int  # tensor bytes read and written by the forward
+    io_bytes: int  # tensor bytes read and written by the forward, weights included
     dtype: str  # dtype of the output, chooses the peak for predictions
+    weight_bytes: int = 0  # parameter bytes read (part of io_bytes; independent of the batch)
 
     def scaled(self, factor: float) -> NodeCost:
-        """Cost for a batch ``factor`` times as large (linear in batch)."""
+        """Cost for a batch ``factor`` times as large (linear in batch; weights read once)."""
         return NodeCost(
             forward_s=self.forward_s * factor,
             backward_s=self.backward_s * factor,
             forward_flops=self.forward_flops * factor,
             backward_flops=self.backward_flops * factor,
             saved_bytes=int(self.saved_bytes * factor),
-            io_bytes=int(self.io_bytes * factor),
+            io_bytes=int(self.weight_bytes + (self.io_bytes - self.weight_bytes) * factor),
             dtype=self.dtype,
+            weight_bytes=self.weight_bytes,
         )
 
 
@@ -295,7 +297,10 @@ class _CostInterpreter(fx.Interpreter):
 
         args, kwargs = pytree.tree_map(as_leaf, (args, kwargs))
         params = self._parameters(n)
-        io_bytes = sum(_nbytes(v) for v in pytree.tree_leaves((args, kwargs)))
+        weight_bytes = sum(_nbytes(p) for p in params)
+        io_bytes = weight_bytes + sum(
+            _nbytes(v) for v in pytree.tree_leaves((args, kwargs)) if not isinstance(v, torch.nn.Parameter)
+        )
 
         def call() -> Any:
             return getattr(self, n.op)(n.target, args, kwargs)
@@ -312,7 +317,7 @@ class _CostInterpreter(fx.Interpreter):
         forward_flops = float(counter.total)
         io_bytes += sum(_nbytes(v) for v in pytree.tree_leaves(out))
         if _is_view(out, (args, kwargs)):
-            io_bytes = 0  # a view launches no kernel and moves no bytes
+            io_bytes = weight_bytes = 0  # a view launches no kernel and moves no bytes
         diff_out = [
             t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -344,6 +349,7 @@ class _CostInterpreter(fx.Interpreter):
             saved_bytes=sum(saved),
             io_bytes=io_bytes,
             dtype=dtype,
+            weight_bytes=weight_bytes,
         )
         return pytree.tree_map(_detach, out), cost
 

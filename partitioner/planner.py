@@ -104,7 +104,14 @@ def compile(
         if done == total or done % max(1, total // 10) == 0:
             say(f"{'measuring' if measure else 'counting'} costs: node {done}/{total}")
 
-    costs = profile(captured, micro, measure=measure, device=local, progress=progress)
+    size = batch // microbatches
+    if measure or captured.method == "export" or size == 1:
+        costs = profile(captured, micro, measure=measure, device=local, progress=progress)
+    else:
+        # Counting FLOPs and bytes needs no timing: count one sample (a traced graph takes any
+        # batch) and scale, which keeps planning fast for large micro-batches.
+        one = profile(captured, microbatch_inputs(micro, 1), measure=False, device=local, progress=progress)
+        costs = {name: cost.scaled(size) for name, cost in one.items()}
     times = {
         name: (c.forward_s, c.backward_s) if measure else predicted_times(c, spec) for name, c in costs.items()
     }
