@@ -28,9 +28,9 @@ from partitioner.capture import (
     node_parameters,
 )
 from partitioner.coarsen import coarsen
-from partitioner.cost import predicted_times, profile, time_loss
+from partitioner.cost import NodeCost, predicted_times, profile, time_loss
 from partitioner.devices import DEVICES, DeviceSpec, device_spec
-from partitioner.errors import AutopartitionError, InfeasibleError, PlanMismatchError
+from partitioner.errors import AutopartitionError, CaptureError, InfeasibleError, PlanMismatchError
 from partitioner.formulate import GraphCosts, formulate, graph_costs
 from partitioner.plan import (
     FORMAT_VERSION,
@@ -104,14 +104,7 @@ def compile(
         if done == total or done % max(1, total // 10) == 0:
             say(f"{'measuring' if measure else 'counting'} costs: node {done}/{total}")
 
-    size = batch // microbatches
-    if measure or captured.method == "export" or size == 1:
-        costs = profile(captured, micro, measure=measure, device=local, progress=progress)
-    else:
-        # Counting FLOPs and bytes needs no timing: count one sample (a traced graph takes any
-        # batch) and scale, which keeps planning fast for large micro-batches.
-        one = profile(captured, microbatch_inputs(micro, 1), measure=False, device=local, progress=progress)
-        costs = {name: cost.scaled(size) for name, cost in one.items()}
+    costs = _profile(captured, micro, measure=measure, device=local, progress=progress)
     times = {
         name: (c.forward_s, c.backward_s) if measure else predicted_times(c, spec) for name, c in costs.items()
     }
@@ -168,6 +161,28 @@ def compile(
         samples_per_s=batch / sim.step_s if sim.step_s > 0 else 0.0,
         peak_memory_bytes=tuple(float(m) for m in sim.peak_memory_bytes),
     ))
+
+
+def _profile(
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    *,
+    measure: bool,
+    device: torch.device,
+    progress: Callable[[int, int], None],
+) -> dict[str, NodeCost]:
+    size = _batch_size(micro)
+    if not measure and captured.method == "symbolic_trace" and size > 1:
+        # Counting FLOPs and bytes needs no timing: count one sample (a traced graph takes any
+        # batch) and scale, which keeps planning fast for large micro-batches.  Models whose
+        # shapes need the real batch (a reshape to a fixed row count) fall through.
+        try:
+            one = profile(captured, microbatch_inputs(micro, 1), measure=False, device=device, progress=progress)
+        except CaptureError:
+            pass
+        else:
+            return {name: cost.scaled(size) for name, cost in one.items()}
+    return profile(captured, micro, measure=measure, device=device, progress=progress)
 
 
 def microbatch_inputs_any(value: Any, size: int) -> Any:
