@@ -29,6 +29,7 @@ __all__ = [
     "backend_for",
     "init_distributed",
     "pick_device",
+    "post_recv",
     "recv_tensors",
     "send_tensors",
     "wait_all",
@@ -84,13 +85,24 @@ def send_tensors(tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> lis
     return works
 
 
+def post_recv(
+    specs: Sequence[RecvSpec], *, peer: int, tag: int, device: torch.device
+) -> tuple[list[torch.Tensor], list[dist.Work]]:
+    """Allocate one buffer per spec and post its receive from ``peer`` (never blocks).
+
+    Posting early matters with gloo: data moves only once the receive is posted.
+    """
+    out = [torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device=device) for s in specs]
+    works = [dist.irecv(t, src=peer, tag=tag) for t in out]
+    return out, [w for w in works if w is not None]
+
+
 def recv_tensors(
     specs: Sequence[RecvSpec], *, peer: int, tag: int, device: torch.device, timeout: float
 ) -> list[torch.Tensor]:
     """Receive one tensor per spec from ``peer``, waiting at most ``timeout`` seconds in all."""
-    out = [torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device=device) for s in specs]
-    works = [dist.irecv(t, src=peer, tag=tag) for t in out]
-    wait_all([w for w in works if w is not None], timeout=timeout)
+    out, works = post_recv(specs, peer=peer, tag=tag, device=device)
+    wait_all(works, timeout=timeout)
     return out
 
 

@@ -2,9 +2,11 @@
 
 Every action of the plan's schedule maps to one method; the step's state lives
 in one :class:`_MicroBatch` record per micro-batch, dropped after its backward.
-Sends are non-blocking (waited for at the end of the step), receives block with
-the configured timeout, so the order the schedule fixes cannot deadlock (the
-planner dry-ran it).
+Sends are non-blocking (waited for at the end of the step); receives are posted
+``_LOOKAHEAD`` receive actions ahead (gloo moves data only once the receiver has
+posted, so a late post adds milliseconds) and waited for with the configured
+timeout when their action comes, so the order the schedule fixes cannot
+deadlock (the planner dry-ran it).
 
 On failure the error names this rank, the action, the peer, and shows the
 stage's schedule around the failing action.
@@ -24,10 +26,12 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from partitioner.plan import Boundary, Plan
 from partitioner.schedule import Action
-from runtime.comm import PeerFailure, RecvSpec, recv_tensors, send_tensors, wait_all
+from runtime.comm import PeerFailure, RecvSpec, post_recv, send_tensors, wait_all
 from runtime.stage import LocalStage
 
 __all__ = ["ActionRecord", "StepFailure", "StepRunner"]
+
+_LOOKAHEAD = 2  # receive actions posted ahead of the one being executed
 
 
 class StepFailure(RuntimeError):
@@ -39,6 +43,13 @@ class ActionRecord:
     action: str
     start_s: float
     end_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Posted:
+    """Receives posted for one RF/RB action: per peer, its boundaries, buffers and pending works."""
+
+    parts: tuple[tuple[int, tuple[Boundary, ...], list[torch.Tensor], list[dist.Work]], ...]
 
 
 @dataclasses.dataclass
@@ -79,6 +90,8 @@ class StepRunner:
         names = [t.name for t in plan.model.inputs]
         self.input_index = [names.index(n) for n in stage.signature.model_inputs]
         self.records: list[ActionRecord] = []
+        self._receives = [i for i, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
+        self._posted: dict[tuple[str, int], _Posted] = {}
         self._pending: list[dist.Work] = []
         self._batches: list[_MicroBatch] = []
         self._handlers: dict[str, Callable[[int], None]] = {
@@ -98,10 +111,12 @@ class StepRunner:
         """Run every action; returns the summed (already 1/M-scaled) loss on the last stage."""
         self._batches = [_MicroBatch(inputs=x, target=y) for x, y in microbatches]
         self._pending = []
+        self._posted = {}
         losses: list[torch.Tensor] = []
         for position, action in enumerate(self.actions):
             start = time.time()
             try:
+                self._post_ahead(position)
                 self._handlers[action.kind](action.microbatch)
             except PeerFailure as exc:
                 raise StepFailure(self._where(position, action, f"peer failure: {exc}")) from exc
@@ -175,10 +190,8 @@ class StepRunner:
 
     def _recv_forward(self, mb: int) -> None:
         batch = self._batches[mb]
-        for peer, boundaries in self._by_peer(self.stage.plan.inputs, "source"):
-            got = self._recv(boundaries, peer=peer, tag=mb)
-            for b, t in zip(boundaries, got):
-                batch.received[b.producer] = t.requires_grad_() if t.is_floating_point() else t
+        for b, t in self._wait("RF", mb):
+            batch.received[b.producer] = t.requires_grad_() if t.is_floating_point() else t
 
     def _send_backward(self, mb: int) -> None:
         batch = self._batches[mb]
@@ -195,25 +208,56 @@ class StepRunner:
 
     def _recv_backward(self, mb: int) -> None:
         batch = self._batches[mb]
-        tag = self.plan.microbatches + mb
-        for peer, boundaries in self._by_peer(self.stage.plan.outputs, "target"):
-            floats = [b for b in boundaries if _is_float(b)]
-            for b, g in zip(floats, self._recv(floats, peer=peer, tag=tag)):
-                # A tensor sent to several stages gets the sum of their gradients.
-                batch.grads[b.producer] = batch.grads[b.producer] + g if b.producer in batch.grads else g
+        for b, g in self._wait("RB", mb):
+            # A tensor sent to several stages gets the sum of their gradients.
+            batch.grads[b.producer] = batch.grads[b.producer] + g if b.producer in batch.grads else g
 
-    # --------------------------------------------------------------- helpers
+    # --------------------------------------------------------------- receives
 
-    def _recv(self, boundaries: Sequence[Boundary], *, peer: int, tag: int) -> list[torch.Tensor]:
-        specs = [RecvSpec(b.shape, b.dtype) for b in boundaries]
+    def _post_ahead(self, position: int) -> None:
+        """Post the receives of this and the next ``_LOOKAHEAD`` receive actions, once each."""
+        for i in [i for i in self._receives if i >= position][: _LOOKAHEAD + 1]:
+            action = self.actions[i]
+            key = (action.kind, action.microbatch)
+            if key not in self._posted:
+                self._posted[key] = self._post(action.kind, action.microbatch)
+
+    def _post(self, kind: str, mb: int) -> _Posted:
+        if kind == "RF":
+            groups = self._by_peer(self.stage.plan.inputs, "source")
+            tag = mb
+        else:
+            groups = [
+                (peer, [b for b in bs if _is_float(b)])
+                for peer, bs in self._by_peer(self.stage.plan.outputs, "target")
+            ]
+            tag = self.plan.microbatches + mb
+        parts = []
+        for peer, boundaries in groups:
+            specs = [RecvSpec(b.shape, b.dtype) for b in boundaries]
+            tensors, works = post_recv(specs, peer=peer, tag=tag, device=self.device)
+            parts.append((peer, tuple(boundaries), tensors, works))
+        return _Posted(tuple(parts))
+
+    def _wait(self, kind: str, mb: int) -> list[tuple[Boundary, torch.Tensor]]:
+        posted = self._posted.pop((kind, mb), None) or self._post(kind, mb)
+        received: list[tuple[Boundary, torch.Tensor]] = []
+        for peer, boundaries, tensors, works in posted.parts:
+            self._wait_peer(works, peer=peer)
+            received.extend(zip(boundaries, tensors))
+        return received
+
+    def _wait_peer(self, works: Sequence[dist.Work], *, peer: int) -> None:
         try:
-            return recv_tensors(specs, peer=peer, tag=tag, device=self.device, timeout=self.timeout)
+            wait_all(works, timeout=self.timeout)
         except PeerFailure as exc:
             stage, replica = self.plan.rank_layout()[peer]
             raise PeerFailure(
                 f"waiting for rank {peer} (stage {stage}, replica {replica}), which died, raised, hung, or "
                 f"was itself stopped by another rank's failure: {exc}"
             ) from exc
+
+    # --------------------------------------------------------------- helpers
 
     def _by_peer(self, boundaries: Sequence[Boundary], side: str) -> list[tuple[int, list[Boundary]]]:
         grouped: dict[int, list[Boundary]] = {}
