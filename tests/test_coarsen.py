@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
+from _examples import example as _example
 from torch import fx, nn
 
 from partitioner.capture import KIND_KEY, capture, module_path
@@ -19,16 +17,6 @@ from partitioner.values import VALUE_KEY, propagate_values
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _example(name: str) -> types.ModuleType:
-    key = f"_autopartition_example_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, ROOT / "examples" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], method: str = "export") -> fx.GraphModule:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import importlib.util
 import json
 import os
 import pickle
-import sys
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _examples import example as _example
 
 from partitioner import compile, load_plan
 from partitioner.capture import capture
@@ -24,16 +23,6 @@ from partitioner.plan import FORMAT_VERSION, Plan, example_plan, graph_fingerpri
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _example(name: str) -> types.ModuleType:
-    key = f"_autopartition_example_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, ROOT / "examples" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

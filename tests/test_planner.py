@@ -5,14 +5,12 @@ Costs are predicted for an H100 (``device="h100"``), so plans are deterministic.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
+from _examples import example as _example
 from torch import nn
 
 from partitioner import compile
@@ -27,16 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8
 
 
-def _example(name: str) -> types.ModuleType:
-    key = f"_autopartition_example_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, ROOT / "examples" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Model:
