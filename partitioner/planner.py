@@ -394,7 +394,8 @@ def _build_plan(
         outputs = tuple(b for b in boundaries if b.source == s)
         params = tuple(sorted({p for n in names for p in _parameters_of(gm, nodes[n])}))
         compute = [n for n in names if n in compute_sets[s]]
-        paths = [module_path(nodes[n]) or "(root)" for n in compute]
+        # Name the range by user modules; root-level glue (x.size(1), a residual add) only if nothing else.
+        paths = [module_path(nodes[n]) for n in compute if module_path(nodes[n])] or ["(root)"]
         last = s == pp - 1
         forward = (sum(graph.node_forward_s[n] for n in compute) + (graph.loss_s[0] if last else 0.0)) / dp
         total = (sum(graph.node_time_s[n] for n in compute) + (sum(graph.loss_s) if last else 0.0)) / dp
