@@ -135,7 +135,7 @@ def compile(
     for (p, d), partition in ranked:
         draft = _build_plan(model, captured, graph, partition, pp=p, dp=d, candidates=[],
                             batch_divisor=d, **options)  # type: ignore[arg-type]
-        simulated[p, d] = simulate(draft).step_s
+        simulated[p, d] = draft.predicted.step_s
     candidates = [dataclasses.replace(c, simulated_s=simulated.get((c.pp, c.dp))) for c in candidates]
     (best_pp, best_dp), partition = min(ranked, key=lambda item: simulated[item[0]])
     if best_dp > 1:
@@ -152,15 +152,8 @@ def compile(
         captured = recaptured
         options["micro"] = micro
     say(f"chose {best_pp} stages x {best_dp} replicas")
-    plan = _build_plan(model, captured, graph, partition, pp=best_pp, dp=best_dp, candidates=candidates,
+    return _build_plan(model, captured, graph, partition, pp=best_pp, dp=best_dp, candidates=candidates,
                        **options)  # type: ignore[arg-type]
-    sim = simulate(plan)
-    return dataclasses.replace(plan, predicted=StepPrediction(
-        step_s=sim.step_s,
-        bubble_fraction=sim.bubble_fraction,
-        samples_per_s=batch / sim.step_s if sim.step_s > 0 else 0.0,
-        peak_memory_bytes=tuple(float(m) for m in sim.peak_memory_bytes),
-    ))
 
 
 def _profile(
@@ -380,7 +373,7 @@ def _build_plan(
     boundaries = _boundaries(gm, stage_of_node, pp, batch_divisor=batch_divisor)
     problem = formulate(graph, dp=dp, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states,
                         bucket_cap_mb=bucket_cap_mb)
-    times, allreduce = stage_costs(problem, partition.stage_of, pp)
+    _, allreduce = stage_costs(problem, partition.stage_of, pp)
     memory = stage_memory(problem, partition.stage_of, pp, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
     statics = {n.name: n.meta[VALUE_KEY].static for n in gm.graph.nodes if n.meta[VALUE_KEY].kind == "static"}
     layout = stage_layout(pp, dp)
@@ -427,10 +420,8 @@ def _build_plan(
     lowered = lower(compute_order(schedule, stages=pp, microbatches=microbatches),
                     sends_to=sends_to, receives_from=receives_from, kind=schedule)
     validate(lowered, sends_to=sends_to, receives_from=receives_from)
-    step = partition.objective  # replaced by the simulation's step by compile()
-    busy = [microbatches * t for t in times]
     n_params = sum(p.numel() for p in model.parameters())
-    return Plan(
+    plan = Plan(
         format_version=FORMAT_VERSION,
         model=ModelInfo(
             class_name=type(model).__name__,
@@ -447,12 +438,7 @@ def _build_plan(
         stages=tuple(stages),
         actions=tuple(tuple(str(a) for a in row) for row in lowered.actions),
         tied=_tied(captured, stages),
-        predicted=StepPrediction(
-            step_s=step,
-            bubble_fraction=max(0.0, 1 - sum(busy) / (pp * step)) if step > 0 else 0.0,
-            samples_per_s=batch / step if step > 0 else 0.0,
-            peak_memory_bytes=tuple(memory),
-        ),
+        predicted=StepPrediction(0.0, 0.0, 0.0, tuple(memory)),  # filled in from the simulation below
         solver=SolverInfo(partition.solver, partition.status, partition.objective, partition.lower_bound,
                           partition.wall_s, len(graph.blocks)),
         cost_model=CostModelInfo(
@@ -464,6 +450,13 @@ def _build_plan(
         bucket_cap_mb=bucket_cap_mb,
         stage_code=tuple(codes),
     )
+    sim = simulate(plan)
+    return dataclasses.replace(plan, predicted=StepPrediction(
+        step_s=sim.step_s,
+        bubble_fraction=sim.bubble_fraction,
+        samples_per_s=batch / sim.step_s if sim.step_s > 0 else 0.0,
+        peak_memory_bytes=tuple(float(m) for m in sim.peak_memory_bytes),
+    ))
 
 
 def _parameters_of(gm: fx.GraphModule, node: fx.Node) -> list[str]:
