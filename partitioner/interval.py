@@ -30,7 +30,7 @@ import numpy as np
 
 from partitioner.problem import Partition, PartitionProblem, ScheduleKind, in_flight, step_time
 
-__all__ = ["interval_matrices", "solve_intervals"]
+__all__ = ["down_sets", "interval_matrices", "solve_down_sets", "solve_intervals"]
 
 
 def interval_matrices(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -81,47 +81,133 @@ def solve_intervals(
 
     Returns None when no split meets the memory limit.
     """
-    start = time.perf_counter()
     n = problem.size
     if not 1 <= stages <= n:
         return None
     cost, static, activation = interval_matrices(problem)
+    prefixes = np.tri(n + 1, n, k=-1, dtype=bool)  # row i: the first i blocks
+    return _best_split(problem, prefixes, cost, static, activation, stages, microbatches, schedule, "interval-dp")
+
+
+def down_sets(problem: PartitionProblem, *, limit: int) -> np.ndarray | None:
+    """Every set of blocks closed under predecessors that a stage boundary can leave behind.
+
+    Rows of a (K, N) boolean matrix, by size: the empty set first, all blocks last;
+    sets holding the last block (the model's output) other than all blocks are left
+    out.  None when there are more than ``limit``.  A chain has N + 1 (its prefixes).
+    """
+    n = problem.size
+    preds = [0] * n
+    for u, v in problem.edges:
+        preds[v] |= 1 << u
+    full, last = (1 << n) - 1, 1 << (n - 1)
+    level, found = {0}, [0]
+    for _ in range(n):
+        level = {d | (1 << v) for d in level for v in range(n) if not (d >> v) & 1 and not preds[v] & ~d}
+        found.extend(sorted(d for d in level if d == full or not d & last))
+        if len(found) > limit:
+            return None
+    return np.array([[(d >> v) & 1 for v in range(n)] for d in found], dtype=bool)
+
+
+def solve_down_sets(
+    problem: PartitionProblem,
+    member: np.ndarray,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind = "gpipe",
+) -> Partition | None:
+    """The best split over *every* topological order: stages are differences of nested down-sets.
+
+    Every valid assignment (no edge backward) is a chain of down-sets, so the same
+    bottleneck-enumerating DP over ``member``'s rows (from :func:`down_sets`) is exact
+    for any DAG.  None when no split meets the memory limit.
+    """
+    if not 1 <= stages <= problem.size:
+        return None
+    cost, static, activation = _down_set_matrices(problem, member)
+    return _best_split(problem, member, cost, static, activation, stages, microbatches, schedule, "down-set-dp")
+
+
+def _down_set_matrices(problem: PartitionProblem, member: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Like :func:`interval_matrices`, for stages ``D_b minus D_a`` with ``D_a`` strictly inside ``D_b``."""
+    f = member.astype(float)
+    inside = (f @ (~member).astype(float).T) == 0  # inside[a, b]: D_a is a subset of D_b
+    sizes = member.sum(axis=1)
+    nested = inside & (sizes[:, None] < sizes[None, :])
+
+    def difference(values: tuple[float, ...]) -> np.ndarray:
+        totals = f @ np.asarray(values, dtype=float)
+        return totals[None, :] - totals[:, None]
+
+    cost = difference(problem.time_s)
+    static = difference(problem.static_bytes)
+    activation = difference(problem.activation_bytes)
+    readers: dict[int, set[int]] = {}
+    for u, v in problem.edges:
+        readers.setdefault(u, set()).add(v)
+    for u, vs in readers.items():
+        if problem.transfer_s[u] > 0:
+            count = member[:, sorted(vs)].sum(axis=1)
+            # u lies before the stage (in D_a) and one of its readers inside it.
+            cost += problem.transfer_s[u] * (member[:, u][:, None] & (count[None, :] > count[:, None]))
+    for nbytes, _, shared_readers in problem.shared:
+        count = member[:, sorted(set(shared_readers))].sum(axis=1)
+        static += nbytes * (count[None, :] > count[:, None])
+    cost[~nested] = np.inf
+    return cost, static, activation
+
+
+def _best_split(
+    problem: PartitionProblem,
+    member: np.ndarray,
+    cost: np.ndarray,
+    static: np.ndarray,
+    activation: np.ndarray,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind,
+    name: str,
+) -> Partition | None:
+    """Enumerate the bottleneck cap over frontier pairs; ``member[k]``: blocks before frontier k."""
+    start = time.perf_counter()
     masks = _memory_masks(problem, static, activation, stages, microbatches, schedule)
     feasible_cost = np.where(np.any(masks, axis=0), cost, np.inf)
     candidates = np.unique(feasible_cost[np.isfinite(feasible_cost)])
     if candidates.size == 0:
         return None
     # Smallest cap with any feasible split (binary search), and the least sum overall.
-    unconstrained = _min_sum(cost, masks, stages, cap=np.inf)
+    unconstrained = _min_sum(cost, masks, member, stages, cap=np.inf)
     if unconstrained is None:
         return None
     lo, hi = 0, candidates.size - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if _min_sum(cost, masks, stages, cap=candidates[mid]) is None:
+        if _min_sum(cost, masks, member, stages, cap=candidates[mid]) is None:
             lo = mid + 1
         else:
             hi = mid
     min_sum = unconstrained[0]
     best: tuple[float, tuple[int, ...]] | None = None
     for cap in candidates[lo:]:
-        if best is not None and min_sum + (microbatches - 1) * cap >= best[0] - 1e-15:
+        if best is not None and min_sum + (microbatches - 1) * cap + problem.allreduce_latency_s >= best[0] - 1e-15:
             break
-        found = _min_sum(cost, masks, stages, cap=cap)
+        found = _min_sum(cost, masks, member, stages, cap=cap)
         if found is None:
             continue
         objective, _ = step_time(problem, found[1], microbatches=microbatches)
         if best is None or objective < best[0] - 1e-15:
             best = (objective, found[1])
     assert best is not None
-    lower = min_sum + (microbatches - 1) * float(candidates[lo])
+    lower = min_sum + (microbatches - 1) * float(candidates[lo]) + problem.allreduce_latency_s
     return Partition(
         stage_of=best[1],
         stages=stages,
         objective=best[0],
         lower_bound=min(lower, best[0]),
         status="optimal",
-        solver="interval-dp",
+        solver=name,
         wall_s=time.perf_counter() - start,
     )
 
@@ -134,10 +220,9 @@ def _memory_masks(
     microbatches: int,
     schedule: ScheduleKind,
 ) -> np.ndarray:
-    """``masks[s, i, j]``: interval [i, j) fits in memory as stage s."""
-    n = problem.size
+    """``masks[s, a, b]``: the stage between frontiers a and b fits in memory as stage s."""
     if problem.memory_limit is None:
-        return np.ones((stages, n + 1, n + 1), dtype=bool)
+        return np.ones((stages, *static.shape), dtype=bool)
     limit = problem.memory_limit * (1 + 1e-12)
     return np.stack(
         [
@@ -148,24 +233,27 @@ def _memory_masks(
 
 
 def _min_sum(
-    cost: np.ndarray, masks: np.ndarray, stages: int, *, cap: float
+    cost: np.ndarray, masks: np.ndarray, member: np.ndarray, stages: int, *, cap: float
 ) -> tuple[float, tuple[int, ...]] | None:
-    """Least total stage time with every stage at most ``cap``; None if impossible."""
-    n = cost.shape[0] - 1
+    """Least total stage time with every stage at most ``cap``; None if impossible.
+
+    Frontier 0 is the empty set and the last frontier all blocks.
+    """
+    k = cost.shape[0]
     allowed = np.where(cost <= cap, cost, np.inf)
-    best = np.full(n + 1, np.inf)
+    best = np.full(k, np.inf)
     best[0] = 0.0
-    choices = np.zeros((stages, n + 1), dtype=np.int64)
+    choices = np.zeros((stages, k), dtype=np.int64)
     for s in range(stages):
-        total = best[:, None] + np.where(masks[s], allowed, np.inf)  # (start i, end j)
+        total = best[:, None] + np.where(masks[s], allowed, np.inf)  # (from frontier a, to b)
         choices[s] = np.argmin(total, axis=0)
-        best = total[choices[s], np.arange(n + 1)]
-    if not np.isfinite(best[n]):
+        best = total[choices[s], np.arange(k)]
+    if not np.isfinite(best[k - 1]):
         return None
-    stage_of = [0] * n
-    end = n
+    stage_of = np.zeros(member.shape[1], dtype=np.int64)
+    end = k - 1
     for s in range(stages - 1, -1, -1):
         begin = int(choices[s, end])
-        stage_of[begin:end] = [s] * (end - begin)
+        stage_of[member[end] & ~member[begin]] = s
         end = begin
-    return float(best[n]), tuple(stage_of)
+    return float(best[k - 1]), tuple(int(s) for s in stage_of)

@@ -13,9 +13,11 @@ stage's all-reduce time; memory per stage is a hard limit.
 
 :func:`solve` first runs the exact interval DP (:mod:`partitioner.interval`)
 over the given order; when the blocks form a chain and there are no replicas,
-that is already optimal.  Otherwise the ILP runs with the DP's answer as an
-upper bound, within a time limit, and the better of the two is returned with
-the ILP's proven lower bound.
+that is already optimal.  Without replicas on a graph with at most
+``DOWN_SET_LIMIT`` down-sets, the same DP over down-sets is exact for every
+topological order.  Otherwise (replicas: the all-reduce term is a second
+bottleneck) the ILP runs with the DP's answer as an upper bound, within a time
+limit, and the better of the two is returned with the ILP's proven lower bound.
 
 Example::
 
@@ -36,7 +38,7 @@ from collections.abc import Iterator
 
 import pulp
 
-from partitioner.interval import solve_intervals
+from partitioner.interval import down_sets, solve_down_sets, solve_intervals
 from partitioner.problem import (
     Partition,
     PartitionProblem,
@@ -47,11 +49,12 @@ from partitioner.problem import (
     step_time,
 )
 
-__all__ = ["ILP_SIZE_LIMIT", "is_chain", "solve", "solve_ilp"]
+__all__ = ["DOWN_SET_LIMIT", "ILP_SIZE_LIMIT", "is_chain", "solve", "solve_ilp"]
 
 # Blocks x stages above which the ILP is skipped (DESIGN.md: a 700-node, 8-stage
 # ILP took 43 s here; 300 x 4 about 1 s).
 ILP_SIZE_LIMIT = 1600
+DOWN_SET_LIMIT = 1000  # down-sets of the block graph up to which the exact down-set DP replaces the ILP
 _RETRIES = 8  # re-solves after a tolerance artefact (an answer a few bytes over the limit)
 
 
@@ -77,6 +80,11 @@ def solve(
     start = time.perf_counter()
     interval = solve_intervals(problem, stages=stages, microbatches=microbatches, schedule=schedule)
     replicated = any(a > 0 for a in problem.allreduce_s) or any(s[1] > 0 for s in problem.shared)
+    if not replicated and not is_chain(problem) and use_ilp is None:
+        member = down_sets(problem, limit=DOWN_SET_LIMIT)
+        if member is not None:  # few enough orders to enumerate: exact without the ILP
+            exact = solve_down_sets(problem, member, stages=stages, microbatches=microbatches, schedule=schedule)
+            return None if exact is None else _with(exact, wall_s=time.perf_counter() - start)
     exact_already = is_chain(problem) and not replicated
     if use_ilp is None:
         use_ilp = not exact_already and problem.size * stages <= ILP_SIZE_LIMIT

@@ -443,7 +443,15 @@ def test_bug_ilp_infeasible_at_an_exactly_tight_limit() -> None:
 def test_bug_lower_bound_from_the_given_order_when_the_ilp_times_out() -> None:
     """When the ILP finds nothing in time, ``solve`` keeps the DP's lower bound, which holds only
     for the given order: lower_bound 21 although (1, 0, 1) reaches 18."""
-    result = solve(heavy_in_the_middle(), stages=2, microbatches=4, time_limit=0.0)
+    result = solve(heavy_in_the_middle(), stages=2, microbatches=4, time_limit=0.0, use_ilp=True)
     assert result is not None
     assert result.status == "feasible"
     assert result.lower_bound <= 18.0, result
+
+
+def test_down_set_dp_is_exact_without_the_ilp() -> None:
+    """Few down-sets and no replicas: the DP over down-sets reorders blocks like the ILP, exactly."""
+    result = solve(heavy_in_the_middle(), stages=2, microbatches=4)
+    assert result is not None
+    assert result.solver == "down-set-dp" and result.status == "optimal"
+    assert close(result.objective, 18.0) and close(result.lower_bound, 18.0)
