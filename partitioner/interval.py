@@ -190,15 +190,19 @@ def _best_split(
             hi = mid
     min_sum = unconstrained[0]
     best: tuple[float, tuple[int, ...]] | None = None
-    for cap in candidates[lo:]:
+    index = lo
+    while index < candidates.size:
+        cap = candidates[index]
         if best is not None and min_sum + (microbatches - 1) * cap + problem.allreduce_latency_s >= best[0] - 1e-15:
             break
         found = _min_sum(cost, masks, member, stages, cap=cap)
-        if found is None:
-            continue
+        assert found is not None  # caps from the smallest feasible one up are all feasible
         objective, _ = step_time(problem, found[1], microbatches=microbatches)
         if best is None or objective < best[0] - 1e-15:
             best = (objective, found[1])
+        # The least sum only falls at some larger cap; every cap before that gives this split's
+        # sum with a larger maximum, so jump (binary search) to where the sum first falls.
+        index = _next_drop(cost, masks, member, stages, candidates, after=index, level=found[0])
     assert best is not None
     lower = min_sum + (microbatches - 1) * float(candidates[lo]) + problem.allreduce_latency_s
     return Partition(
@@ -230,6 +234,28 @@ def _memory_masks(
             for s in range(stages)
         ]
     )
+
+
+def _next_drop(
+    cost: np.ndarray,
+    masks: np.ndarray,
+    member: np.ndarray,
+    stages: int,
+    candidates: np.ndarray,
+    *,
+    after: int,
+    level: float,
+) -> int:
+    """The first candidate index past ``after`` whose least sum is below ``level`` (or the end)."""
+    lo, hi = after + 1, candidates.size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        found = _min_sum(cost, masks, member, stages, cap=candidates[mid])
+        if found is not None and found[0] < level - 1e-12 * max(1.0, abs(level)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _min_sum(

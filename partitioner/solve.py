@@ -54,7 +54,7 @@ __all__ = ["DOWN_SET_LIMIT", "ILP_SIZE_LIMIT", "is_chain", "solve", "solve_ilp"]
 # Blocks x stages above which the ILP is skipped (DESIGN.md: a 700-node, 8-stage
 # ILP took 43 s here; 300 x 4 about 1 s).
 ILP_SIZE_LIMIT = 1600
-DOWN_SET_LIMIT = 1000  # down-sets of the block graph up to which the exact down-set DP replaces the ILP
+DOWN_SET_LIMIT = 600  # down-sets of the block graph up to which the exact down-set DP replaces the ILP
 _RETRIES = 8  # re-solves after a tolerance artefact (an answer a few bytes over the limit)
 
 
