@@ -12,46 +12,16 @@ stay open, so only the peers' timeouts can stop them).
 import os
 import time
 
-import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from mlp import build_model, example_inputs, example_target  # noqa: F401 - the model file's API
+from torch import Tensor
 
-WIDTH = 16
-DEPTH = 6
-NUM_CLASSES = 4
 MICROBATCHES = 4  # the test plans with this many micro-batches
 DIE_AT_STEP = 1
 DIE_AT_MICROBATCH = 1
 EXIT_CODE = 17
 
 _calls = 0  # loss_fn calls in this process: one per micro-batch on the last stage
-
-
-class DyingMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
-        self.head = nn.Linear(WIDTH, NUM_CLASSES)
-
-    def forward(self, x: Tensor) -> Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))  # (B, W)
-        return self.head(x)  # (B, C)
-
-
-def build_model() -> DyingMLP:
-    torch.manual_seed(0)
-    return DyingMLP()
-
-
-def example_inputs(batch_size: int = 8) -> tuple[Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(batch_size, WIDTH, generator=g),)  # (B, W)
-
-
-def example_target(batch_size: int = 8) -> Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, NUM_CLASSES, (batch_size,), generator=g)  # (B,)
 
 
 def loss_fn(outputs: Tensor, target: Tensor) -> Tensor:

@@ -7,39 +7,9 @@ run in the verifying process, and ``verify`` must report a mismatch.
 
 import os
 
-import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
-WIDTH = 16
-NUM_CLASSES = 4
-
-
-class RankDependentMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(4)])
-        self.head = nn.Linear(WIDTH, NUM_CLASSES)
-
-    def forward(self, x: Tensor) -> Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))  # (B, W)
-        return self.head(x)  # (B, C)
-
-
-def build_model() -> RankDependentMLP:
-    torch.manual_seed(0)
-    return RankDependentMLP()
-
-
-def example_inputs(batch_size: int = 8) -> tuple[Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(batch_size, WIDTH, generator=g),)  # (B, W)
-
-
-def example_target(batch_size: int = 8) -> Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, NUM_CLASSES, (batch_size,), generator=g)  # (B,)
+from mlp import build_model, example_inputs, example_target  # noqa: F401 - the model file's API
+from torch import Tensor
 
 
 def loss_fn(outputs: Tensor, target: Tensor) -> Tensor:
