@@ -12,7 +12,6 @@ by two stages, a model input read by a later stage, ...).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,6 @@ from runtime.verify import VerifyResult, verify
 
 MODELS = Path(__file__).parent / "models"
 EXAMPLES = Path(__file__).parent.parent / "examples"
-if str(MODELS) not in sys.path:
-    sys.path.insert(0, str(MODELS))
 from planning_helpers import make_plan, parameters_covered
 
 pytestmark = pytest.mark.slow  # spawns ranks

@@ -8,7 +8,6 @@ the whole model trained on the whole mini-batch in one process.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,6 @@ from runtime.verify import verify
 
 MODELS = Path(__file__).parent / "models"
 EXAMPLES = Path(__file__).parent.parent / "examples"
-if str(MODELS) not in sys.path:
-    sys.path.insert(0, str(MODELS))
 from planning_helpers import make_plan, parameters_covered
 
 pytestmark = pytest.mark.slow  # spawns ranks

@@ -11,7 +11,6 @@ clear errors.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,6 @@ BATCH = 8
 STEPS = 3
 TOLERANCE = 1e-5
 
-if str(MODELS) not in sys.path:
-    sys.path.insert(0, str(MODELS))  # spawned ranks inherit sys.path, and import rank_workers from it
 import rank_workers
 from planning_helpers import make_plan
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -28,8 +27,6 @@ STEPS = 3
 PIPELINE_TIMEOUT_S = 10.0  # Pipeline(timeout=...): the limit of every wait
 LIMIT_S = 60.0  # every survivor must have exited by then (the default collective timeout is 30 min)
 
-if str(MODELS) not in sys.path:
-    sys.path.insert(0, str(MODELS))  # spawned ranks inherit sys.path, and import rank_workers from it
 import dying
 import rank_workers
 from planning_helpers import make_plan
