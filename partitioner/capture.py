@@ -8,11 +8,12 @@ then export):
   GPT here, against 2.3 s for export) and not specialised to input shapes, so
   one capture serves every micro-batch size and ranks start quickly.
 * ``torch.export.export(..., strict=False)``: aten-level graphs specialised to
-  the example shapes; the only route that captures Hugging Face models.
+  the example shapes; the only route that captures Hugging Face models.  A model
+  built on ``meta`` is exported on meta copies of the inputs.
 
 Either way the graph keeps each node's ``nn_module_stack`` so that plans speak in
 the user's module names, and non-compute nodes (export guards, metadata
-asserts) are dropped.  Every node gets a ``node.meta["autopartition_kind"]``.
+asserts) are dropped.  Every node gets its kind under :data:`partitioner.ir.KIND_KEY`.
 
 Example::
 
@@ -36,20 +37,11 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from partitioner.errors import CaptureError
+from partitioner.ir import KIND_KEY, NodeKind
 
-__all__ = [
-    "KIND_KEY",
-    "CaptureMethod",
-    "CapturedModel",
-    "NodeKind",
-    "capture",
-    "module_path",
-    "node_parameters",
-]
+__all__ = ["CaptureMethod", "CapturedModel", "capture"]
 
 CaptureMethod = Literal["auto", "export", "symbolic_trace"]
-NodeKind = Literal["input", "parameter", "buffer", "constant", "compute", "output"]
-KIND_KEY = "autopartition_kind"
 
 # Nodes that compute nothing a later node reads: export's guard function and
 # tensor-metadata assertions.  They would pin stage boundaries for no reason.
@@ -143,37 +135,14 @@ def capture(
     )
 
 
-def module_path(node: fx.Node) -> str:
-    """The innermost user module a node belongs to (``blocks.3.attn``), or ``""`` for the root."""
-    if node.op == "call_module":
-        return str(node.target)
-    if node.op in ("get_attr",):
-        return str(node.target).rpartition(".")[0]
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = str(list(stack.values())[-1][0])
-    # export prefixes paths of modules called through a parent with "L__self__" style
-    # names only in strict mode; non-strict gives plain dotted paths.
-    return path
-
-
-def node_parameters(gm: fx.GraphModule, node: fx.Node) -> list[str]:
-    """Graph names of the parameters a compute node reads directly."""
-    names: list[str] = []
-    if node.op == "call_module":
-        sub = gm.get_submodule(str(node.target))
-        names.extend(f"{node.target}.{n}" for n, _ in sub.named_parameters(remove_duplicate=False))
-    for arg in node.all_input_nodes:
-        if arg.meta.get(KIND_KEY) == "parameter":
-            names.append(str(arg.target))
-    return names
-
-
 # --------------------------------------------------------------------------- routes
 
 
 def _export(model: torch.nn.Module, inputs: tuple[Any, ...]) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        # A model built on meta is exported on meta inputs: CPU inputs meeting meta weights in one op
+        # fail export's device check.  Device literals this bakes in are read as the run's device later.
+        inputs = tuple(torch.empty_like(x, device="meta") for x in inputs)
     exported = torch.export.export(model, inputs, strict=False)
     gm = exported.module()
     assert isinstance(gm, fx.GraphModule)

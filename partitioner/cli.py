@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import shlex
 import sys
 import textwrap
@@ -24,30 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from partitioner.defaults import DEFAULT_SCHEDULE, SCHEDULES
 from partitioner.errors import AutopartitionError
+from partitioner.units import parse_size
 
-__all__ = ["main", "parse_size"]
+__all__ = ["main", "parse_size"]  # parse_size lives in partitioner.units
 
 _DEVICES = ("auto", "cpu", "cuda", "a100", "h100", "h200")
 _CAPTURE = ("auto", "export", "symbolic_trace")
-_SCHEDULES = ("gpipe", "1f1b")
 _DEFAULT_BATCH = 32
 _DEFAULT_MICROBATCHES = 8
 _WIDTH = 100
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 _EPILOG = """\
 examples:
@@ -79,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and closed: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except Exception:  # noqa: BLE001 - report, then exit 1
+    except Exception:  # noqa: BLE001 - InternalError or anything unexpected: a bug, exit 1
         traceback.print_exc()
         print(
             "autopartition: internal error: this is a bug in autopartition, not in your input. "
@@ -87,25 +73,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-
-
-def parse_size(text: str) -> float:
-    """A memory size in bytes: ``80GiB``, ``40GB``, ``512MiB``, ``1.5e9`` (bytes).
-
-    >>> parse_size("80GiB") == 80 * 1024**3, parse_size("40GB"), parse_size("1.5e9")
-    (True, 40000000000.0, 1500000000.0)
-    """
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"cannot read {text!r} as a memory size; write a number with a unit such as "
-            "80GiB, 40GB, 512MiB, or plain bytes such as 1.5e9"
-        )
-    value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise ValueError(f"memory size must be positive, got {text!r}")
-    return value
 
 
 # ----------------------------------------------------------------- parsers
@@ -191,8 +158,8 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help=f"mini-batch size (default: the model file's fixed batch, else {_DEFAULT_BATCH})")
     parser.add_argument("--microbatches", type=_positive_int, default=_DEFAULT_MICROBATCHES, metavar="M",
                         help=f"micro-batches per mini-batch (default {_DEFAULT_MICROBATCHES})")
-    parser.add_argument("--schedule", choices=_SCHEDULES, default="gpipe", type=str.lower,
-                        help="pipeline schedule (default gpipe)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE, type=str.lower,
+                        help=f"pipeline schedule (default {DEFAULT_SCHEDULE})")
     parser.add_argument("--pp", type=_positive_int, metavar="P", help="fix the number of pipeline stages")
     parser.add_argument("--dp", type=_positive_int, metavar="D", help="fix the number of replicas per stage")
     parser.add_argument("--device", choices=_DEVICES, default="auto", type=str.lower,
@@ -319,18 +286,13 @@ def _verify(args: argparse.Namespace) -> int:
     from partitioner.plan import Plan
 
     Plan.load(args.plan)  # a missing or corrupt plan is bad input (exit 2), found before any rank starts
-    verify = _runtime("runtime.verify", "verify_plan", "verify")
-    if verify is None:
-        return 1
-    options: dict[str, Any] = {"steps": args.steps}
-    if args.timeout is not None:
-        options["timeout"] = args.timeout
-    result = verify(args.plan, args.model, **options)
-    if isinstance(result, int) and not isinstance(result, bool):
-        return result
-    if result is not None:
-        print(result)
-    return 0 if getattr(result, "ok", True) else 1
+    try:
+        from runtime.verify import verify_plan
+    except ImportError as exc:
+        return _runtime_missing("verify", "runtime.verify.verify_plan", exc)
+    if args.timeout is None:  # the verifier's own default
+        return verify_plan(args.plan, args.model, steps=args.steps)
+    return verify_plan(args.plan, args.model, steps=args.steps, timeout=args.timeout)
 
 
 def _run(args: list[str]) -> int:
@@ -357,10 +319,11 @@ def _run(args: list[str]) -> int:
     from partitioner.plan import Plan
 
     Plan.load(parsed.plan)
-    run_plan = _runtime("runtime.launch", "run_plan", "run")
-    if run_plan is None:
-        return 1
-    return int(run_plan(parsed.plan, torchrun_args, script))
+    try:
+        from runtime.launch import run_plan
+    except ImportError as exc:
+        return _runtime_missing("run", "runtime.launch.run_plan", exc)
+    return run_plan(parsed.plan, torchrun_args, script)
 
 
 # ----------------------------------------------------------------- helpers
@@ -383,17 +346,14 @@ def _error(message: str) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
-def _runtime(module: str, function: str, command: str) -> Callable[..., Any] | None:
-    """Import ``module.function`` lazily; on failure say so and return None (exit code 1)."""
-    try:
-        return cast(Callable[..., Any], getattr(importlib.import_module(module), function))
-    except (ImportError, AttributeError) as exc:
-        _error(
-            f"`autopartition {command}` needs {module}.{function}, which cannot be imported "
-            f"({type(exc).__name__}: {exc}). Reinstall autopartition (`pip install -e .` in its "
-            "checkout) so that the runtime package is present."
-        )
-        return None
+def _runtime_missing(command: str, name: str, exc: ImportError) -> int:
+    """A broken installation, not bad input: say how to fix it; exit code 1."""
+    _error(
+        f"`autopartition {command}` needs {name}, which cannot be imported "
+        f"({type(exc).__name__}: {exc}). Reinstall autopartition (`pip install -e .` in its "
+        "checkout) so that the runtime package is present."
+    )
+    return 1
 
 
 def _write_report(plan: Any, directory: Path) -> Path | None:

@@ -14,22 +14,17 @@ Example::
     >>> from partitioner.capture import capture
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     >>> c = capture(m, (torch.randn(2, 4),))
-    >>> [list(b) for b in coarsen(c.graph_module, max_blocks=8)]
-    [['linear'], ['relu'], ['linear_1']]
+    >>> [list(b) for b in coarsen(c.graph_module, max_blocks=8)]  # one node per leaf module
+    [['_0'], ['_1'], ['_2']]
 """
 
 from __future__ import annotations
 
 from torch import fx
 
-from partitioner.capture import KIND_KEY, module_path
-from partitioner.values import VALUE_KEY, ValueInfo
+from partitioner.ir import VALUE_KEY, ValueInfo, compute_nodes, module_path
 
-__all__ = ["coarsen", "compute_nodes"]
-
-
-def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.meta.get(KIND_KEY) == "compute"]
+__all__ = ["coarsen"]
 
 
 def coarsen(gm: fx.GraphModule, *, max_blocks: int, times: dict[str, float] | None = None) -> list[tuple[str, ...]]:

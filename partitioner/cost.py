@@ -1,14 +1,22 @@
 """Cost: forward/backward time, FLOPs and memory of every node.
 
-:class:`_CostInterpreter` runs the captured graph once, node by node, on real
-tensors on the local device and writes one key, ``node.meta["autopartition_cost"]``,
-a :class:`NodeCost`.  For each compute node it
+:class:`_CostInterpreter` runs the captured graph once, node by node, and writes
+one key, ``node.meta["autopartition_cost"]``, a :class:`NodeCost`.  For each
+compute node it
 
-* counts forward and backward FLOPs with ``torch.utils.flop_counter``;
+* counts forward and backward FLOPs with ``torch.utils.flop_counter``'s formulas;
 * counts the activation bytes autograd saves for backward (saved-tensor hooks,
   parameters excluded), which is what a stage keeps per micro-batch in flight;
 * times forward and backward (``torch.autograd.grad`` on that node alone),
   warmed up, median of repeats, when ``measure=True``.
+
+Counting alone (``measure=False``, used for ``--device a100|h100|h200``) runs on
+fake tensors (:mod:`partitioner.meta`): every parameter, buffer and input is
+replaced by a ``FakeTensor`` of its shape and dtype, so nothing is computed or
+allocated and no weight is read or copied, whether the model holds real weights
+or was built on ``meta``.  Timing a model that holds meta tensors materialises
+one layer at a time with placeholder values and times a repeated layer once
+(:func:`_measure_by_layer`).
 
 Times for a GPU we are not on come from :func:`predicted_times`, a roofline:
 ``max(FLOPs / peak, bytes / bandwidth) + launch overhead`` (Williams et al.,
@@ -30,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -37,13 +46,29 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from partitioner.capture import KIND_KEY, CapturedModel, node_parameters
+from partitioner.capture import CapturedModel
 from partitioner.devices import DeviceSpec
-from partitioner.errors import CaptureError
+from partitioner.errors import AutopartitionError, CaptureError
+from partitioner.ir import KIND_KEY, node_parameters
+from partitioner.meta import (
+    FakeState,
+    Layer,
+    StandIns,
+    attribute,
+    fake_like,
+    has_meta,
+    home_device,
+    is_meta,
+    layers,
+    materialise,
+    placeholder,
+)
 
 __all__ = ["COST_KEY", "NodeCost", "Progress", "predicted_times", "profile", "time_loss"]
 
@@ -63,6 +88,7 @@ class NodeCost:
     io_bytes: int  # tensor bytes read and written by the forward, weights included
     dtype: str  # dtype of the output, chooses the peak for predictions
     weight_bytes: int = 0  # parameter bytes read (part of io_bytes; independent of the batch)
+    saved_float32_bytes: int | None = None  # the float32 part of saved_bytes (None: not known)
 
     def scaled(self, factor: float) -> NodeCost:
         """Cost for a batch ``factor`` times as large (linear in batch; weights read once)."""
@@ -75,6 +101,7 @@ class NodeCost:
             io_bytes=int(self.weight_bytes + (self.io_bytes - self.weight_bytes) * factor),
             dtype=self.dtype,
             weight_bytes=self.weight_bytes,
+            saved_float32_bytes=None if self.saved_float32_bytes is None else int(self.saved_float32_bytes * factor),
         )
 
 
@@ -102,25 +129,39 @@ def profile(
     repeats: int = 5,
     progress: Progress | None = None,
 ) -> dict[str, NodeCost]:
-    """Cost every compute and constant node of ``captured`` on ``inputs`` (one micro-batch)."""
+    """Cost every compute and constant node of ``captured`` on ``inputs`` (one micro-batch).
+
+    ``measure=False`` counts on fake tensors (no compute, no allocation); times are zero.
+    """
     gm = captured.graph_module
+    if not measure:
+        return _count(gm, inputs, progress=progress)
+    device = device or torch.device("cpu")
+    if has_meta(gm, inputs):
+        return _measure_by_layer(gm, inputs, device=device, warmup=warmup, repeats=repeats, progress=progress)
     if _has_mutation(gm):
         gm = copy.deepcopy(gm)  # profiling repeats ops; keep the user's buffers untouched
-    device = device or torch.device("cpu")
     gm = gm.to(device)
     inputs = tuple(x.to(device) for x in inputs)
-    if measure:  # first calls of an op pay one-time set-up costs; keep them out of the timings
-        with torch.no_grad():
-            gm(*inputs)
-    runner = _CostInterpreter(
-        gm, measure=measure, device=device, warmup=warmup, repeats=repeats, progress=progress
-    )
+    with torch.no_grad():  # first calls of an op pay one-time set-up costs; keep them out of the timings
+        gm(*inputs)
+    runner = _CostInterpreter(gm, measure=True, device=device, warmup=warmup, repeats=repeats, progress=progress)
     with _rank_threads(device), torch.enable_grad():
         runner.run(*inputs)
-        if not measure:
-            return runner.costs
         forward, backward = _in_situ(gm, inputs, device=device, repeats=max(3, repeats))
     return _calibrated(runner.costs, forward, backward)
+
+
+def _count(gm: fx.GraphModule, inputs: tuple[Any, ...], *, progress: Progress | None) -> dict[str, NodeCost]:
+    """FLOPs and bytes of every node, run on fake tensors: shapes only, at the real micro-batch size."""
+    home = home_device(gm, inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = FakeState(gm, mode, home)
+    runner = _CostInterpreter(gm, measure=False, device=home, warmup=0, repeats=0, progress=progress, state=state)
+    runner.home = home
+    with mode, torch.enable_grad():
+        runner.run(*(fake_like(x, home) if isinstance(x, torch.Tensor) else x for x in inputs))
+    return runner.costs
 
 
 @contextlib.contextmanager
@@ -202,12 +243,23 @@ def time_loss(
     device: torch.device | None = None,
     repeats: int = 5,
 ) -> tuple[float, float]:
-    """Median (forward, backward) seconds of ``loss_fn`` on the model's outputs for one micro-batch."""
+    """Median (forward, backward) seconds of ``loss_fn`` on the model's outputs for one micro-batch.
+
+    A model holding meta tensors is not run: the loss is timed on placeholder outputs
+    of the propagated shapes (and placeholder targets where they are meta).
+    """
     device = device or torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    with torch.no_grad():
-        flat = captured.graph_module(*(x.to(device) for x in inputs))
-    target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, target)
+    nodes = captured.nodes()
+    values = [v for name in captured.output_nodes if isinstance(v := nodes[name].meta.get("val"), torch.Tensor)]
+    if has_meta(captured.graph_module, inputs) and len(values) == len(captured.output_nodes):
+        flat = tuple(placeholder(v, device) for v in values)
+    else:
+        with torch.no_grad():
+            flat = captured.graph_module(*(x.to(device) for x in inputs))
+    target = pytree.tree_map(
+        lambda t: (placeholder(t, device) if is_meta(t) else t.to(device)) if isinstance(t, torch.Tensor) else t, target
+    )
     forward, backward = [], []
     with _rank_threads(device):
         for _ in range(repeats + 1):
@@ -244,7 +296,10 @@ def _has_mutation(gm: fx.GraphModule) -> bool:
     return False
 
 
-class _CostInterpreter(fx.Interpreter):
+class _CostInterpreter(StandIns):
+    """Costs node by node.  ``state`` (graph name -> tensor) stands in for the module's own
+    parameters, buffers and tensor constants; without it the module's own are used."""
+
     def __init__(
         self,
         gm: fx.GraphModule,
@@ -254,27 +309,39 @@ class _CostInterpreter(fx.Interpreter):
         warmup: int,
         repeats: int,
         progress: Progress | None,
+        state: Callable[[str], Any] | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=True)
+        self.extra_traceback = False  # our errors are one paragraph; fx would append the graph's traceback
         self.measure = measure
         self.device = device
         self.warmup = warmup
         self.repeats = repeats
         self.progress = progress
+        self.state = state
         self.costs: dict[str, NodeCost] = {}
-        self.param_ptrs = {p.data_ptr() for p in gm.parameters()}
+        # Parameters by storage, not data_ptr (0 for every fake or meta tensor): views of a weight count too.
+        self.param_storages = {_storage(p) for p in gm.parameters()} if state is None else set()
         self.total = len(gm.graph.nodes)
         self.done = 0
 
-    def run_node(self, n: fx.Node) -> Any:
+    def tick(self) -> None:
         self.done += 1
         if self.progress is not None:
             self.progress(self.done, self.total)
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.tick()
         if n.meta.get(KIND_KEY) not in ("compute", "constant"):
             return super().run_node(n)
         try:
             result, cost = self._cost(n)
+        except AutopartitionError:
+            raise
         except Exception as exc:
+            failed = self.run_node_failed(n, exc)
+            if failed is not None:
+                raise failed from exc
             raise CaptureError(
                 f"Profiling failed at node {n.format_node()}: {exc}. "
                 "Check that example_inputs() returns inputs the model accepts."
@@ -282,6 +349,16 @@ class _CostInterpreter(fx.Interpreter):
         n.meta[COST_KEY] = cost
         self.costs[n.name] = cost
         return result
+
+    def run_node_failed(self, n: fx.Node, exc: Exception) -> AutopartitionError | None:
+        """The error to raise when costing ``n`` failed; ``None``: the generic one."""
+        return None
+
+    def tensor(self, name: str) -> Any:
+        value = super().tensor(name)
+        if self.state is not None and isinstance(value, torch.nn.Parameter):
+            self.param_storages.add(_storage(value))
+        return value
 
     def _cost(self, n: fx.Node) -> tuple[Any, NodeCost]:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -306,10 +383,12 @@ class _CostInterpreter(fx.Interpreter):
             return getattr(self, n.op)(n.target, args, kwargs)
 
         saved: list[int] = []
+        saved_float32: list[int] = []  # what a bf16 precision halves (not integer indices or masks)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.data_ptr() not in self.param_ptrs:
-                saved.append(t.numel() * t.element_size())
+            if _storage(t) not in self.param_storages:
+                saved.append(_nbytes(t))
+                saved_float32.append(_nbytes(t) if t.dtype == torch.float32 else 0)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FlopCount() as counter:
@@ -350,13 +429,14 @@ class _CostInterpreter(fx.Interpreter):
             io_bytes=io_bytes,
             dtype=dtype,
             weight_bytes=weight_bytes,
+            saved_float32_bytes=sum(saved_float32),
         )
         return pytree.tree_map(_detach, out), cost
 
     def _parameters(self, n: fx.Node) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []
         for name in node_parameters(self.module, n):  # type: ignore[arg-type]
-            param = self.module.get_parameter(name)
+            param = self.tensor(name)
             if param.requires_grad and all(param is not p for p in found):
                 found.append(param)
         return found
@@ -375,6 +455,179 @@ class _CostInterpreter(fx.Interpreter):
         return statistics.median(samples)
 
 
+def _measure_by_layer(
+    gm: fx.GraphModule,
+    inputs: tuple[Any, ...],
+    *,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    progress: Progress | None,
+) -> dict[str, NodeCost]:
+    """Time a model holding meta tensors one layer at a time (see :class:`_LayerInterpreter`)."""
+    runner = _LayerInterpreter(gm, device=device, warmup=warmup, repeats=repeats, progress=progress)
+    real = tuple(_real(x, device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    with _rank_threads(device), torch.enable_grad():
+        runner.run(*real)
+    return runner.costs
+
+
+class _Lazy:
+    """A ``get_attr`` value not made yet: layers materialise their tensors when a node reads them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _LayerInterpreter(_CostInterpreter):
+    """Times nodes on real tensors, materialising only the layer being timed.
+
+    Each layer's parameters and buffers are made on ``device`` when one of its nodes
+    first reads them (:func:`partitioner.meta.materialise`) and freed after its last
+    node; values flowing between nodes are real.  A layer with the signature of a
+    layer already timed (identical transformer blocks) is not run: its nodes get
+    the costs of the first one's, position by position, and the values other
+    layers read from it are placeholders of the propagated shapes.
+    ``timed`` lists the layers that ran, in order.
+    """
+
+    def __init__(
+        self, gm: fx.GraphModule, *, device: torch.device, warmup: int, repeats: int, progress: Progress | None
+    ) -> None:
+        super().__init__(gm, measure=True, device=device, warmup=warmup, repeats=repeats, progress=progress,
+                         state=self._materialised)
+        self.home = device
+        self.layer_of = {name: layer for layer in layers(gm) for name in layer.nodes}
+        self.reference: dict[str, Layer] = {}  # signature -> the first layer with it, once it is done
+        self.reused: dict[str, Layer] = {}  # layer path -> the layer whose costs it takes
+        self.timed: list[str] = []
+        self.live: dict[str, Any] = {}  # graph name -> materialised tensor
+        self.owned: dict[str, list[str]] = {}  # layer path -> graph names it materialised
+        self.requires_grad: dict[str, list[bool]] = {}  # node -> requires_grad of its output tensors
+        self.current = ""
+
+    def run_node(self, n: fx.Node) -> Any:
+        layer = self.layer_of.get(n.name)
+        if layer is None:
+            return super().run_node(n)
+        if n.name == layer.nodes[0]:
+            self._enter(layer)
+        self.current = layer.path
+        reference = self.reused.get(layer.path)
+        if reference is None:
+            result = super().run_node(n)
+        else:
+            self.tick()
+            result = self._reuse(n, layer, reference)
+        if n.name == layer.nodes[-1]:
+            self._leave(layer)
+        return result
+
+    def get_attr(self, target: fx.node.Target, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return _Lazy(str(target))  # made when a node of a layer reads it, not all at the graph's top
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return pytree.tree_map(lambda v: self.tensor(v.name) if isinstance(v, _Lazy) else v, (args, kwargs))
+
+    def _cost(self, n: fx.Node) -> tuple[Any, NodeCost]:
+        result, cost = super()._cost(n)
+        self.requires_grad[n.name] = [t.requires_grad for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        return result, cost
+
+    def _materialised(self, name: str) -> Any:
+        if name not in self.live:
+            made: dict[str, Any] = materialise(self.module, name.rpartition(".")[0], self.device)  # type: ignore[arg-type]
+            if name not in made:  # a plain tensor attribute (an exported constant), not a parameter or buffer
+                value = attribute(self.module, name)  # type: ignore[arg-type]
+                made[name] = _real(value, self.device) if isinstance(value, torch.Tensor) else value
+            for key, value in made.items():
+                if key not in self.live:
+                    self.live[key] = value
+                    self.owned.setdefault(self.current, []).append(key)
+        return self.live[name]
+
+    def _enter(self, layer: Layer) -> None:
+        reference = self.reference.get(layer.signature)
+        needed = [n for n in layer.nodes if self._read_outside(n, layer)]
+        if reference is not None and all("val" in self._node(n).meta for n in needed):
+            self.reused[layer.path] = reference
+        else:
+            self.timed.append(layer.path)
+
+    def _leave(self, layer: Layer) -> None:
+        for name in self.owned.pop(layer.path, []):
+            value = self.live.pop(name)
+            if isinstance(value, torch.nn.Parameter):
+                self.param_storages.discard(_storage(value))
+        if layer.path not in self.reused and not layer.signature.startswith("unique:"):
+            self.reference.setdefault(layer.signature, layer)
+
+    def _reuse(self, n: fx.Node, layer: Layer, reference: Layer) -> Any:
+        source = reference.nodes[layer.nodes.index(n.name)]
+        cost = self.costs[source]
+        n.meta[COST_KEY] = cost
+        self.costs[n.name] = cost
+        if not self._read_outside(n.name, layer):
+            return None  # nothing outside the layer reads it
+        flags = iter(self.requires_grad.get(source, []))
+
+        def stand_in(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                made = placeholder(value, self.device)
+                return made.requires_grad_(next(flags, False) and made.is_floating_point())
+            return self.device if isinstance(value, torch.device) else value
+
+        return pytree.tree_map(stand_in, n.meta["val"])
+
+    def _read_outside(self, name: str, layer: Layer) -> bool:
+        return any(self.layer_of.get(u.name) is not layer for u in self._node(name).users)
+
+    def _node(self, name: str) -> fx.Node:
+        return self._nodes[name]
+
+    @functools.cached_property
+    def _nodes(self) -> dict[str, fx.Node]:
+        return {n.name: n for n in self.graph.nodes}
+
+    def run_node_failed(self, n: fx.Node, exc: Exception) -> AutopartitionError:
+        return _not_materialisable(self.current, n, exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _real(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return placeholder(tensor, device) if is_meta(tensor) else tensor.to(device)
+
+
+def _not_materialisable(layer: str, node: fx.Node, exc: Exception) -> AutopartitionError:
+    return AutopartitionError(
+        "The model holds meta tensors (built under torch.device('meta'), or meta example inputs), so measuring "
+        "its times (--device cpu or cuda) materialises it one layer at a time with placeholder values: "
+        "parameters re-initialised by reset_parameters() or at random, buffers, constants and inputs filled "
+        "with random numbers, zeros (integers) or True. Layer "
+        f"`{layer or '(root)'}` failed on those values at node {node.format_node()}: {_first_line(exc)}. Its values "
+        "matter to the computation (an index table, a divisor or a mask built in __init__), and on meta they "
+        "are lost. Plan with a predicted device instead (--device h100, a100 or h200: costs are counted from "
+        "shapes alone and nothing is materialised), or build the model with real weights to measure it."
+    )
+
+
+# Metadata queries, as FlopCounterMode skips them (torch/utils/flop_counter.py).
+_METADATA_OPS = frozenset({
+    torch.ops.aten.sym_is_contiguous.default, torch.ops.aten.is_contiguous.default,
+    torch.ops.aten.is_contiguous.memory_format, torch.ops.aten.is_strides_like_format.default,
+    torch.ops.aten.is_non_overlapping_and_dense.default, torch.ops.aten.size.default,
+    torch.ops.aten.sym_size.default, torch.ops.aten.stride.default, torch.ops.aten.sym_stride.default,
+    torch.ops.aten.storage_offset.default, torch.ops.aten.sym_storage_offset.default,
+    torch.ops.aten.numel.default, torch.ops.aten.sym_numel.default, torch.ops.aten.dim.default,
+    torch.ops.prim.layout.default,
+})
+
+
 class _FlopCount(TorchDispatchMode):
     """FLOPs of the ops run under it, by ``torch.utils.flop_counter``'s formulas.
 
@@ -388,8 +641,11 @@ class _FlopCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _METADATA_OPS:
+            return NotImplemented  # fake tensors ask for sizes and strides through dispatch: no FLOPs
         packet = func._overloadpacket
-        if packet not in flop_registry and not isinstance(func, torch._ops.HigherOrderOperator):
+        if (packet not in flop_registry and not isinstance(func, torch._ops.HigherOrderOperator)
+                and func is not torch.ops.prim.device.default):
             with self:
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:
@@ -402,18 +658,23 @@ class _FlopCount(TorchDispatchMode):
 
 
 def _is_view(out: Any, inputs: Any) -> bool:
+    """Does ``out`` share storage with an input?  (``_is_alias_of``: data pointers are 0 on fake tensors.)"""
     if not isinstance(out, torch.Tensor) or out.numel() == 0:
         return False
-    storage = out.untyped_storage().data_ptr()
     return any(
-        isinstance(t, torch.Tensor) and t.numel() > 0 and t.untyped_storage().data_ptr() == storage
+        isinstance(t, torch.Tensor) and t.numel() > 0 and torch._C._is_alias_of(out, t)  # type: ignore[attr-defined]
         for t in pytree.tree_leaves(inputs)
     )
 
 
+def _storage(tensor: torch.Tensor) -> StorageWeakRef:
+    """A hashable key of ``tensor``'s storage, shared by its views (works on fake and meta tensors)."""
+    return StorageWeakRef(tensor.untyped_storage())
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return value.nbytes  # numel x element size
     return 0
 
 

@@ -1,7 +1,8 @@
-"""User-facing errors: each says what is wrong and what to do.
+"""Errors: user-facing ones say what is wrong and what to do; internal ones are bugs.
 
 The CLI turns any :class:`AutopartitionError` into a one-paragraph message and
-exit code 2; anything else is a bug (exit code 1).
+exit code 2; an :class:`InternalError`, like any other exception, is a bug in
+autopartition: the CLI prints its traceback and exits with code 1.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ __all__ = [
     "AutopartitionError",
     "CaptureError",
     "InfeasibleError",
+    "InternalError",
     "ModelFileError",
     "PlanFormatError",
     "PlanMismatchError",
@@ -43,3 +45,11 @@ class PlanMismatchError(AutopartitionError):
 
 class ScheduleError(AutopartitionError):
     """A schedule is malformed or would deadlock."""
+
+
+class InternalError(Exception):
+    """A broken invariant inside autopartition (a bug), never bad input.
+
+    Deliberately not an :class:`AutopartitionError`: callers that catch bad input
+    must not swallow bugs, and the CLI reports it with its traceback (exit code 1).
+    """

@@ -30,13 +30,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from partitioner.commcost import message_seconds
 from partitioner.plan import Plan
 from partitioner.timeline import ALLREDUCE_KIND, TimelineEvent
+from partitioner.units import byte_unit
 
 if TYPE_CHECKING:
     from partitioner.simulate import Simulation
 
-__all__ = ["COLORS", "byte_unit", "stage_bars_png", "timeline_png"]
+__all__ = ["COLORS", "byte_unit", "stage_bars_png", "timeline_png"]  # byte_unit lives in partitioner.units
 
 COLORS = {
     "F": "#4C72B0",  # forward: blue
@@ -50,18 +52,6 @@ COLORS = {
 _DPI = 150
 _OFF_SCALE = 5.0  # draw the memory limit only when it is within this factor of the usage
 _CHAR_PX = 6.5  # width of one label character at font size 7, in pixels at _DPI
-
-
-def byte_unit(largest: float) -> tuple[float, str]:
-    """(divisor, name) of the binary unit that shows ``largest`` bytes readably.
-
-    >>> byte_unit(3 * 2**30)
-    (1073741824, 'GiB')
-    """
-    for power, name in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if largest >= 1024**power:
-            return 1024**power, name
-    return 1, "B"
 
 
 def timeline_png(
@@ -131,7 +121,7 @@ def stage_bars_png(plan: Plan, path: str | Path, *, simulation: Simulation | Non
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from partitioner.simulate import message_seconds, simulate
+    from partitioner.simulate import simulate
 
     sim = simulation if simulation is not None else simulate(plan)
     stages = [st.index for st in plan.stages]

@@ -24,10 +24,16 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 import time
 
+import networkx as nx
 import numpy as np
 
+from partitioner.blockgraph import problem_graph
+from partitioner.defaults import DEFAULT_SCHEDULE
 from partitioner.problem import Partition, PartitionProblem, ScheduleKind, in_flight, step_time
 
 __all__ = ["down_sets", "interval_matrices", "solve_down_sets", "solve_intervals"]
@@ -47,11 +53,10 @@ def interval_matrices(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray
     cost = prefix_t[None, :] - prefix_t[:, None]
     static = prefix_s[None, :] - prefix_s[:, None]
     activation = prefix_a[None, :] - prefix_a[:, None]
-    consumers: dict[int, list[int]] = {}
-    for u, v in problem.edges:
-        consumers.setdefault(u, []).append(v)
-    for u, readers in consumers.items():
-        _add_if_reader_inside(cost, sorted(set(readers)), problem.transfer_s[u], lo=u + 1)
+    graph = problem_graph(problem)
+    for u, readers in graph.adj.items():
+        if readers:
+            _add_if_reader_inside(cost, sorted(readers), problem.transfer_s[u], lo=u + 1)
     for nbytes, _, shared_readers in problem.shared:
         _add_if_reader_inside(static, sorted(set(shared_readers)), nbytes, lo=0)
     invalid = np.tril(np.ones((n + 1, n + 1), dtype=bool))
@@ -75,7 +80,7 @@ def solve_intervals(
     *,
     stages: int,
     microbatches: int,
-    schedule: ScheduleKind = "gpipe",
+    schedule: ScheduleKind = DEFAULT_SCHEDULE,
 ) -> Partition | None:
     """The best split of the blocks, in their given order, into ``stages`` intervals.
 
@@ -92,21 +97,33 @@ def solve_intervals(
 def down_sets(problem: PartitionProblem, *, limit: int) -> np.ndarray | None:
     """Every set of blocks closed under predecessors that a stage boundary can leave behind.
 
-    Rows of a (K, N) boolean matrix, by size: the empty set first, all blocks last;
-    sets holding the last block (the model's output) other than all blocks are left
-    out.  None when there are more than ``limit``.  A chain has N + 1 (its prefixes).
+    Rows of a (K, N) boolean matrix, by size (ties by the blocks' bit pattern, block 0
+    lowest): the empty set first, all blocks last; sets holding the last block (the
+    model's output) other than all blocks are left out.  None when there are more than
+    ``limit``.  A chain has N + 1 (its prefixes).
+
+    A down-set is its maximal elements (an antichain) and their ancestors, so the sets
+    are counted lazily through ``nx.antichains``, which stops after ``limit`` however
+    many there are.  The last block is a sink: dropping it leaves exactly the down-sets
+    without it.
+
+    >>> from partitioner.problem import PartitionProblem
+    >>> p = PartitionProblem(time_s=(1.0,) * 3, static_bytes=(0,) * 3, activation_bytes=(0,) * 3,
+    ...     allreduce_s=(0,) * 3, transfer_s=(0,) * 3, edges=((0, 2), (1, 2)))
+    >>> down_sets(p, limit=10).astype(int).tolist()
+    [[0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0], [1, 1, 1]]
+    >>> down_sets(p, limit=4) is None
+    True
     """
     n = problem.size
-    preds = [0] * n
-    for u, v in problem.edges:
-        preds[v] |= 1 << u
-    full, last = (1 << n) - 1, 1 << (n - 1)
-    level, found = {0}, [0]
-    for _ in range(n):
-        level = {d | (1 << v) for d in level for v in range(n) if not (d >> v) & 1 and not preds[v] & ~d}
-        found.extend(sorted(d for d in level if d == full or not d & last))
-        if len(found) > limit:
-            return None
+    graph = problem_graph(problem)
+    graph.remove_node(n - 1)
+    closed = {v: sum(1 << u for u in nx.ancestors(graph, v)) | 1 << v for v in graph}
+    antichains = list(itertools.islice(nx.antichains(graph), limit))
+    if len(antichains) + 1 > limit:  # + 1: all blocks
+        return None
+    found = [functools.reduce(operator.or_, (closed[v] for v in a), 0) for a in antichains]
+    found = sorted(found, key=lambda d: (d.bit_count(), d)) + [(1 << n) - 1]
     return np.array([[(d >> v) & 1 for v in range(n)] for d in found], dtype=bool)
 
 
@@ -116,7 +133,7 @@ def solve_down_sets(
     *,
     stages: int,
     microbatches: int,
-    schedule: ScheduleKind = "gpipe",
+    schedule: ScheduleKind = DEFAULT_SCHEDULE,
 ) -> Partition | None:
     """The best split over *every* topological order: stages are differences of nested down-sets.
 
@@ -144,12 +161,9 @@ def _down_set_matrices(problem: PartitionProblem, member: np.ndarray) -> tuple[n
     cost = difference(problem.time_s)
     static = difference(problem.static_bytes)
     activation = difference(problem.activation_bytes)
-    readers: dict[int, set[int]] = {}
-    for u, v in problem.edges:
-        readers.setdefault(u, set()).add(v)
-    for u, vs in readers.items():
-        if problem.transfer_s[u] > 0:
-            count = member[:, sorted(vs)].sum(axis=1)
+    for u, readers in problem_graph(problem).adj.items():
+        if readers and problem.transfer_s[u] > 0:
+            count = member[:, sorted(readers)].sum(axis=1)
             # u lies before the stage (in D_a) and one of its readers inside it.
             cost += problem.transfer_s[u] * (member[:, u][:, None] & (count[None, :] > count[:, None]))
     for nbytes, _, shared_readers in problem.shared:

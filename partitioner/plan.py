@@ -16,16 +16,18 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Union
 
-from torch import fx
-
+from partitioner.blockgraph import BlockGraph
+from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
 from partitioner.errors import PlanFormatError
+from partitioner.ir import tensor_nbytes
+from partitioner.problem import relative_gap
 from partitioner.schedule import Schedule
 
 if typing.TYPE_CHECKING:
@@ -45,7 +47,7 @@ __all__ = [
     "TensorSpec",
     "TiedParameter",
     "example_plan",
-    "graph_fingerprint",
+    "stage_topology",
 ]
 
 FORMAT_VERSION = 1
@@ -70,12 +72,7 @@ class Boundary:
 
     @property
     def nbytes(self) -> int:
-        from partitioner.values import dtype_from_name
-
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * dtype_from_name(self.dtype).itemsize
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +118,11 @@ class SolverInfo:
     lower_bound: float
     wall_s: float
     blocks: int
+
+    @property
+    def gap(self) -> float:
+        """Share the objective may lie above the optimum (:func:`partitioner.problem.relative_gap`)."""
+        return relative_gap(self.objective, self.lower_bound)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +186,8 @@ class Plan:
     candidates: tuple[Candidate, ...]
     bucket_cap_mb: float  # DDP gradient bucket size inside each stage group
     stage_code: tuple[str, ...]  # readable generated code per stage; never executed
+    # From the planner, in memory only (never in plan.json): save() draws it as graph.png, blocks.graphml.
+    block_graph: BlockGraph | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def microbatch_size(self) -> int:
@@ -209,15 +213,17 @@ class Plan:
         return Schedule.from_strings(self.schedule, self.microbatches, self.actions)
 
     def sends_to(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(sorted({b.target for b in s.outputs})) for s in self.stages)
+        return stage_topology(self.stages)[0]
 
     def receives_from(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(sorted({b.source for b in s.inputs})) for s in self.stages)
+        return stage_topology(self.stages)[1]
 
     # ------------------------------------------------------------------ I/O
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
+        data = dataclasses.asdict(dataclasses.replace(self, block_graph=None))
+        del data["block_graph"]
+        return json.dumps(data, indent=1)
 
     @staticmethod
     def from_json(text: str, *, origin: str = "plan.json") -> Plan:
@@ -243,7 +249,7 @@ class Plan:
             ) from exc
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``plan.json`` and ``stage_K.py`` into ``directory``."""
+        """Write ``plan.json`` and ``stage_K.py`` (and the block graph's pictures, if any) into ``directory``."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         (path / "plan.json").write_text(self.to_json() + "\n")
@@ -251,6 +257,8 @@ class Plan:
             stale.unlink()
         for index, code in enumerate(self.stage_code):
             (path / f"stage_{index}.py").write_text(code)
+        if self.block_graph is not None:
+            self.block_graph.save(path, title=self.model.class_name)
         return path
 
     @staticmethod
@@ -264,14 +272,20 @@ class Plan:
         return Plan.from_json(file.read_text(), origin=str(file))
 
 
-def graph_fingerprint(gm: fx.GraphModule) -> str:
-    """Hash of the graph's structure (ops, targets, wiring), independent of batch size."""
-    digest = hashlib.sha256()
-    for node in gm.graph.nodes:
-        target = getattr(node.target, "__name__", str(node.target))
-        inputs = ",".join(a.name for a in node.all_input_nodes)
-        digest.update(f"{node.op}|{node.name}|{target}|{inputs}\n".encode())
-    return digest.hexdigest()[:16]
+def stage_topology(
+    stages: Sequence[StagePlan],
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(sends_to, receives_from) per stage, from the stages' boundary tensors.
+
+    The schedule is lowered from this before a :class:`Plan` exists, and read back
+    from the saved plan by the simulator and the runtime: one definition for both.
+
+    >>> stage_topology(example_plan().stages)
+    (((1,), ()), ((), (0,)))
+    """
+    sends_to = tuple(tuple(sorted({b.target for b in s.outputs})) for s in stages)
+    receives_from = tuple(tuple(sorted({b.source for b in s.inputs})) for s in stages)
+    return sends_to, receives_from
 
 
 # ---------------------------------------------------------------- decoding
@@ -336,6 +350,6 @@ def example_plan() -> Plan:
         solver=SolverInfo("interval-dp", "optimal", 9e-3, 9e-3, 0.01, 3),
         cost_model=CostModelInfo("measured on cpu", 1e9, 6e-5, None, 2),
         candidates=(Candidate(2, 1, 9e-3, "optimal", "chosen"),),
-        bucket_cap_mb=25.0,
+        bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
         stage_code=("# stage 0\n", "# stage 1\n"),
     )

@@ -19,19 +19,23 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from partitioner.capture import (
+from partitioner.blockgraph import block_graph
+from partitioner.capture import CapturedModel, CaptureMethod, capture
+from partitioner.coarsen import coarsen
+from partitioner.cost import NodeCost, predicted_times, profile, time_loss
+from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, SCHEDULES
+from partitioner.devices import DEVICES, DeviceSpec, device_spec
+from partitioner.errors import AutopartitionError, InfeasibleError, InternalError
+from partitioner.formulate import GraphCosts, formulate, graph_costs
+from partitioner.ir import (
     KIND_KEY,
-    CapturedModel,
-    CaptureMethod,
-    capture,
+    VALUE_KEY,
+    ValueInfo,
+    compute_nodes,
+    graph_fingerprint,
     module_path,
     node_parameters,
 )
-from partitioner.coarsen import coarsen
-from partitioner.cost import NodeCost, predicted_times, profile, time_loss
-from partitioner.devices import DEVICES, DeviceSpec, device_spec
-from partitioner.errors import AutopartitionError, CaptureError, InfeasibleError, PlanMismatchError
-from partitioner.formulate import GraphCosts, formulate, graph_costs
 from partitioner.plan import (
     FORMAT_VERSION,
     Boundary,
@@ -45,20 +49,57 @@ from partitioner.plan import (
     StepPrediction,
     TensorSpec,
     TiedParameter,
-    graph_fingerprint,
+    stage_topology,
 )
-from partitioner.problem import Partition, ScheduleKind, stage_costs, stage_memory
-from partitioner.schedule import SCHEDULES, compute_order, lower, validate
+from partitioner.problem import Partition, PartitionProblem, ScheduleKind, stage_costs, stage_memory
+from partitioner.schedule import compute_order, lower, validate
 from partitioner.simulate import simulate
 from partitioner.solve import solve
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
-from partitioner.values import VALUE_KEY, ValueInfo, propagate_values
+from partitioner.units import format_bytes
+from partitioner.values import propagate_values
 
-__all__ = ["SIMULATED_CANDIDATES", "Status", "compile", "microbatch_inputs", "stage_layout"]
+__all__ = ["SIMULATED_CANDIDATES", "PlanOptions", "Status", "compile", "microbatch_inputs", "stage_layout"]
 
 SIMULATED_CANDIDATES = 3  # best closed-form shapes that are simulated before choosing
 
 Status = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """Every planning choice, checked and resolved once by :func:`compile`, then carried through."""
+
+    gpus: int
+    batch: int  # mini-batch size: samples per step over all replicas
+    microbatches: int
+    schedule: ScheduleKind
+    spec: DeviceSpec  # link, memory and roofline numbers of the GPU planned for
+    measure: bool  # times measured on ``local``, else predicted for ``spec``
+    local: torch.device  # where capture and profiling run
+    memory_limit: float | None  # bytes per GPU; None: no limit
+    pp: int | None  # a fixed shape, else every pp x dp over the divisors of ``gpus``
+    dp: int | None
+    capture_method: CaptureMethod
+    max_blocks: int
+    optimizer_states: int
+    bucket_cap_mb: float
+    time_limit: float  # solver seconds per pp x dp shape
+
+    @property
+    def device_name(self) -> str:
+        """The plan's ``device`` field."""
+        return f"{self.spec.name} (measured)" if self.measure else self.spec.name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Solved:
+    """One solved pp x dp shape and the problem it was solved for (formulated once, reused by the plan)."""
+
+    pp: int
+    dp: int
+    problem: PartitionProblem
+    partition: Partition
 
 
 def compile(
@@ -67,7 +108,7 @@ def compile(
     *,
     gpus: int,
     microbatches: int = 8,
-    schedule: str = "gpipe",
+    schedule: str = DEFAULT_SCHEDULE,
     device: str = "auto",
     memory_per_gpu: float | None = None,
     pp: int | None = None,
@@ -75,7 +116,7 @@ def compile(
     capture_method: CaptureMethod = "auto",
     max_blocks: int = 256,
     optimizer_states: int = 2,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     time_limit: float = 10.0,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
@@ -89,16 +130,20 @@ def compile(
     say = status or (lambda _msg: None)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     batch = _batch_size(example_inputs)
-    _check_options(gpus=gpus, microbatches=microbatches, schedule=schedule, batch=batch, pp=pp, dp=dp)
+    kind = _check_options(gpus=gpus, microbatches=microbatches, schedule=schedule, batch=batch, pp=pp, dp=dp)
     spec, measure, local = _device(device)
-    memory_limit = memory_per_gpu if memory_per_gpu is not None else _default_memory(device, spec, local)
+    options = PlanOptions(
+        gpus=gpus, batch=batch, microbatches=microbatches, schedule=kind, spec=spec, measure=measure, local=local,
+        memory_limit=memory_per_gpu if memory_per_gpu is not None else _default_memory(device, spec, local),
+        pp=pp, dp=dp, capture_method=capture_method, max_blocks=max_blocks, optimizer_states=optimizer_states,
+        bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
+    )
 
     micro = microbatch_inputs(example_inputs, batch // microbatches)
     say(f"capturing {type(model).__name__} ({capture_method})")
     captured = capture(model, micro, method=capture_method)
     propagate_values(captured.graph_module, micro)
-    n_compute = sum(1 for n in captured.graph_module.graph.nodes if n.meta[KIND_KEY] == "compute")
-    say(f"captured {n_compute} compute nodes with {captured.method}")
+    say(f"captured {len(compute_nodes(captured.graph_module))} compute nodes with {captured.method}")
 
     def progress(done: int, total: int) -> None:
         if done == total or done % max(1, total // 10) == 0:
@@ -116,44 +161,48 @@ def compile(
         loss_s = time_loss(captured, micro, loss_fn, microbatch_inputs_any(target, batch // microbatches), device=local)
     graph = graph_costs(captured, blocks, costs, times, loss_s=loss_s)
 
-    candidates, feasible = _search(
-        graph, gpus=gpus, pp=pp, dp=dp, batch=batch, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
-        spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states, bucket_cap_mb=bucket_cap_mb,
-        time_limit=time_limit, say=say,
-    )
-    if not feasible:
-        raise _infeasible(graph, gpus=gpus, microbatches=microbatches, schedule=schedule, spec=spec,
-                          memory_limit=memory_limit, optimizer_states=optimizer_states, candidates=candidates)
-    options: dict[str, Any] = {
-        "gpus": gpus, "batch": batch, "microbatches": microbatches, "schedule": schedule, "spec": spec,
-        "measure": measure, "memory_limit": memory_limit, "optimizer_states": optimizer_states,
-        "bucket_cap_mb": bucket_cap_mb, "micro": micro,
-    }
+    candidates, solved = _search(graph, options, say=say)
+    if not solved:
+        raise _infeasible(graph, options, candidates)
     # The closed form ranks every shape; the best few are simulated and the simulation decides.
-    ranked = sorted(feasible, key=lambda item: item[1].objective)[:SIMULATED_CANDIDATES]
-    simulated: dict[tuple[int, int], float] = {}
-    for (p, d), partition in ranked:
-        draft = _build_plan(model, captured, graph, partition, pp=p, dp=d, candidates=[],
-                            batch_divisor=d, **options)  # type: ignore[arg-type]
-        simulated[p, d] = draft.predicted.step_s
+    ranked = sorted(solved, key=lambda shape: shape.partition.objective)[:SIMULATED_CANDIDATES]
+    drafts = {(s.pp, s.dp): _build_plan(model, captured, micro, graph, s, options, batch_divisor=s.dp) for s in ranked}
+    simulated = {shape: draft.predicted.step_s for shape, draft in drafts.items()}
     candidates = [dataclasses.replace(c, simulated_s=simulated.get((c.pp, c.dp))) for c in candidates]
-    (best_pp, best_dp), partition = min(ranked, key=lambda item: simulated[item[0]])
-    if best_dp > 1:
-        # Boundary shapes and baked-in sizes must be those of the real micro-batch: a traced
-        # graph is shape-generic (propagate again); an exported one is specialised (recapture).
-        micro = microbatch_inputs(example_inputs, batch // (microbatches * best_dp))
-        recaptured = capture(model, micro, method=captured.method) if captured.method == "export" else captured
-        if graph_fingerprint(recaptured.graph_module) != graph_fingerprint(captured.graph_module):
-            raise AutopartitionError(
-                f"{type(model).__name__} captures to a different graph at micro-batch size "
-                f"{batch // (microbatches * best_dp)}; fix the data-parallel degree with --dp 1."
-            )
-        propagate_values(recaptured.graph_module, micro)
-        captured = recaptured
-        options["micro"] = micro
-    say(f"chose {best_pp} stages x {best_dp} replicas")
-    return _build_plan(model, captured, graph, partition, pp=best_pp, dp=best_dp, candidates=candidates,
-                       **options)  # type: ignore[arg-type]
+    best = min(ranked, key=lambda shape: simulated[shape.pp, shape.dp])
+    plan = drafts[best.pp, best.dp]  # with dp = 1 the draft is the plan: same graph, shapes unscaled
+    if best.dp > 1:
+        captured, micro = _recapture(model, example_inputs, captured, options, dp=best.dp)
+        plan = _build_plan(model, captured, micro, graph, best, options)
+    say(f"chose {best.pp} stages x {best.dp} replicas")
+    # Stage code is for people to read: generated once, for the chosen plan only.
+    return dataclasses.replace(plan, candidates=tuple(candidates), stage_code=_stage_codes(captured, plan),
+                               block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp))
+
+
+def _recapture(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    captured: CapturedModel,
+    options: PlanOptions,
+    *,
+    dp: int,
+) -> tuple[CapturedModel, tuple[torch.Tensor, ...]]:
+    """The graph and inputs at the real micro-batch of ``dp`` replicas.
+
+    Boundary shapes and baked-in sizes must be those of the real micro-batch: a traced
+    graph is shape-generic (propagate again); an exported one is specialised (recapture).
+    """
+    size = options.batch // (options.microbatches * dp)
+    micro = microbatch_inputs(example_inputs, size)
+    recaptured = capture(model, micro, method=captured.method) if captured.method == "export" else captured
+    if graph_fingerprint(recaptured.graph_module) != graph_fingerprint(captured.graph_module):
+        raise AutopartitionError(
+            f"{type(model).__name__} captures to a different graph at micro-batch size "
+            f"{size}; fix the data-parallel degree with --dp 1."
+        )
+    propagate_values(recaptured.graph_module, micro)
+    return recaptured, micro
 
 
 def _profile(
@@ -164,17 +213,8 @@ def _profile(
     device: torch.device,
     progress: Callable[[int, int], None],
 ) -> dict[str, NodeCost]:
-    size = _batch_size(micro)
-    if not measure and captured.method == "symbolic_trace" and size > 1:
-        # Counting FLOPs and bytes needs no timing: count one sample (a traced graph takes any
-        # batch) and scale, which keeps planning fast for large micro-batches.  Models whose
-        # shapes need the real batch (a reshape to a fixed row count) fall through.
-        try:
-            one = profile(captured, microbatch_inputs(micro, 1), measure=False, device=device, progress=progress)
-        except CaptureError:
-            pass
-        else:
-            return {name: cost.scaled(size) for name, cost in one.items()}
+    # Counting (measure=False) runs on fake tensors, so it counts the real micro-batch directly:
+    # exact for tensors that do not grow with the batch (positions, masks), and as fast.
     return profile(captured, micro, measure=measure, device=device, progress=progress)
 
 
@@ -205,12 +245,16 @@ def _batch_size(inputs: tuple[Any, ...]) -> int:
     return sizes.pop()
 
 
-def _check_options(*, gpus: int, microbatches: int, schedule: str, batch: int, pp: int | None, dp: int | None) -> None:
+def _check_options(
+    *, gpus: int, microbatches: int, schedule: str, batch: int, pp: int | None, dp: int | None
+) -> ScheduleKind:
+    """Raise on bad options; return the schedule as the solver's kind."""
+    kind = next((k for k in SCHEDULES if k == schedule), None)  # narrows str to ScheduleKind
     if gpus < 1:
         raise AutopartitionError(f"--gpus must be at least 1, got {gpus}.")
     if microbatches < 1:
         raise AutopartitionError(f"--microbatches must be at least 1, got {microbatches}.")
-    if schedule not in SCHEDULES:
+    if kind is None:
         raise AutopartitionError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     if batch % microbatches:
         raise AutopartitionError(
@@ -222,6 +266,7 @@ def _check_options(*, gpus: int, microbatches: int, schedule: str, batch: int, p
             raise AutopartitionError(f"--{name} {value} must be a positive divisor of --gpus {gpus}.")
     if pp is not None and dp is not None and pp * dp != gpus:
         raise AutopartitionError(f"--pp {pp} x --dp {dp} = {pp * dp}, but --gpus is {gpus}.")
+    return kind
 
 
 def _device(device: str) -> tuple[DeviceSpec, bool, torch.device]:
@@ -252,26 +297,15 @@ def _default_memory(device: str, spec: DeviceSpec, local: torch.device) -> float
 
 
 def _search(
-    graph: GraphCosts,
-    *,
-    gpus: int,
-    pp: int | None,
-    dp: int | None,
-    batch: int,
-    microbatches: int,
-    schedule: ScheduleKind,
-    spec: DeviceSpec,
-    memory_limit: float | None,
-    optimizer_states: int,
-    bucket_cap_mb: float,
-    time_limit: float,
-    say: Status,
-) -> tuple[list[Candidate], list[tuple[tuple[int, int], Partition]]]:
+    graph: GraphCosts, options: PlanOptions, *, say: Status
+) -> tuple[list[Candidate], list[_Solved]]:
+    """Solve every allowed pp x dp shape: a report row for each, and the shapes that fit."""
+    gpus, batch, microbatches = options.gpus, options.batch, options.microbatches
     candidates: list[Candidate] = []
-    feasible: list[tuple[tuple[int, int], Partition]] = []
+    solved: list[_Solved] = []
     for d in sorted(k for k in range(1, gpus + 1) if gpus % k == 0):
         p = gpus // d
-        if (pp is not None and p != pp) or (dp is not None and d != dp):
+        if (options.pp is not None and p != options.pp) or (options.dp is not None and d != options.dp):
             continue
         if batch % (d * microbatches):
             candidates.append(Candidate(p, d, None, "skipped",
@@ -281,33 +315,26 @@ def _search(
             candidates.append(Candidate(p, d, None, "skipped", f"only {len(graph.blocks)} blocks to place"))
             continue
         say(f"solving {p} stages x {d} replicas")
-        problem = formulate(graph, dp=d, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states,
-                            bucket_cap_mb=bucket_cap_mb)
-        found = solve(problem, stages=p, microbatches=microbatches, schedule=schedule, time_limit=time_limit)
+        problem = formulate(graph, dp=d, spec=options.spec, memory_limit=options.memory_limit,
+                            optimizer_states=options.optimizer_states, bucket_cap_mb=options.bucket_cap_mb)
+        found = solve(problem, stages=p, microbatches=microbatches, schedule=options.schedule,
+                      time_limit=options.time_limit)
         if found is None:
             candidates.append(Candidate(p, d, None, "infeasible", "no split fits in memory"))
             continue
         candidates.append(Candidate(p, d, found.objective, found.status,
                                     f"{found.solver}, gap {100 * found.gap:.1f}%"))
-        feasible.append(((p, d), found))
+        solved.append(_Solved(p, d, problem, found))
     if not candidates:
         raise AutopartitionError(
             f"No pp x dp shape fits --gpus {gpus} with the given --pp/--dp; check the numbers."
         )
-    return candidates, feasible
+    return candidates, solved
 
 
-def _infeasible(
-    graph: GraphCosts,
-    *,
-    gpus: int,
-    microbatches: int,
-    schedule: str,
-    spec: DeviceSpec,
-    memory_limit: float | None,
-    optimizer_states: int,
-    candidates: list[Candidate],
-) -> AutopartitionError:
+def _infeasible(graph: GraphCosts, options: PlanOptions, candidates: list[Candidate]) -> AutopartitionError:
+    """Why nothing fits, and what would: more GPUs as stages, or how much memory."""
+    gpus, microbatches, schedule = options.gpus, options.microbatches, options.schedule
     if not any(c.status == "infeasible" for c in candidates):
         reasons = "; ".join(f"{c.pp}x{c.dp}: {c.note}" for c in candidates)
         most = len(graph.blocks)
@@ -316,23 +343,21 @@ def _infeasible(
             f"most {most} pipeline stages here; use --pp {min(most, gpus)} or fewer (the rest of the GPUs "
             "become data-parallel replicas), and a batch size divisible by replicas x micro-batches."
         )
-    unlimited = formulate(graph, dp=1, spec=spec, memory_limit=None, optimizer_states=optimizer_states)
+    unlimited = formulate(graph, dp=1, spec=options.spec, memory_limit=None, optimizer_states=options.optimizer_states)
     stages = min(gpus, len(graph.blocks))
-    relaxed = solve(unlimited, stages=stages, microbatches=microbatches, schedule=schedule, use_ilp=False)  # type: ignore[arg-type]
+    relaxed = solve(unlimited, stages=stages, microbatches=microbatches, schedule=schedule, use_ilp=False)
     need_memory = max(stage_memory(unlimited, relaxed.stage_of, stages, microbatches=microbatches,
-                                   schedule=schedule)) if relaxed else float("nan")  # type: ignore[arg-type]
+                                   schedule=schedule)) if relaxed else float("nan")
     need_gpus = None
-    bounded = dataclasses.replace(unlimited, memory_limit=memory_limit)
+    bounded = dataclasses.replace(unlimited, memory_limit=options.memory_limit)
     for p in range(gpus + 1, len(graph.blocks) + 1):
-        if solve(bounded, stages=p, microbatches=microbatches, schedule=schedule, use_ilp=False) is not None:  # type: ignore[arg-type]
+        if solve(bounded, stages=p, microbatches=microbatches, schedule=schedule, use_ilp=False) is not None:
             need_gpus = p
             break
-    from partitioner.table import format_bytes
-
     more = (f"It would fit on {need_gpus} GPUs as pipeline stages" if need_gpus
             else f"Even {len(graph.blocks)} stages (the most this model splits into) do not fit")
     return InfeasibleError(
-        f"No split of the model over {gpus} GPUs fits in {format_bytes(memory_limit or 0)} per GPU "
+        f"No split of the model over {gpus} GPUs fits in {format_bytes(options.memory_limit or 0)} per GPU "
         f"(parameters, gradients, optimizer state and activations of the micro-batches in flight). "
         f"{more}; with {stages} stages each GPU would need about {format_bytes(need_memory)}. "
         "Add GPUs, raise --memory-per-gpu, use --schedule 1f1b (fewer micro-batches in flight), or shrink the batch."
@@ -345,40 +370,72 @@ def _infeasible(
 def _build_plan(
     model: torch.nn.Module,
     captured: CapturedModel,
-    graph: GraphCosts,
-    partition: Partition,
-    *,
-    pp: int,
-    dp: int,
-    gpus: int,
-    batch: int,
-    microbatches: int,
-    schedule: str,
-    spec: DeviceSpec,
-    measure: bool,
-    memory_limit: float | None,
-    optimizer_states: int,
-    candidates: list[Candidate],
-    bucket_cap_mb: float,
     micro: tuple[torch.Tensor, ...],
+    graph: GraphCosts,
+    solved: _Solved,
+    options: PlanOptions,
+    *,
     batch_divisor: int = 1,
 ) -> Plan:
-    """The plan for one partition; ``batch_divisor`` scales boundary shapes (drafts ranked before recapture)."""
+    """The plan for one solved shape, less candidates and stage code: assemble, lower, predict.
+
+    ``batch_divisor`` scales boundary shapes (drafts ranked before the chosen shape is recaptured).
+    """
+    stages = _stages(captured, graph, solved, options, batch_divisor=batch_divisor)
+    partition, spec = solved.partition, options.spec
+    assembled = Plan(
+        format_version=FORMAT_VERSION,
+        model=_model_info(model, captured, micro),
+        gpus=options.gpus, pp=solved.pp, dp=solved.dp, microbatches=options.microbatches,
+        schedule=options.schedule, batch_size=options.batch, device=options.device_name,
+        stages=stages,
+        actions=(),  # _lower
+        tied=_tied(captured, stages),
+        predicted=StepPrediction(0.0, 0.0, 0.0, ()),  # _predict
+        solver=SolverInfo(partition.solver, partition.status, partition.objective, partition.lower_bound,
+                          partition.wall_s, len(graph.blocks)),
+        cost_model=CostModelInfo(
+            source=("measured on " if options.measure else "predicted for ") + spec.name,
+            link_bandwidth=spec.link_bandwidth, link_latency=spec.link_latency,
+            memory_limit=options.memory_limit, optimizer_states=options.optimizer_states,
+        ),
+        candidates=(),  # compile: every shape's row, on the chosen plan
+        bucket_cap_mb=options.bucket_cap_mb,
+        stage_code=(),  # _stage_codes, for the chosen plan only
+    )
+    return _predict(_lower(assembled))
+
+
+def _model_info(model: torch.nn.Module, captured: CapturedModel, micro: tuple[torch.Tensor, ...]) -> ModelInfo:
+    return ModelInfo(
+        class_name=type(model).__name__,
+        fingerprint=graph_fingerprint(captured.graph_module),
+        capture=captured.method,
+        inputs=tuple(TensorSpec(name, tuple(x.shape), str(x.dtype).removeprefix("torch."))
+                     for name, x in zip(captured.input_names, micro)),
+        outputs=tuple(captured.output_nodes),
+        parameters=sum(p.numel() for p in model.parameters()),
+        parameter_bytes=sum(p.nbytes for p in model.parameters()),
+    )
+
+
+def _stages(
+    captured: CapturedModel, graph: GraphCosts, solved: _Solved, options: PlanOptions, *, batch_divisor: int
+) -> tuple[StagePlan, ...]:
+    """Each stage's nodes, boundary tensors, ranks and predicted costs."""
     gm = captured.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
+    pp, dp, problem, partition = solved.pp, solved.dp, solved.problem, solved.partition
     stage_of_node = {name: partition.stage_of[b] for b, members in enumerate(graph.blocks) for name in members}
     compute_sets: list[set[str]] = [set() for _ in range(pp)]
     for name, s in stage_of_node.items():
         compute_sets[s].add(name)
     boundaries = _boundaries(gm, stage_of_node, pp, batch_divisor=batch_divisor)
-    problem = formulate(graph, dp=dp, spec=spec, memory_limit=memory_limit, optimizer_states=optimizer_states,
-                        bucket_cap_mb=bucket_cap_mb)
     _, allreduce = stage_costs(problem, partition.stage_of, pp)
-    memory = stage_memory(problem, partition.stage_of, pp, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
-    statics = {n.name: n.meta[VALUE_KEY].static for n in gm.graph.nodes if n.meta[VALUE_KEY].kind == "static"}
+    memory = stage_memory(problem, partition.stage_of, pp, microbatches=options.microbatches,
+                          schedule=options.schedule)
     layout = stage_layout(pp, dp)
     stages: list[StagePlan] = []
-    codes: list[str] = []
     for s in range(pp):
         names = closure(gm, compute_sets[s])
         model_inputs = tuple(dict.fromkeys(
@@ -392,7 +449,7 @@ def _build_plan(
         last = s == pp - 1
         forward = (sum(graph.node_forward_s[n] for n in compute) + (graph.loss_s[0] if last else 0.0)) / dp
         total = (sum(graph.node_time_s[n] for n in compute) + (sum(graph.loss_s) if last else 0.0)) / dp
-        stage = StagePlan(
+        stages.append(StagePlan(
             index=s,
             ranks=layout[s],
             nodes=tuple(names),
@@ -411,52 +468,39 @@ def _build_plan(
                 send_bytes=sum(b.nbytes for b in outputs),
                 allreduce_s=allreduce[s] + problem.allreduce_latency_s,
             ),
-        )
-        stages.append(stage)
-        signature = stage_signature(stage, model_outputs=tuple(captured.output_nodes), last=s == pp - 1)
-        codes.append(_stage_code(s, signature, build_stage(captured, names, signature, statics=statics)))
-    sends_to = tuple(tuple(sorted({b.target for b in st.outputs})) for st in stages)
-    receives_from = tuple(tuple(sorted({b.source for b in st.inputs})) for st in stages)
-    lowered = lower(compute_order(schedule, stages=pp, microbatches=microbatches),
-                    sends_to=sends_to, receives_from=receives_from, kind=schedule)
+        ))
+    return tuple(stages)
+
+
+def _lower(plan: Plan) -> Plan:
+    """The schedule's action lists for the plan's stages, communication inserted, validated."""
+    sends_to, receives_from = stage_topology(plan.stages)
+    lowered = lower(compute_order(plan.schedule, stages=plan.pp, microbatches=plan.microbatches),
+                    sends_to=sends_to, receives_from=receives_from, kind=plan.schedule)
     validate(lowered, sends_to=sends_to, receives_from=receives_from)
-    n_params = sum(p.numel() for p in model.parameters())
-    plan = Plan(
-        format_version=FORMAT_VERSION,
-        model=ModelInfo(
-            class_name=type(model).__name__,
-            fingerprint=graph_fingerprint(gm),
-            capture=captured.method,
-            inputs=tuple(TensorSpec(name, tuple(x.shape), str(x.dtype).removeprefix("torch."))
-                         for name, x in zip(captured.input_names, micro)),
-            outputs=tuple(captured.output_nodes),
-            parameters=n_params,
-            parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        ),
-        gpus=gpus, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule, batch_size=batch,
-        device=spec.name if not measure else f"{spec.name} (measured)",
-        stages=tuple(stages),
-        actions=tuple(tuple(str(a) for a in row) for row in lowered.actions),
-        tied=_tied(captured, stages),
-        predicted=StepPrediction(0.0, 0.0, 0.0, tuple(memory)),  # filled in from the simulation below
-        solver=SolverInfo(partition.solver, partition.status, partition.objective, partition.lower_bound,
-                          partition.wall_s, len(graph.blocks)),
-        cost_model=CostModelInfo(
-            source=("measured on " if measure else "predicted for ") + spec.name,
-            link_bandwidth=spec.link_bandwidth, link_latency=spec.link_latency,
-            memory_limit=memory_limit, optimizer_states=optimizer_states,
-        ),
-        candidates=tuple(candidates),
-        bucket_cap_mb=bucket_cap_mb,
-        stage_code=tuple(codes),
-    )
+    return dataclasses.replace(plan, actions=tuple(tuple(str(a) for a in row) for row in lowered.actions))
+
+
+def _predict(plan: Plan) -> Plan:
+    """The step prediction, from a discrete-event simulation of the lowered plan."""
     sim = simulate(plan)
     return dataclasses.replace(plan, predicted=StepPrediction(
         step_s=sim.step_s,
         bubble_fraction=sim.bubble_fraction,
-        samples_per_s=batch / sim.step_s if sim.step_s > 0 else 0.0,
+        samples_per_s=plan.batch_size / sim.step_s if sim.step_s > 0 else 0.0,
         peak_memory_bytes=tuple(float(m) for m in sim.peak_memory_bytes),
     ))
+
+
+def _stage_codes(captured: CapturedModel, plan: Plan) -> tuple[str, ...]:
+    """Readable code per stage, built as the runtime builds each stage module."""
+    gm = captured.graph_module
+    statics = {n.name: n.meta[VALUE_KEY].static for n in gm.graph.nodes if n.meta[VALUE_KEY].kind == "static"}
+    codes = []
+    for stage in plan.stages:
+        signature = stage_signature(stage, model_outputs=plan.model.outputs, last=stage.index == plan.pp - 1)
+        codes.append(_stage_code(stage.index, signature, build_stage(captured, stage.nodes, signature, statics=statics)))
+    return tuple(codes)
 
 
 def _parameters_of(gm: fx.GraphModule, node: fx.Node) -> list[str]:
@@ -480,13 +524,13 @@ def _boundaries(
         readers = {pp - 1 if u.op == "output" else stage_of.get(u.name, source) for u in node.users}
         for target in sorted(r for r in readers if r != source):
             if target < source:
-                raise PlanMismatchError(f"Internal error: {node.format_node()} flows backward {source}->{target}.")
+                raise InternalError(f"{node.format_node()} flows backward {source}->{target}.")
             if info.kind == "static":
                 continue
             if info.kind != "tensor":
-                raise AutopartitionError(
+                raise InternalError(
                     f"Node {node.format_node()} produces a {info.kind} that would cross stages {source}->{target}; "
-                    "this is a bug in coarsening."
+                    "coarsening should have kept it with its readers."
                 )
             shape = info.shape
             if batch_divisor > 1 and shape and shape[0] % batch_divisor == 0:
@@ -495,7 +539,7 @@ def _boundaries(
     return tuple(sorted(found.values(), key=lambda b: (b.target, b.source, list(stage_of).index(b.producer))))
 
 
-def _tied(captured: CapturedModel, stages: list[StagePlan]) -> tuple[TiedParameter, ...]:
+def _tied(captured: CapturedModel, stages: tuple[StagePlan, ...]) -> tuple[TiedParameter, ...]:
     tied = []
     for canonical, aliases in sorted(captured.tied_parameters().items()):
         holders = tuple(st.index for st in stages if set(aliases) & set(st.parameters))

@@ -18,18 +18,19 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
+from partitioner.defaults import ScheduleKind
+
 __all__ = [
     "Partition",
     "PartitionProblem",
     "ScheduleKind",
     "check_assignment",
     "in_flight",
+    "relative_gap",
     "stage_costs",
     "stage_memory",
     "step_time",
 ]
-
-ScheduleKind = Literal["gpipe", "1f1b"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,18 @@ class Partition:
 
     @property
     def gap(self) -> float:
-        return 0.0 if self.objective <= 0 else max(0.0, 1 - self.lower_bound / self.objective)
+        return relative_gap(self.objective, self.lower_bound)
+
+
+def relative_gap(objective: float, lower_bound: float) -> float:
+    """How far ``objective`` may be above the optimum, as a share of it: ``1 - bound / objective``, at least 0.
+
+    The one definition behind :attr:`Partition.gap`, the saved plan's solver gap and the reports.
+
+    >>> round(relative_gap(10.0, 9.0), 6), relative_gap(10.0, 11.0), relative_gap(0.0, 0.0)
+    (0.1, 0.0, 0.0)
+    """
+    return 0.0 if objective <= 0 else max(0.0, 1 - lower_bound / objective)
 
 
 def in_flight(stage: int, stages: int, microbatches: int, schedule: ScheduleKind) -> int:

@@ -27,10 +27,11 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from partitioner.figures import byte_unit, stage_bars_png, timeline_png
+from partitioner.figures import stage_bars_png, timeline_png
 from partitioner.plan import Plan
 from partitioner.simulate import Simulation, simulate
 from partitioner.timeline import write_chrome_trace
+from partitioner.units import format_bytes, format_ms
 
 __all__ = [
     "REPORT_FILES",
@@ -62,7 +63,7 @@ def report_markdown(plan: Plan, *, simulation: Simulation | None = None, directo
     sections = [
         f"# autopartition plan: {plan.model.class_name}",
         _summary(plan, sim),
-        "## Stages\n\n" + _stage_table(plan),
+        "## Stages\n\n" + _stage_table(plan) + _block_graph(directory),
         _simulation(plan, sim),
         _candidates(plan),
         _solver(plan),
@@ -79,9 +80,9 @@ def report_markdown(plan: Plan, *, simulation: Simulation | None = None, directo
 def _summary(plan: Plan, sim: Simulation) -> str:
     m = plan.model
     cm = plan.cost_model
-    limit = "none given" if cm.memory_limit is None else f"{_bytes(cm.memory_limit)} per GPU"
+    limit = "none given" if cm.memory_limit is None else f"{format_bytes(cm.memory_limit)} per GPU"
     rows = [
-        ("model", (f"{m.class_name} ({m.parameters:,} parameters, {_bytes(m.parameter_bytes)}; "
+        ("model", (f"{m.class_name} ({m.parameters:,} parameters, {format_bytes(m.parameter_bytes)}; "
                   f"captured with {m.capture}, fingerprint `{m.fingerprint}`)")),
         ("GPUs", f"{plan.gpus} = {plan.pp} pipeline stages (pp) x {plan.dp} data-parallel replicas (dp)"),
         ("schedule", f"{plan.schedule}, {plan.microbatches} micro-batches per step"),
@@ -90,7 +91,7 @@ def _summary(plan: Plan, sim: Simulation) -> str:
         ("device", (f"{plan.device}; costs {cm.source}; link {cm.link_bandwidth / 1e9:.3g} GB/s, "
                    f"{cm.link_latency * 1e6:.3g} µs per message")),
         ("memory limit", limit),
-        ("predicted step", (f"{_ms(plan.solver.objective)} (closed form), {_ms(sim.step_s)} (simulated); "
+        ("predicted step", (f"{format_ms(plan.solver.objective)} (closed form), {format_ms(sim.step_s)} (simulated); "
                            f"{plan.predicted.samples_per_s:,.1f} samples/s")),
         ("bubble", f"{_pct(closed_form_bubble(plan))} (closed form), {_pct(sim.bubble_fraction)} (simulated)"),
     ]
@@ -107,12 +108,12 @@ def _stage_table(plan: Plan) -> str:
             ", ".join(str(r) for r in st.ranks),
             f"`{first}`" if first == last else f"`{first}` … `{last}`",
             str(st.compute_nodes),
-            f"{len(st.parameters)} ({_bytes(p.parameter_bytes)})",
-            _ms(p.forward_s),
-            _ms(p.backward_s),
-            _bytes(p.send_bytes) if st.outputs else "-",
-            _ms(p.allreduce_s) if plan.dp > 1 else "-",
-            _bytes(_at(plan.predicted.peak_memory_bytes, st.index, p.memory_bytes)),
+            f"{len(st.parameters)} ({format_bytes(p.parameter_bytes)})",
+            format_ms(p.forward_s),
+            format_ms(p.backward_s),
+            format_bytes(p.send_bytes) if st.outputs else "-",
+            format_ms(p.allreduce_s) if plan.dp > 1 else "-",
+            format_bytes(_at(plan.predicted.peak_memory_bytes, st.index, p.memory_bytes)),
         ))
     head = ("stage", "ranks", "modules", "compute nodes", "parameters", "forward / mb", "backward / mb",
             "sends / mb", "all-reduce", "peak memory")
@@ -126,8 +127,8 @@ def _simulation(plan: Plan, sim: Simulation) -> str:
     lines = [
         "## Simulation",
         "",
-        (f"Replaying the plan's own schedule action by action gives a step of **{_ms(sim.step_s)}**, "
-        f"against **{_ms(closed)}** from the solver's closed form (`sum t + (M - 1) max t + max all-reduce`), "
+        (f"Replaying the plan's own schedule action by action gives a step of **{format_ms(sim.step_s)}**, "
+        f"against **{format_ms(closed)}** from the solver's closed form (`sum t + (M - 1) max t + max all-reduce`), "
         f"a difference of {diff:+.1%}. The simulation overlaps transfers with compute where the schedule "
         "allows, all-reduces gradients in DDP buckets during the last backward, and times forwards and "
         "backwards separately; the closed form charges transfers and the all-reduce in full and treats "
@@ -145,8 +146,8 @@ def _simulation(plan: Plan, sim: Simulation) -> str:
             str(s),
             _pct(sim.busy_fraction[s]),
             str(sim.peak_in_flight[s]),
-            _bytes(peak),
-            _bytes(planned),
+            format_bytes(peak),
+            format_bytes(planned),
             "-" if limit is None else _pct(peak / limit),
         ))
     lines.append(_table(("stage", "busy", "micro-batches in flight", "peak memory (simulated)",
@@ -170,6 +171,17 @@ def _simulation(plan: Plan, sim: Simulation) -> str:
     return "\n".join(lines)
 
 
+def _block_graph(directory: str | Path) -> str:
+    """A pointer to ``graph.png`` when the planner drew one (a plan saved by ``Plan.save`` with its block graph)."""
+    if not (Path(directory) / "graph.png").exists():
+        return ""
+    return (
+        "\n\n![the block graph: blocks by topological generation, coloured by stage; cut edges in red with "
+        "their bytes](graph.png)\n\nEvery block with its costs and stage, and the bytes on every edge: "
+        "`blocks.graphml` (`networkx.read_graphml`)."
+    )
+
+
 def closed_form_bubble(plan: Plan) -> float:
     """Idle share of ``pp`` GPUs over the closed-form step: ``1 - sum_s M (f_s + b_s) / (pp * step)``."""
     step = plan.solver.objective
@@ -185,8 +197,8 @@ def _candidates(plan: Plan) -> str:
         chosen = c.pp == plan.pp and c.dp == plan.dp
         rows.append((
             f"**{c.pp} x {c.dp}**" if chosen else f"{c.pp} x {c.dp}",
-            "-" if c.step_s is None else _ms(c.step_s),
-            "-" if c.simulated_s is None else _ms(c.simulated_s),
+            "-" if c.step_s is None else format_ms(c.step_s),
+            "-" if c.simulated_s is None else format_ms(c.simulated_s),
             c.status + (" (chosen)" if chosen else ""),
             c.note,
         ))
@@ -201,9 +213,9 @@ def _candidates(plan: Plan) -> str:
         runner = others[0]
         runner_s = runner.simulated_s if runner.simulated_s is not None else runner.step_s
         assert runner_s is not None
-        why = (f"{plan.pp} x {plan.dp} won with the lowest predicted step time, {_ms(plan.predicted.step_s)} "
+        why = (f"{plan.pp} x {plan.dp} won with the lowest predicted step time, {format_ms(plan.predicted.step_s)} "
                "(the solver ranks every shape by its closed form; the best few are then simulated and the "
-               f"simulation decides); the next best, {runner.pp} x {runner.dp}, predicts {_ms(runner_s)} "
+               f"simulation decides); the next best, {runner.pp} x {runner.dp}, predicts {format_ms(runner_s)} "
                f"({runner_s / plan.predicted.step_s - 1:+.1%}).")
     return "## Shapes considered (pp x dp)\n\n" + _table(
         ("pp x dp", "closed form", "simulated", "status", "note"), rows) \
@@ -212,11 +224,10 @@ def _candidates(plan: Plan) -> str:
 
 def _solver(plan: Plan) -> str:
     s = plan.solver
-    gap = max(0.0, 1 - s.lower_bound / s.objective) if s.objective > 0 else 0.0
     return (
         "## Solver\n\n"
-        f"`{s.name}` over {s.blocks} blocks: **{s.status}** in {s.wall_s:.3g} s; objective {_ms(s.objective)}, "
-        f"lower bound {_ms(s.lower_bound)}, gap {gap:.2%}."
+        f"`{s.name}` over {s.blocks} blocks: **{s.status}** in {s.wall_s:.3g} s; objective {format_ms(s.objective)}, "
+        f"lower bound {format_ms(s.lower_bound)}, gap {s.gap:.2%}."
     )
 
 
@@ -260,17 +271,8 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.4g} ms"
-
-
 def _pct(fraction: float) -> str:
     return f"{fraction:.1%}"
-
-
-def _bytes(nbytes: float) -> str:
-    div, unit = byte_unit(nbytes)
-    return f"{nbytes / div:.3g} {unit}"
 
 
 def _at(values: Sequence[float], index: int, default: float) -> float:

@@ -14,7 +14,8 @@ boundary tensor of that stage and micro-batch, to or from all its peers.
 * :func:`validate` checks a schedule and dry-runs it: sends never block,
   receives wait for every peer's matching send, and a schedule whose ranks
   would wait on each other forever raises :class:`ScheduleError` with the grid
-  around the stuck actions.
+  around the stuck actions and the cycle of waits (``nx.find_cycle`` over which
+  stuck receive needs which peer's send).
 
 Example::
 
@@ -33,6 +34,9 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
+import networkx as nx
+
+from partitioner.defaults import SCHEDULES
 from partitioner.errors import ScheduleError
 
 __all__ = [
@@ -47,7 +51,6 @@ __all__ = [
 ]
 
 ActionKind = Literal["F", "B", "SF", "RF", "SB", "RB"]
-SCHEDULES = ("gpipe", "1f1b")
 _PATTERN = re.compile(r"^(\d+)(F|B|SF|RF|SB|RB)(\d+)$")
 
 
@@ -222,4 +225,33 @@ def _dry_run(schedule: Schedule, sends_to: Sequence[Sequence[int]], receives_fro
                 for s in range(len(rows))
                 if cursor[s] < len(rows[s])
             )
-            raise ScheduleError(f"The schedule deadlocks: {stuck}.")
+            raise ScheduleError(f"The schedule deadlocks: {stuck}.{_wait_cycle(rows, cursor, done, sends_to, receives_from)}")
+
+
+def _wait_cycle(
+    rows: Sequence[Sequence[Action]],
+    cursor: Sequence[int],
+    done: set[tuple[int, str, int]],
+    sends_to: Sequence[Sequence[int]],
+    receives_from: Sequence[Sequence[int]],
+) -> str:
+    """The cycle in the wait-for graph of stuck receives, as a sentence (empty if there is none).
+
+    An edge joins a stuck receive to the action its peer is stuck at, labelled with
+    the send the receive needs from that peer.
+    """
+    waits = nx.DiGraph()
+    for s, row in enumerate(rows):
+        if cursor[s] == len(row):
+            continue
+        a = row[cursor[s]]  # a receive: nothing else blocks
+        send: ActionKind = "SF" if a.kind == "RF" else "SB"
+        for p in receives_from[s] if a.kind == "RF" else sends_to[s]:
+            if (p, send, a.microbatch) not in done and cursor[p] < len(rows[p]):
+                waits.add_edge(a, rows[p][cursor[p]], needs=Action(p, send, a.microbatch))
+    try:
+        cycle = nx.find_cycle(waits)
+    except nx.NetworkXNoCycle:
+        return ""
+    steps = ", ".join(f"{u} needs {waits.edges[u, v]['needs']} but stage {v.stage} is stuck at {v}" for u, v in cycle)
+    return f" Wait cycle: {steps}."

@@ -7,23 +7,31 @@ the runtime executes.  Each stage runs its actions in order:
 * ``SF`` / ``SB`` are non-blocking sends: they take no time on the sender; the
   data reaches each peer after its transfer time.  A directed link
   (sender -> receiver) carries one message at a time, in the order the sender
-  posted them, so a slow link queues (the alpha-beta model per message:
-  latency + bytes / bandwidth; Hockney, "The communication challenge for MPP",
-  Parallel Computing 20(3), 1994);
+  posted them, so a slow link queues (the alpha-beta model per message,
+  :func:`partitioner.commcost.message_seconds`, as the solver prices it);
 * ``RF`` / ``RB`` wait until the matching data of every peer has arrived; their
   event spans the wait.
 
 Data parallelism: a stage's gradients are all-reduced in ``buckets`` equal
-buckets that overlap the stage's last backward (DDP syncs only then), assuming
-gradients become ready uniformly during it: bucket k of n may start once k/n
-of that backward has run, buckets run one after another, and the stage's step
+buckets (by default DDP's, :func:`partitioner.commcost.bucket_count`) that
+overlap the stage's last backward (DDP syncs only then), assuming gradients
+become ready uniformly during it: bucket k of n may start once k/n of that
+backward has run, buckets run one after another, and the stage's step
 ends when its last bucket is done (Li et al., "PyTorch Distributed:
 Experiences on Accelerating Data Parallel Training", VLDB 2020, section 3.2.3).
 The step time is the latest stage's end.
 
 Memory follows the saved activations: a forward adds one micro-batch's
 activations when it starts, its backward frees them when it ends; the peak is
-static bytes plus the most micro-batches in flight times their activations.
+static bytes plus the most micro-batches in flight times their activations.  A
+stage that recomputes keeps only its blocks' inputs per micro-batch and holds
+one block's re-made activations while each backward runs (``backward_bytes``).
+
+Topology (:func:`simulate` of a plan): replica ``r`` of stage ``s`` is rank
+``s x dp + r`` and node ``rank // gpus_per_node``; a message between two
+stages is priced on the inter-node link when any replica's pair of ranks is on
+two nodes (:func:`partitioner.commcost.p2p_crosses_nodes`: replicas run in
+lockstep, so the slowest pair sets the pace), else on the intra-node link.
 
 Example (GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 2 s: the
 closed form ``(M + P - 1)(f + b)`` gives 9 s)::
@@ -45,8 +53,10 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
+from partitioner.commcost import Link, bucket_count, message_seconds, p2p_crosses_nodes
 from partitioner.errors import ScheduleError
 from partitioner.plan import Plan
+from partitioner.precision import activation_scale, state_bytes
 from partitioner.schedule import Action, Schedule
 from partitioner.timeline import ALLREDUCE_KIND, COMPUTE_KINDS, TimelineEvent
 
@@ -54,19 +64,20 @@ __all__ = [
     "Simulation",
     "TransferSpec",
     "allreduce_buckets",
+    "boundary_seconds",
     "bucket_count",
     "chain_topology",
     "message_seconds",
+    "plan_links",
     "simulate",
     "simulate_schedule",
+    "stage_static_bytes",
     "transfer_matrix",
 ]
 
 # Seconds to move one micro-batch's boundary tensors from stage src to dst: one
 # number for every link, a matrix ``[src][dst]``, or a function ``(src, dst)``.
 TransferSpec = float | Sequence[Sequence[float]] | Callable[[int, int], float]
-
-_MIB = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,26 +110,6 @@ class Simulation:
 
 
 # ------------------------------------------------------------------ maths
-
-
-def message_seconds(nbytes: float, *, bandwidth: float, latency: float) -> float:
-    """One point-to-point message, alpha-beta model: ``latency + bytes / bandwidth`` (0 for no bytes).
-
-    >>> message_seconds(1e6, bandwidth=1e9, latency=1e-5)
-    0.00101
-    """
-    return 0.0 if nbytes <= 0 else latency + nbytes / bandwidth
-
-
-def bucket_count(parameter_bytes: float, *, bucket_cap_mb: float) -> int:
-    """DDP buckets for ``parameter_bytes`` of gradients at ``bucket_cap_mb`` MiB each (at least one).
-
-    >>> bucket_count(60 * 2**20, bucket_cap_mb=25.0)
-    3
-    """
-    if bucket_cap_mb <= 0 or parameter_bytes <= 0:
-        return 1
-    return max(1, math.ceil(parameter_bytes / (bucket_cap_mb * _MIB)))
 
 
 def allreduce_buckets(
@@ -182,6 +173,7 @@ def simulate_schedule(
     buckets: int | Sequence[int] = 1,
     static_bytes: Sequence[float] | None = None,
     activation_bytes: Sequence[float] | None = None,
+    backward_bytes: Sequence[float] | None = None,
 ) -> Simulation:
     """Run ``schedule`` in simulated time; raise :class:`ScheduleError` if it deadlocks.
 
@@ -191,7 +183,9 @@ def simulate_schedule(
     for one micro-batch; the gradients going back cost the same.  ``allreduce_s``:
     each stage's gradient all-reduce per step, split into ``buckets`` (one count,
     or one per stage; 1 = no overlap with the backward).  ``static_bytes`` and
-    ``activation_bytes`` (per micro-batch in flight) drive the memory timeline.
+    ``activation_bytes`` (per micro-batch in flight) drive the memory timeline;
+    ``backward_bytes`` are held on top while each backward runs (a recomputing
+    stage's re-made activations).
     """
     stages = schedule.stages
     forward = _per_stage(forward_s, stages, "forward_s")
@@ -200,6 +194,9 @@ def simulate_schedule(
     static = _per_stage(static_bytes if static_bytes is not None else [0.0] * stages, stages, "static_bytes")
     activation = _per_stage(
         activation_bytes if activation_bytes is not None else [0.0] * stages, stages, "activation_bytes"
+    )
+    during_backward = _per_stage(
+        backward_bytes if backward_bytes is not None else [0.0] * stages, stages, "backward_bytes"
     )
     counts = [buckets] * stages if isinstance(buckets, int) else [int(b) for b in buckets]
     if len(counts) != stages:
@@ -210,7 +207,7 @@ def simulate_schedule(
         receives_from = default_receives if receives_from is None else receives_from
     seconds = transfer_matrix(transfer_s, stages)
 
-    run = _Run(schedule, forward, backward, sends_to, receives_from, seconds, static, activation)
+    run = _Run(schedule, forward, backward, sends_to, receives_from, seconds, static, activation, during_backward)
     run.execute()
 
     events: list[TimelineEvent] = [e for row in run.events for e in row]
@@ -237,19 +234,15 @@ def simulate_schedule(
 def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simulation:
     """Simulate one step of ``plan`` from its saved numbers alone.
 
-    Stage times and all-reduce seconds are the plan's predictions; transfers
-    follow the plan's boundary tensors (one message each, alpha-beta with the
-    cost model's link); static memory is parameters x (2 + optimizer states);
-    buckets default to DDP's ``bucket_cap_mb`` split of each stage's parameters.
+    Stage times and all-reduce seconds are the plan's predictions (the planner
+    prices each stage's all-reduce on the link its replica group uses);
+    transfers follow the plan's boundary tensors, one message each on the link
+    their ranks share (:func:`boundary_seconds`); static memory is
+    :func:`stage_static_bytes`; a recomputing stage holds its largest block's
+    activations during each backward; buckets default to DDP's
+    ``bucket_cap_mb`` split of each stage's parameters.
     """
     stages = plan.stages
-    cm = plan.cost_model
-    seconds = [[0.0] * len(stages) for _ in stages]
-    for st in stages:
-        for b in st.outputs:
-            seconds[b.source][b.target] += message_seconds(
-                b.nbytes, bandwidth=cm.link_bandwidth, latency=cm.link_latency
-            )
     if buckets is None:
         buckets = [bucket_count(st.predicted.parameter_bytes, bucket_cap_mb=plan.bucket_cap_mb) for st in stages]
     return simulate_schedule(
@@ -258,12 +251,74 @@ def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simul
         backward_s=[st.predicted.backward_s for st in stages],
         sends_to=plan.sends_to(),
         receives_from=plan.receives_from(),
-        transfer_s=seconds,
+        transfer_s=boundary_seconds(plan),
         allreduce_s=[st.predicted.allreduce_s for st in stages],
         buckets=buckets,
-        static_bytes=[st.predicted.parameter_bytes * (2 + cm.optimizer_states) for st in stages],
+        static_bytes=stage_static_bytes(plan),
         activation_bytes=[st.predicted.activation_bytes for st in stages],
+        backward_bytes=[float(getattr(st.predicted, "recompute_peak_bytes", 0.0)) for st in stages],
     )
+
+
+def plan_links(plan: Plan) -> tuple[Link, Link]:
+    """(intra-node, inter-node) links of the plan's cost model; one kind of link if it records no inter-node one.
+
+    >>> from partitioner.plan import example_plan
+    >>> plan_links(example_plan())
+    (Link(bandwidth=1000000000.0, latency=6e-05), Link(bandwidth=1000000000.0, latency=6e-05))
+    """
+    cm = plan.cost_model
+    intra = Link(cm.link_bandwidth, cm.link_latency)
+    bandwidth = getattr(cm, "inter_node_bandwidth", None)
+    latency = getattr(cm, "inter_node_latency", None)
+    inter = Link(intra.bandwidth if bandwidth is None else bandwidth, intra.latency if latency is None else latency)
+    return intra, inter
+
+
+def boundary_seconds(plan: Plan) -> list[list[float]]:
+    """``[src][dst]`` seconds to send one micro-batch's boundary tensors from stage src to dst.
+
+    One alpha-beta message per tensor, at the plan's precision (float32 tensors
+    travel as bf16 under the bf16 modes), on the inter-node link when the two
+    stages' ranks sit on different nodes (``plan.gpus_per_node``; a plan without
+    it is one node).
+
+    >>> from partitioner.plan import example_plan
+    >>> [[round(x * 1e9) for x in row] for row in boundary_seconds(example_plan())]  # ns: 60 µs + 32 B at 1 GB/s
+    [[0, 60032], [0, 0]]
+    """
+    intra, inter = plan_links(plan)
+    gpus_per_node: int | None = getattr(plan, "gpus_per_node", None)
+    precision: str = getattr(plan, "precision", "fp32")
+    seconds = [[0.0] * len(plan.stages) for _ in plan.stages]
+    for st in plan.stages:
+        for b in st.outputs:
+            crosses = p2p_crosses_nodes(b.source, b.target, dp=plan.dp, gpus_per_node=gpus_per_node)
+            on = inter if crosses else intra
+            seconds[b.source][b.target] += on.message_seconds(b.nbytes * activation_scale(precision, b.dtype))
+    return seconds
+
+
+def stage_static_bytes(plan: Plan) -> list[float]:
+    """Bytes each stage holds for the whole step: its parameters, gradients and optimizer states.
+
+    At the plan's precision (:func:`partitioner.precision.state_bytes`); a
+    stage's parameter elements are its parameter bytes over the model's bytes
+    per element.
+
+    >>> from partitioner.plan import example_plan
+    >>> stage_static_bytes(example_plan())  # 64 bytes of fp32 weights, Adam: x 4
+    [256.0, 256.0]
+    """
+    precision: str = getattr(plan, "precision", "fp32")
+    states = plan.cost_model.optimizer_states
+    m = plan.model
+    per_element = m.parameter_bytes / m.parameters if m.parameters else 4.0
+    return [
+        float(state_bytes(precision, states, elements=st.predicted.parameter_bytes / per_element,
+                          model_bytes=st.predicted.parameter_bytes))
+        for st in plan.stages
+    ]
 
 
 # ------------------------------------------------------------------ internals
@@ -288,6 +343,7 @@ class _Run:
         seconds: list[list[float]],
         static: list[float],
         activation: list[float],
+        during_backward: list[float],
     ) -> None:
         stages = schedule.stages
         if len(sends_to) != stages or len(receives_from) != stages:
@@ -297,6 +353,7 @@ class _Run:
         self.sends_to, self.receives_from = sends_to, receives_from
         self.seconds = seconds
         self.activation = activation
+        self.during_backward = during_backward
         self.clock = [0.0] * stages
         self.cursor = [0] * stages
         self.arrival: dict[tuple[str, int, int, int], float] = {}  # (F|B, src, dst, mb) -> time
@@ -349,7 +406,9 @@ class _Run:
         else:  # "B"
             end = now + self.backward[s]
             self._record(s, a, now, end)
-            self._hold(s, end, -1)
+            if self.during_backward[s]:
+                self._add_memory(s, now, self.during_backward[s])
+            self._hold(s, end, -1, extra=-self.during_backward[s])
             self.last_backward[s] = (now, end)
             self.clock[s] = end
         return True
@@ -359,11 +418,14 @@ class _Run:
         self.link_free[src, dst] = start + seconds
         self.arrival[kind, src, dst, microbatch] = start + seconds
 
-    def _hold(self, s: int, when: float, delta: int) -> None:
+    def _hold(self, s: int, when: float, delta: int, *, extra: float = 0.0) -> None:
         self.in_flight[s] += delta
         self.peak_in_flight[s] = max(self.peak_in_flight[s], self.in_flight[s])
+        self._add_memory(s, when, delta * self.activation[s] + extra)
+
+    def _add_memory(self, s: int, when: float, nbytes: float) -> None:
         _, before = self.memory[s][-1]
-        self.memory[s].append((when, before + delta * self.activation[s]))
+        self.memory[s].append((when, before + nbytes))
 
     def _record(self, s: int, a: Action, start: float, end: float) -> None:
         label = f"{a.kind}{a.microbatch}"

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 
 import pulp
 
+from partitioner.defaults import DEFAULT_SCHEDULE
 from partitioner.interval import down_sets, solve_down_sets, solve_intervals
 from partitioner.problem import (
     Partition,
@@ -69,7 +70,7 @@ def solve(
     *,
     stages: int,
     microbatches: int,
-    schedule: ScheduleKind = "gpipe",
+    schedule: ScheduleKind = DEFAULT_SCHEDULE,
     time_limit: float = 10.0,
     use_ilp: bool | None = None,
 ) -> Partition | None:
@@ -127,7 +128,7 @@ def solve_ilp(
     *,
     stages: int,
     microbatches: int,
-    schedule: ScheduleKind = "gpipe",
+    schedule: ScheduleKind = DEFAULT_SCHEDULE,
     time_limit: float = 10.0,
     upper_bound: float | None = None,
 ) -> Partition | None:

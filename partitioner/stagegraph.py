@@ -16,8 +16,8 @@ Example::
     >>> from partitioner.capture import capture
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     >>> c = capture(m, (torch.randn(2, 4),))
-    >>> sig = StageSignature(model_inputs=("input_1",), received=(), sent=("linear",), outputs=())
-    >>> gm = build_stage(c, ("_0_weight", "_0_bias", "linear"), sig, statics={})
+    >>> sig = StageSignature(model_inputs=("input_1",), received=(), sent=("_0",), outputs=())
+    >>> gm = build_stage(c, ("_0",), sig, statics={})  # node _0 is module 0 (symbolic_trace)
     >>> sorted(n for n, _ in gm.named_parameters())
     ['0.bias', '0.weight']
 """
@@ -29,8 +29,9 @@ from typing import Any
 
 from torch import fx
 
-from partitioner.capture import KIND_KEY, CapturedModel
+from partitioner.capture import CapturedModel
 from partitioner.errors import PlanMismatchError
+from partitioner.ir import KIND_KEY
 from partitioner.plan import StagePlan
 
 __all__ = ["StageSignature", "build_stage", "closure", "stage_signature"]

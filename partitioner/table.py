@@ -11,61 +11,12 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from partitioner.plan import Plan, StagePlan
+from partitioner.units import format_bytes, format_count, format_seconds
 
-__all__ = ["format_bytes", "format_plan", "format_seconds"]
-
-_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in binary units with three significant digits.
-
-    >>> [format_bytes(n) for n in (0, 512, 1536, 80 * 1024**3)]
-    ['0 B', '512 B', '1.50 KiB', '80.0 GiB']
-    """
-    if math.isnan(n):
-        return "? B"
-    sign = "-" if n < 0 else ""
-    value = abs(float(n))
-    if value < 1024:
-        return f"{sign}{value:.0f} B"
-    unit = ""
-    for unit in _UNITS:
-        value /= 1024
-        if value < 1024:
-            break
-    return f"{sign}{_three_digits(value)} {unit}"
-
-
-def format_seconds(s: float) -> str:
-    """A duration in the unit that suits it: ns, µs, ms, s, or minutes and seconds.
-
-    >>> [format_seconds(s) for s in (0, 2.5e-6, 0.0123, 4.0, 200)]
-    ['0 s', '2.50 µs', '12.3 ms', '4.00 s', '3 min 20 s']
-    """
-    if math.isnan(s):
-        return "? s"
-    if s < 0:
-        return "-" + format_seconds(-s)
-    if s == 0:
-        return "0 s"
-    if s < 1e-6:
-        return f"{_three_digits(s * 1e9)} ns"
-    if s < 1e-3:
-        return f"{_three_digits(s * 1e6)} µs"
-    if s < 1:
-        return f"{_three_digits(s * 1e3)} ms"
-    if s < 60:
-        return f"{_three_digits(s)} s"
-    minutes, seconds = divmod(round(s), 60)
-    if minutes < 60:
-        return f"{minutes} min {seconds} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes} min"
+__all__ = ["format_bytes", "format_plan", "format_seconds"]  # the formatters live in partitioner.units
 
 
 def format_plan(plan: Plan) -> str:
@@ -102,7 +53,7 @@ def _header(plan: Plan) -> str:
     memory = plan.cost_model.memory_limit
     limit = f", limit {format_bytes(memory)} per GPU" if memory is not None else ""
     return (
-        f"{model.class_name}: {_count(model.parameters)} parameters ({model.capture})"
+        f"{model.class_name}: {format_count(model.parameters)} parameters ({model.capture})"
         f" | {plan.gpus} GPUs = {plan.pp} {stages} x {plan.dp} {replicas}"
         f" | {plan.schedule}, {plan.microbatches} {micro} of {plan.microbatch_size}, batch {plan.batch_size}"
         f" | costs {plan.cost_model.source}{limit}"
@@ -142,13 +93,12 @@ def _summary(plan: Plan) -> list[str]:
     step = plan.predicted
     peak = max(step.peak_memory_bytes, default=0.0)
     solver = plan.solver
-    gap = (solver.objective - solver.lower_bound) / solver.objective if solver.objective > 0 else 0.0
     prediction = (
         f"predicted step {format_seconds(step.step_s)} | bubble {100 * step.bubble_fraction:.1f}%"
         f" | {step.samples_per_s:,.0f} samples/s | peak memory {format_bytes(peak)} per GPU"
     )
     solved = (
-        f"solver {solver.name}: {solver.status}, gap {100 * max(0.0, gap):.1f}% to the lower bound,"
+        f"solver {solver.name}: {solver.status}, gap {100 * solver.gap:.1f}% to the lower bound,"
         f" {solver.blocks} blocks, {format_seconds(solver.wall_s)}"
     )
     return [prediction, solved]
@@ -183,21 +133,6 @@ def _render(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[in
 
     rule = ["-" * w if h else " " * w for h, w in zip(headers, widths)]
     return [line(headers), line(rule)] + [line(r) for r in rows]
-
-
-def _three_digits(value: float) -> str:
-    if round(value, 2) < 10:
-        return f"{value:.2f}"
-    if round(value, 1) < 100:
-        return f"{value:.1f}"
-    return f"{value:.0f}"
-
-
-def _count(n: int) -> str:
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{_three_digits(n / scale)}{suffix}"
-    return str(n)
 
 
 def _ms(seconds: float) -> str:

@@ -1,7 +1,7 @@
 """Value propagation: what each node produces, without computing anything.
 
 Runs the graph under ``FakeTensorMode`` and writes one key,
-``node.meta["autopartition_value"]``, a :class:`ValueInfo`:
+:data:`partitioner.ir.VALUE_KEY`, a :class:`partitioner.ir.ValueInfo`:
 
 * ``tensor``: a tensor (shape, dtype) that can be sent between stages;
 * ``static``: a Python value fixed by the input shapes (``x.size(1)``), baked
@@ -21,8 +21,7 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import fx
@@ -30,49 +29,29 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from partitioner.capture import KIND_KEY
 from partitioner.errors import CaptureError
+from partitioner.ir import KIND_KEY, VALUE_KEY, ValueInfo, dtype_name
+from partitioner.meta import FakeState, StandIns, fake_like, home_device
 
-__all__ = ["VALUE_KEY", "ValueInfo", "dtype_from_name", "dtype_name", "propagate_values"]
-
-VALUE_KEY = "autopartition_value"
-
-
-@dataclasses.dataclass(frozen=True)
-class ValueInfo:
-    """What one node produces."""
-
-    kind: Literal["tensor", "static", "bundle", "none"]
-    shape: tuple[int, ...] = ()
-    dtype: str = ""
-    static: Any = None
-
-    @property
-    def nbytes(self) -> int:
-        if self.kind != "tensor":
-            return 0
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * dtype_from_name(self.dtype).itemsize
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")  # noqa: TRY004 - a bad value in a plan file
-    return value
+__all__ = ["propagate_values"]
 
 
 def propagate_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, ValueInfo]:
-    """Annotate every node of ``gm`` with a :class:`ValueInfo`; return them by node name."""
+    """Annotate every node of ``gm`` with a :class:`ValueInfo`; return them by node name.
+
+    Parameters, buffers and inputs are replaced by fake tensors on one device
+    (:func:`partitioner.meta.home_device`), so a model built on ``meta`` runs on CPU
+    or meta inputs alike and no weight is read.
+    """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    home = home_device(gm, inputs)
+    propagator = _Propagate(gm, mode)
+    propagator.state = FakeState(gm, mode, home)
+    propagator.home = home
     try:
-        FakeTensorProp(gm, mode).propagate(*inputs)
+        with mode:
+            fakes = [fake_like(x, home) if isinstance(x, torch.Tensor) else x for x in inputs]
+        propagator.propagate_dont_convert_inputs(*fakes)
     except Exception as exc:
         raise CaptureError(
             f"Shape propagation failed on the captured graph: {str(exc).splitlines()[0]}. "
@@ -89,6 +68,10 @@ def propagate_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, V
             # Metadata of a model input (``x.device``): every stage can read it itself.
             node.meta[KIND_KEY] = "constant"
     return infos
+
+
+class _Propagate(StandIns, FakeTensorProp):
+    """``FakeTensorProp`` on fake stand-ins for the module's parameters, buffers and constants."""
 
 
 def _info(value: Any) -> ValueInfo:

@@ -8,7 +8,11 @@ Example (two CPU ranks)::
 
     # in each rank, after dist.init_process_group("gloo", ...)
     work = send_tensors([t], peer=1, tag=0)      # non-blocking
-    got = recv_tensors([TensorSpec(...)], peer=0, tag=0, timeout=60.0)
+    got = recv_tensors([RecvSpec(...)], peer=0, tag=0, timeout=60.0)
+
+``StepRunner`` moves tensors through a :class:`Communicator`: :class:`DistCommunicator`
+(the functions here) by default; tests inject an in-memory one to run every stage in
+one process.
 """
 
 from __future__ import annotations
@@ -17,15 +21,19 @@ import dataclasses
 import datetime
 import os
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from partitioner.values import dtype_from_name
+from partitioner.ir import dtype_from_name
 
 __all__ = [
+    "Communicator",
+    "DistCommunicator",
     "PeerFailure",
     "RecvSpec",
+    "Work",
     "backend_for",
     "init_distributed",
     "pick_device",
@@ -44,6 +52,34 @@ class PeerFailure(RuntimeError):
 class RecvSpec:
     shape: tuple[int, ...]
     dtype: str
+
+
+class Work(Protocol):
+    """A pending send or receive (``torch.distributed.Work``); False from ``wait`` = timed out."""
+
+    def wait(self, timeout: datetime.timedelta = ...) -> bool: ...
+
+
+class Communicator(Protocol):
+    """Point-to-point transfers of boundary tensors, as :class:`~runtime.execute.StepRunner` uses them."""
+
+    def send_tensors(self, tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> list[Work]: ...
+
+    def post_recv(
+        self, specs: Sequence[RecvSpec], *, peer: int, tag: int, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[Work]]: ...
+
+
+class DistCommunicator:
+    """The real transfers: :func:`send_tensors` and :func:`post_recv` over torch.distributed."""
+
+    def send_tensors(self, tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> list[Work]:
+        return send_tensors(tensors, peer=peer, tag=tag)
+
+    def post_recv(
+        self, specs: Sequence[RecvSpec], *, peer: int, tag: int, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[Work]]:
+        return post_recv(specs, peer=peer, tag=tag, device=device)
 
 
 def pick_device() -> torch.device:
@@ -75,9 +111,9 @@ def init_distributed(device: torch.device, *, timeout: float) -> None:
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
 
 
-def send_tensors(tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> list[dist.Work]:
+def send_tensors(tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> list[Work]:
     """Start sending each tensor to ``peer``; returns the pending works (never blocks)."""
-    works = []
+    works: list[Work] = []
     for t in tensors:
         work = dist.isend(t.detach().contiguous(), dst=peer, tag=tag)
         if work is not None:
@@ -87,7 +123,7 @@ def send_tensors(tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> lis
 
 def post_recv(
     specs: Sequence[RecvSpec], *, peer: int, tag: int, device: torch.device
-) -> tuple[list[torch.Tensor], list[dist.Work]]:
+) -> tuple[list[torch.Tensor], list[Work]]:
     """Allocate one buffer per spec and post its receive from ``peer`` (never blocks).
 
     Posting early matters with gloo: data moves only once the receive is posted.
@@ -106,7 +142,7 @@ def recv_tensors(
     return out
 
 
-def wait_all(works: Sequence[dist.Work], *, timeout: float) -> None:
+def wait_all(works: Sequence[Work], *, timeout: float) -> None:
     """Wait for every work; a failure or timeout becomes :class:`PeerFailure`."""
     delta = datetime.timedelta(seconds=timeout)
     for work in works:

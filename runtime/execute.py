@@ -20,13 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from partitioner.plan import Boundary, Plan
 from partitioner.schedule import Action
-from runtime.comm import PeerFailure, RecvSpec, post_recv, send_tensors, wait_all
+from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
 from runtime.stage import LocalStage
 
 __all__ = ["ActionRecord", "StepFailure", "StepRunner"]
@@ -49,7 +48,7 @@ class ActionRecord:
 class _Posted:
     """Receives posted for one RF/RB action: per peer, its boundaries, buffers and pending works."""
 
-    parts: tuple[tuple[int, tuple[Boundary, ...], list[torch.Tensor], list[dist.Work]], ...]
+    parts: tuple[tuple[int, tuple[Boundary, ...], list[torch.Tensor], list[Work]], ...]
 
 
 @dataclasses.dataclass
@@ -63,7 +62,11 @@ class _MicroBatch:
 
 
 class StepRunner:
-    """Runs the actions of one stage replica; one instance per Pipeline, reused every step."""
+    """Runs the actions of one stage replica; one instance per Pipeline, reused every step.
+
+    ``comm`` moves the boundary tensors: torch.distributed unless given (tests pass an
+    in-memory one to run every stage in one process).
+    """
 
     def __init__(
         self,
@@ -76,8 +79,10 @@ class StepRunner:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         device: torch.device,
         timeout: float,
+        comm: Communicator | None = None,
     ) -> None:
         self.plan = plan
+        self.comm: Communicator = comm if comm is not None else DistCommunicator()
         self.stage = stage
         self.module = module
         self.replica = replica
@@ -92,7 +97,7 @@ class StepRunner:
         self.records: list[ActionRecord] = []
         self._receives = [i for i, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
         self._posted: dict[tuple[str, int], _Posted] = {}
-        self._pending: list[dist.Work] = []
+        self._pending: list[Work] = []
         self._batches: list[_MicroBatch] = []
         self._handlers: dict[str, Callable[[int], None]] = {
             "F": self._forward,
@@ -186,7 +191,7 @@ class StepRunner:
         batch = self._batches[mb]
         for peer, boundaries in self._by_peer(self.stage.plan.outputs, "target"):
             tensors = [batch.sent[b.producer] for b in boundaries]
-            self._pending += send_tensors(tensors, peer=peer, tag=mb)
+            self._pending += self.comm.send_tensors(tensors, peer=peer, tag=mb)
 
     def _recv_forward(self, mb: int) -> None:
         batch = self._batches[mb]
@@ -203,7 +208,7 @@ class StepRunner:
                     continue
                 leaf = batch.received[b.producer]
                 grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-            self._pending += send_tensors(grads, peer=peer, tag=tag)
+            self._pending += self.comm.send_tensors(grads, peer=peer, tag=tag)
         batch.received.clear()
 
     def _recv_backward(self, mb: int) -> None:
@@ -235,7 +240,7 @@ class StepRunner:
         parts = []
         for peer, boundaries in groups:
             specs = [RecvSpec(b.shape, b.dtype) for b in boundaries]
-            tensors, works = post_recv(specs, peer=peer, tag=tag, device=self.device)
+            tensors, works = self.comm.post_recv(specs, peer=peer, tag=tag, device=self.device)
             parts.append((peer, tuple(boundaries), tensors, works))
         return _Posted(tuple(parts))
 
@@ -247,7 +252,7 @@ class StepRunner:
             received.extend(zip(boundaries, tensors))
         return received
 
-    def _wait_peer(self, works: Sequence[dist.Work], *, peer: int) -> None:
+    def _wait_peer(self, works: Sequence[Work], *, peer: int) -> None:
         try:
             wait_all(works, timeout=self.timeout)
         except PeerFailure as exc:

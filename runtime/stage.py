@@ -20,9 +20,10 @@ from torch import fx
 
 from partitioner.capture import CapturedModel, capture
 from partitioner.errors import PlanMismatchError
-from partitioner.plan import Plan, StagePlan, graph_fingerprint
+from partitioner.ir import ValueInfo, dtype_from_name, graph_fingerprint
+from partitioner.plan import Plan, StagePlan
 from partitioner.stagegraph import StageSignature, build_stage, stage_signature
-from partitioner.values import ValueInfo, dtype_from_name, propagate_values
+from partitioner.values import propagate_values
 
 __all__ = ["LocalStage", "build_local_stage", "example_microbatch", "recapture"]
 

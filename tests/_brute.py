@@ -13,9 +13,11 @@ Imported from the test modules as ``import _brute`` (pytest's default
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
 
 from partitioner.problem import (
     PartitionProblem,
@@ -26,6 +28,7 @@ from partitioner.problem import (
 )
 
 Best = tuple[float, tuple[int, ...]]
+_T = TypeVar("_T")
 
 
 def fits(
@@ -224,6 +227,70 @@ def with_limit(
 
 
 def _replace(problem: PartitionProblem, **changes: object) -> PartitionProblem:
-    import dataclasses
-
     return dataclasses.replace(problem, **changes)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    problem: PartitionProblem
+    stages: int
+    microbatches: int
+    schedule: ScheduleKind
+
+
+def make_case(
+    seed: int,
+    *,
+    sizes: tuple[int, int],
+    kinds: Sequence[str],
+    schedules: Sequence[ScheduleKind] = ("gpipe", "1f1b"),
+    several_ways: float = 0.0,
+    shared: float = 0.3,
+    replicas: float = 0.0,
+    transfers: float = 0.8,
+    limit: float = 0.5,
+    intervals: bool,
+) -> Case:
+    """A random case: ``n`` blocks in ``sizes``, up to 4 stages, M in 1..8, a DAG of one of ``kinds``.
+
+    The floats are probabilities: ``several_ways`` of leaving more than one way to split
+    (``2 <= P < n``), ``shared`` of tied parameters, ``replicas`` of all-reduce terms,
+    ``transfers`` of transfer times, ``limit`` of a binding memory limit (drawn over
+    interval splits when ``intervals``, else over every assignment; see
+    :func:`with_limit`).  A probability of 0 or 1, like a single choice, draws nothing,
+    so each test module's cases stay the same whichever options it does not use.
+    """
+    rng = random.Random(seed)
+    n = rng.randint(*sizes)
+    if n >= 3 and _chance(rng, several_ways):
+        stages = rng.randint(2, min(4, n - 1))
+    else:
+        stages = rng.randint(1, min(4, n))
+    microbatches = rng.choice([1, 2, 4, 8])
+    schedule = _pick(rng, schedules)
+    problem = random_problem(
+        rng,
+        n,
+        kind=_pick(rng, kinds),
+        shared=_chance(rng, shared),
+        replicas=_chance(rng, replicas),
+        transfers=_chance(rng, transfers),
+    )
+    if _chance(rng, limit):
+        problem = with_limit(
+            problem,
+            rng,
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            intervals=intervals,
+        )
+    return Case(problem, stages, microbatches, schedule)
+
+
+def _chance(rng: random.Random, p: float) -> bool:
+    return p >= 1 or (p > 0 and rng.random() < p)
+
+
+def _pick(rng: random.Random, options: Sequence[_T]) -> _T:
+    return options[0] if len(options) == 1 else rng.choice(options)

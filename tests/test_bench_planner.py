@@ -1,4 +1,4 @@
-"""Smoke tests of ``tools/bench_planner.py``: baseline splits and exact references (< 10 s).
+"""Smoke tests of the planner benchmark (``tools/benchplanner``): baseline splits and exact references (< 10 s).
 
 The split functions are checked against brute force over every contiguous split;
 the exact references (:func:`best_contiguous`, :func:`exact_split`) against
@@ -7,24 +7,15 @@ the exact references (:func:`best_contiguous`, :func:`exact_split`) against
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import random
-import sys
-from pathlib import Path
 
 import _brute
 import pytest
 
-from partitioner.problem import check_assignment, step_time
-
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "bench_planner.py"
-_spec = importlib.util.spec_from_file_location("bench_planner", _PATH)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_planner"] = bench
-_spec.loader.exec_module(bench)
+from partitioner.problem import PartitionProblem, check_assignment, step_time
+from tools.benchplanner import baselines, reference, zoo
 
 
 def contiguous_splits(n: int, stages: int):
@@ -51,18 +42,18 @@ def is_split(stage_of, n: int, stages: int) -> bool:
 
 
 def test_equal_layers() -> None:
-    assert bench.equal_layers(10, 4) == (0, 0, 0, 1, 1, 1, 2, 2, 3, 3)
-    assert bench.equal_layers(8, 4) == (0, 0, 1, 1, 2, 2, 3, 3)
-    assert bench.equal_layers(3, 3) == (0, 1, 2)
-    assert bench.equal_layers(5, 1) == (0,) * 5
+    assert baselines.equal_layers(10, 4) == (0, 0, 0, 1, 1, 1, 2, 2, 3, 3)
+    assert baselines.equal_layers(8, 4) == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert baselines.equal_layers(3, 3) == (0, 1, 2)
+    assert baselines.equal_layers(5, 1) == (0,) * 5
     for n in range(1, 12):
         for p in range(1, n + 1):
-            split = bench.equal_layers(n, p)
+            split = baselines.equal_layers(n, p)
             assert is_split(split, n, p)
             sizes = [split.count(s) for s in range(p)]
             assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
     with pytest.raises(ValueError):
-        bench.equal_layers(2, 3)
+        baselines.equal_layers(2, 3)
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -72,7 +63,7 @@ def test_min_max_splits_are_optimal(seed: int) -> None:
     p = rng.randint(1, n)
     weights = [rng.choice([rng.randint(0, 5), rng.uniform(0, 10)]) for _ in range(n)]
     best = min(largest_part(weights, s) for s in contiguous_splits(n, p))
-    for fn in (bench.min_max_split, bench.equal_parameters, bench.balance_by_time):
+    for fn in (baselines.min_max_split, baselines.equal_parameters, baselines.balance_by_time):
         split = fn(weights, p)
         assert is_split(split, n, p)
         assert math.isclose(largest_part(weights, split), best, rel_tol=1e-12, abs_tol=1e-12)
@@ -80,45 +71,40 @@ def test_min_max_splits_are_optimal(seed: int) -> None:
 
 def test_min_max_ties_fill_from_the_left() -> None:
     # DeepSpeed's partition_balanced: every stage takes as much as the bottleneck allows.
-    assert bench.min_max_split([1, 1, 1, 1, 4], 2) == (0, 0, 0, 0, 1)
-    assert bench.min_max_split([2, 1, 1, 2], 3) == (0, 1, 1, 2)
+    assert baselines.min_max_split([1, 1, 1, 1, 4], 2) == (0, 0, 0, 0, 1)
+    assert baselines.min_max_split([2, 1, 1, 2], 3) == (0, 1, 1, 2)
     # The embedding and head (tied weight counted in both) dominate a parameter split.
-    assert bench.equal_parameters([100, 10, 10, 10, 10, 100], 3) == (0, 1, 1, 1, 1, 2)
+    assert baselines.equal_parameters([100, 10, 10, 10, 10, 100], 3) == (0, 1, 1, 1, 1, 2)
 
 
 def test_ideal_and_helpers() -> None:
-    assert bench.ideal_step([1.0, 2.0, 3.0], 3, 4) == pytest.approx(6 + 3 * 2)
-    assert bench.units_to_blocks((0, 0, 1), (0, 0, 1, 2, 2)) == (0, 0, 0, 1, 1)
-    assert bench.stage_sizes((0, 0, 0, 1, 1, 2)) == "3|2|1"
-    assert bench.unit_of_path("wpe", 4) == 0
-    assert bench.unit_of_path("blocks.3.attn.c_attn", 4) == 4
-    assert bench.unit_of_path("lm_head", 4) == 5
-    assert bench.unit_of_path("", 4) is None
+    assert baselines.ideal_step([1.0, 2.0, 3.0], 3, 4) == pytest.approx(6 + 3 * 2)
+    assert baselines.units_to_blocks((0, 0, 1), (0, 0, 1, 2, 2)) == (0, 0, 0, 1, 1)
+    assert baselines.stage_sizes((0, 0, 0, 1, 1, 2)) == "3|2|1"
+    assert zoo.unit_of_path("wpe", 4) == 0
+    assert zoo.unit_of_path("blocks.3.attn.c_attn", 4) == 4
+    assert zoo.unit_of_path("lm_head", 4) == 5
+    assert zoo.unit_of_path("", 4) is None
 
 
-def _problem(seed: int, kind: str):
-    rng = random.Random(seed)
-    n = rng.randint(2, 7)
-    stages = rng.randint(1, min(4, n))
-    microbatches = rng.choice([1, 2, 4, 8])
-    problem = _brute.random_problem(rng, n, kind=kind, shared=rng.random() < 0.5)
-    if rng.random() < 0.5:
-        problem = _brute.with_limit(
-            problem,
-            rng,
-            stages=stages,
-            microbatches=microbatches,
-            schedule="gpipe",
-            intervals=kind == "chain",
-        )
-    return problem, stages, microbatches
+def _problem(seed: int, kind: str) -> tuple[PartitionProblem, int, int]:
+    case = _brute.make_case(
+        seed,
+        sizes=(2, 7),
+        kinds=(kind,),
+        schedules=("gpipe",),  # the references are GPipe only
+        shared=0.5,
+        transfers=1.0,
+        intervals=kind == "chain",
+    )
+    return case.problem, case.stages, case.microbatches
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_best_contiguous_matches_brute_force(seed: int) -> None:
     problem, stages, microbatches = _problem(seed, "chain")
     want = _brute.brute_force_intervals(problem, stages=stages, microbatches=microbatches)
-    got = bench.best_contiguous(problem, list(range(problem.size + 1)), stages, microbatches)
+    got = reference.best_contiguous(problem, list(range(problem.size + 1)), stages, microbatches)
     if want is None:
         assert got is None
         return
@@ -132,7 +118,7 @@ def test_best_contiguous_matches_brute_force(seed: int) -> None:
 def test_exact_split_matches_brute_force(seed: int) -> None:
     problem, stages, microbatches = _problem(seed, ["chain", "dag", "sparse"][seed % 3])
     want = _brute.brute_force(problem, stages=stages, microbatches=microbatches)
-    got = bench.exact_split(problem, stages, microbatches)
+    got = reference.exact_split(problem, stages, microbatches)
     if want is None:
         assert got is None
         return
@@ -145,18 +131,18 @@ def test_whole_layer_split_only_cuts_between_units() -> None:
     rng = random.Random(7)
     problem = _brute.random_problem(rng, 8, kind="chain")
     units = (0, 0, 1, 1, 1, 2, 3, 3)
-    got = bench.best_whole_layer_split(problem, units, 3, 4)
+    got = reference.best_whole_layer_split(problem, units, 3, 4)
     assert got is not None
     for b in range(1, 8):
         if units[b] == units[b - 1]:
             assert got[1][b] == got[1][b - 1]
     best = min(
-        step_time(problem, bench.units_to_blocks(split, units), microbatches=4)[0]
+        step_time(problem, baselines.units_to_blocks(split, units), microbatches=4)[0]
         for split in contiguous_splits(4, 3)
     )
     assert math.isclose(got[0], best, rel_tol=1e-12)
 
 
 def test_stage_sizes_runs_for_many_stages() -> None:
-    split = bench.equal_layers(98, 64)
-    assert bench.stage_sizes(split) == "2x34|1x30"
+    split = baselines.equal_layers(98, 64)
+    assert baselines.stage_sizes(split) == "2x34|1x30"

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 from tools import bench_predict, bench_runtime
+
+pytestmark = pytest.mark.slow  # both spawn ranks: about 25 s together
 
 TINY = ["--layers", "2", "--embd", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--microbatches", "2"]
 

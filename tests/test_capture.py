@@ -13,8 +13,9 @@ from _examples import example as _example
 from torch import fx, nn
 
 from partitioner import capture as capture_mod
-from partitioner.capture import KIND_KEY, CapturedModel, capture, module_path, node_parameters
+from partitioner.capture import CapturedModel, capture
 from partitioner.errors import CaptureError
+from partitioner.ir import KIND_KEY, compute_nodes, module_path, node_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,7 +104,7 @@ def test_auto_falls_back_to_export(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gpt_module_paths_are_user_names(gpt_captured: Any) -> None:
     model, _, captured = gpt_captured
     gm = captured.graph_module
-    compute = [n for n in gm.graph.nodes if n.meta[KIND_KEY] == "compute"]
+    compute = compute_nodes(gm)
     paths = {module_path(n) for n in compute}
     expected = {"wte", "wpe", "ln_f", "lm_head"}
     for i in range(model.config.n_layer):

@@ -14,6 +14,7 @@ import pytest
 
 from partitioner import cli, planner
 from partitioner.cli import main, parse_size
+from partitioner.errors import AutopartitionError, InfeasibleError, InternalError
 from partitioner.plan import Plan, example_plan
 from partitioner.table import format_plan
 
@@ -216,24 +217,38 @@ def test_batch_not_divisible(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 # ----------------------------------------------------------------- failures
 
 
-def test_internal_error_is_a_bug(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def _plan_raising(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> int:
+    """``autopartition model.py`` with the planner raising ``error``: the exit code."""
     def broken(*args: Any, **kwargs: Any) -> Plan:
-        raise RuntimeError("kaboom")
+        raise error
 
     monkeypatch.setattr(planner, "compile", broken)
-    assert main([_model(tmp_path), "--gpus", "1", "--out", str(tmp_path / "plan")]) == 1
+    return main([_model(tmp_path), "--gpus", "1", "--quiet", "--out", str(tmp_path / "plan")])
+
+
+@pytest.mark.parametrize("error", [RuntimeError("kaboom"), InternalError("stage 2 flows backward to 1")])
+def test_internal_error_is_a_bug(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str], error: Exception) -> None:
+    assert _plan_raising(tmp_path, monkeypatch, error) == 1
     err = capsys.readouterr().err
-    assert "Traceback" in err and "RuntimeError: kaboom" in err and "this is a bug" in err
+    assert "Traceback" in err and f"{type(error).__name__}: {error}" in err and "this is a bug" in err
+    assert "autopartition: error:" not in err
+
+
+def test_user_error_exits_2_with_one_paragraph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    error = InfeasibleError("Nothing fits in 1 KiB per GPU; raise --memory-per-gpu.")
+    assert _plan_raising(tmp_path, monkeypatch, error) == 2
+    assert capsys.readouterr().err == f"autopartition: error: {error}\n"  # no traceback
+
+
+def test_internal_error_is_not_user_error() -> None:
+    assert not issubclass(InternalError, AutopartitionError)
 
 
 def test_keyboard_interrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                             capsys: pytest.CaptureFixture[str]) -> None:
-    def interrupted(*args: Any, **kwargs: Any) -> Plan:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(planner, "compile", interrupted)
-    assert main([_model(tmp_path), "--gpus", "1", "--out", str(tmp_path / "plan")]) == 130
+    assert _plan_raising(tmp_path, monkeypatch, KeyboardInterrupt()) == 130
     assert "interrupted" in capsys.readouterr().err
 
 
@@ -254,10 +269,17 @@ def _fake(monkeypatch: pytest.MonkeyPatch, module: str, function: str, result: A
 
 
 def test_verify_calls_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _fake(monkeypatch, "runtime.verify", "verify_plan", None)
+    calls = _fake(monkeypatch, "runtime.verify", "verify_plan", 0)
     plan_dir = str(_saved_plan(tmp_path))
     assert main(["verify", plan_dir, "--model", "m.py:f", "--steps", "2", "--timeout", "30"]) == 0
-    assert calls == [((plan_dir, "m.py:f"), {"steps": 2, "timeout": 30.0})]
+    assert main(["verify", plan_dir, "--model", "m.py"]) == 0
+    assert calls == [((plan_dir, "m.py:f"), {"steps": 2, "timeout": 30.0}),
+                     ((plan_dir, "m.py"), {"steps": 3})]  # no --timeout: the verifier's default
+
+
+def test_verify_mismatch_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(monkeypatch, "runtime.verify", "verify_plan", 1)
+    assert main(["verify", str(_saved_plan(tmp_path)), "--model", "m.py"]) == 1
 
 
 def test_verify_without_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

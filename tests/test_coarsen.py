@@ -10,9 +10,10 @@ import torch
 from _examples import example as _example
 from torch import fx, nn
 
-from partitioner.capture import KIND_KEY, capture, module_path
-from partitioner.coarsen import coarsen, compute_nodes
-from partitioner.values import VALUE_KEY, propagate_values
+from partitioner.capture import capture
+from partitioner.coarsen import coarsen
+from partitioner.ir import KIND_KEY, VALUE_KEY, compute_nodes, module_path
+from partitioner.values import propagate_values
 
 ROOT = Path(__file__).resolve().parent.parent
 

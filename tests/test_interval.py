@@ -13,15 +13,15 @@ import dataclasses
 import itertools
 import math
 import random
+import time
 
 import _brute
 import numpy as np
 import pytest
 
-from partitioner.interval import interval_matrices, solve_intervals
+from partitioner.interval import down_sets, interval_matrices, solve_intervals
 from partitioner.problem import (
     PartitionProblem,
-    ScheduleKind,
     check_assignment,
     stage_costs,
     stage_memory,
@@ -36,43 +36,19 @@ def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=REL, abs_tol=1e-12)
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    problem: PartitionProblem
-    stages: int
-    microbatches: int
-    schedule: ScheduleKind
+Case = _brute.Case
 
 
 def make_case(seed: int, *, replicas: bool = False) -> Case:
     """Random problem: chains with skips mostly, some general DAGs, limits half the time."""
-    rng = random.Random(seed)
-    n = rng.randint(1, 8)
-    if n >= 3 and rng.random() < 0.85:
-        stages = rng.randint(2, min(4, n - 1))  # more than one way to split
-    else:
-        stages = rng.randint(1, min(4, n))
-    microbatches = rng.choice([1, 2, 4, 8])
-    schedule: ScheduleKind = rng.choice(["gpipe", "1f1b"])
-    kind = rng.choice(["chain", "chain", "chain", "dag", "sparse"])
-    problem = _brute.random_problem(
-        rng,
-        n,
-        kind=kind,
-        shared=rng.random() < 0.3,
-        replicas=replicas,
-        transfers=rng.random() < 0.8,
+    return _brute.make_case(
+        seed,
+        sizes=(1, 8),
+        kinds=("chain", "chain", "chain", "dag", "sparse"),
+        several_ways=0.85,
+        replicas=float(replicas),
+        intervals=True,
     )
-    if rng.random() < 0.5:
-        problem = _brute.with_limit(
-            problem,
-            rng,
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            intervals=True,
-        )
-    return Case(problem, stages, microbatches, schedule)
 
 
 def assert_valid(case: Case, stage_of: tuple[int, ...]) -> None:
@@ -256,3 +232,47 @@ def test_interval_matrices_match_stage_costs(seed: int) -> None:
         memory = stage_memory(no_activation, stage_of, 3, microbatches=1, schedule="gpipe")
         assert static[i, j] == pytest.approx(memory[1])
         assert activation[i, j] == pytest.approx(sum(problem.activation_bytes[i:j]))
+
+
+# --------------------------------------------------------------------------- down-sets
+
+
+def _down_sets_by_levels(problem: PartitionProblem) -> list[int]:
+    """The enumeration ``down_sets`` replaced: grow every down-set one block at a time, level by level."""
+    n = problem.size
+    preds = [0] * n
+    for u, v in problem.edges:
+        preds[v] |= 1 << u
+    full, last = (1 << n) - 1, 1 << (n - 1)
+    level, found = {0}, [0]
+    for _ in range(n):
+        level = {d | (1 << v) for d in level for v in range(n) if not (d >> v) & 1 and not preds[v] & ~d}
+        found.extend(sorted(d for d in level if d == full or not d & last))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_down_sets_match_level_enumeration(seed: int) -> None:
+    """Same sets in the same order (by size, then bit pattern) as the level-by-level enumeration."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 10)
+    problem = _brute.random_problem(rng, n, kind=rng.choice(["chain", "dag", "sparse"]))
+    expected = _down_sets_by_levels(problem)
+    got = down_sets(problem, limit=len(expected))
+    assert got is not None
+    assert [sum(1 << v for v in range(n) if row[v]) for row in got] == expected
+    assert down_sets(problem, limit=len(expected) - 1) is None
+
+
+def test_down_sets_of_a_chain_are_its_prefixes() -> None:
+    member = down_sets(chain((1.0,) * 5), limit=6)
+    assert member is not None
+    assert member.astype(int).tolist() == np.tri(6, 5, k=-1, dtype=int).tolist()
+
+
+def test_down_sets_stop_at_the_limit_on_a_wide_graph() -> None:
+    """40 independent blocks have 2**39 + 1 down-sets: counting stops lazily past the limit."""
+    wide = dataclasses.replace(chain((1.0,) * 40), edges=())
+    start = time.perf_counter()
+    assert down_sets(wide, limit=2000) is None
+    assert time.perf_counter() - start < 2.0

@@ -5,6 +5,7 @@ Costs are predicted for an H100 (``device="h100"``), so plans are deterministic.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -13,10 +14,11 @@ import torch
 from _examples import example as _example
 from torch import nn
 
-from partitioner import compile
-from partitioner.capture import KIND_KEY, capture
-from partitioner.errors import AutopartitionError, InfeasibleError
-from partitioner.plan import Plan, graph_fingerprint
+from partitioner import compile, planner
+from partitioner.capture import capture
+from partitioner.errors import AutopartitionError, InfeasibleError, InternalError
+from partitioner.ir import compute_nodes, graph_fingerprint
+from partitioner.plan import Plan
 from partitioner.planner import stage_layout
 from partitioner.schedule import validate
 from partitioner.values import propagate_values
@@ -93,7 +95,7 @@ def _check_plan(model: Model, plan: Plan) -> None:
     assert plan.batch_size == BATCH
     assert plan.microbatch_size * plan.dp * plan.microbatches == BATCH
     # Every compute node in exactly one stage.
-    compute = [n.name for n in gm.graph.nodes if n.meta[KIND_KEY] == "compute"]
+    compute = [n.name for n in compute_nodes(gm)]
     stage_of: dict[str, int] = {}
     for stage in plan.stages:
         mine = [n for n in stage.nodes if n in compute]
@@ -336,3 +338,39 @@ def test_symbolic_trace_with_non_tensor_value_across_stages() -> None:
                    capture_method="symbolic_trace")
     assert plan.pp == 2
     assert plan.model.capture == "symbolic_trace"
+
+
+# ----------------------------------------------------------------- internals
+
+
+def test_each_shape_formulated_once_and_stage_code_only_for_the_chosen_plan(
+    gpt: Model, gpt_auto: Plan, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = {"formulate": 0, "build_stage": 0}
+
+    def counted(name: str) -> object:
+        real = getattr(planner, name)
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(planner, name, counted(name))
+    plan = gpt.compile(gpus=4, microbatches=2)
+    assert plan == dataclasses.replace(gpt_auto, solver=dataclasses.replace(gpt_auto.solver, wall_s=plan.solver.wall_s))
+    solved = [c for c in plan.candidates if c.step_s is not None]
+    assert calls == {"formulate": len(solved), "build_stage": plan.pp}
+    assert len(plan.stage_code) == plan.pp
+
+
+def test_a_backward_boundary_is_an_internal_error() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    inputs = (torch.randn(2, 4),)
+    gm = capture(model, inputs, method="symbolic_trace").graph_module
+    propagate_values(gm, inputs)
+    first, second = (n.name for n in compute_nodes(gm))
+    with pytest.raises(InternalError, match="flows backward 1->0"):
+        planner._boundaries(gm, {first: 1, second: 0}, 2)

@@ -254,6 +254,10 @@ def test_validate_catches_deadlock() -> None:
     assert "stage 0 waits at 0RB0" in message
     assert "stage 1 waits at 1RF1" in message
     assert "0F1" in message  # the actions just before the stuck one, for context
+    # The wait-for cycle (nx.find_cycle): each stuck receive, the send it needs, where that peer is.
+    cycle = message.split("Wait cycle: ", 1)[1]
+    assert "0RB0 needs 1SB0 but stage 1 is stuck at 1RF1" in cycle
+    assert "1RF1 needs 0SF1 but stage 0 is stuck at 0RB0" in cycle
 
 
 def test_validate_catches_three_stage_cycle() -> None:
@@ -272,3 +276,8 @@ def test_validate_catches_three_stage_cycle() -> None:
         validate(Schedule("gpipe", 1, stuck), **_chain(3))
     message = str(info.value)
     assert "0RB0" in message and "1RF0" in message and "2RF0" in message
+    # Stage 2 waits on stage 1 but is not part of the 0 <-> 1 cycle.
+    cycle = message.split("Wait cycle: ", 1)[1]
+    assert "0RB0 needs 1SB0 but stage 1 is stuck at 1RF0" in cycle
+    assert "1RF0 needs 0SF0 but stage 0 is stuck at 0RB0" in cycle
+    assert "2RF0" not in cycle

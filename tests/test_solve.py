@@ -29,7 +29,6 @@ from partitioner.interval import solve_intervals
 from partitioner.problem import (
     Partition,
     PartitionProblem,
-    ScheduleKind,
     check_assignment,
     stage_memory,
     step_time,
@@ -44,40 +43,19 @@ def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=REL, abs_tol=1e-12)
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    problem: PartitionProblem
-    stages: int
-    microbatches: int
-    schedule: ScheduleKind
+Case = _brute.Case
 
 
 def make_case(seed: int) -> Case:
     """A random small DAG: general, sparse, or a chain with skips; limits, sharing, replicas."""
-    rng = random.Random(seed)
-    n = rng.randint(3, 7)
-    stages = rng.randint(1, min(4, n))
-    microbatches = rng.choice([1, 2, 4, 8])
-    schedule: ScheduleKind = rng.choice(["gpipe", "1f1b"])
-    kind = rng.choice(["dag", "dag", "sparse", "sparse", "chain"])
-    problem = _brute.random_problem(
-        rng,
-        n,
-        kind=kind,
-        shared=rng.random() < 0.3,
-        replicas=rng.random() < 0.3,
-        transfers=rng.random() < 0.8,
+    return _brute.make_case(
+        seed,
+        sizes=(3, 7),
+        kinds=("dag", "dag", "sparse", "sparse", "chain"),
+        replicas=0.3,
+        limit=0.4,
+        intervals=False,
     )
-    if rng.random() < 0.4:
-        problem = _brute.with_limit(
-            problem,
-            rng,
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            intervals=False,
-        )
-    return Case(problem, stages, microbatches, schedule)
 
 
 def assert_sound(case: Case, result: Partition, expected: float) -> None:

@@ -11,9 +11,10 @@ from _examples import example as _example
 from torch import fx, nn
 
 from partitioner import compile
-from partitioner.capture import KIND_KEY, CapturedModel, capture, node_parameters
+from partitioner.capture import CapturedModel, capture
 from partitioner.errors import PlanMismatchError
-from partitioner.plan import Plan, graph_fingerprint
+from partitioner.ir import KIND_KEY, compute_nodes, graph_fingerprint, node_parameters
+from partitioner.plan import Plan
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
 from partitioner.values import propagate_values
 
@@ -206,7 +207,7 @@ def test_statics_are_baked_in_by_hand() -> None:
     infos = propagate_values(captured.graph_module, micro)
     statics = {name: info.static for name, info in infos.items() if info.kind == "static"}
     assert statics == {"size": 32, "mul": 64}
-    order = [n.name for n in captured.graph_module.graph.nodes if n.meta[KIND_KEY] == "compute"]
+    order = [n.name for n in compute_nodes(captured.graph_module)]
     cut = order.index("layers_3") + 1
     first = set(order[:cut]) | {"size", "mul"}  # the sizes are computed in the first stage
     second = [n for n in order if n not in first]

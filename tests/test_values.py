@@ -8,7 +8,8 @@ from torch import nn
 
 from partitioner.capture import capture
 from partitioner.errors import CaptureError
-from partitioner.values import VALUE_KEY, ValueInfo, dtype_from_name, dtype_name, propagate_values
+from partitioner.ir import VALUE_KEY, ValueInfo, dtype_name
+from partitioner.values import propagate_values
 
 
 class Net(nn.Module):
@@ -116,18 +117,6 @@ def test_split_is_a_bundle_and_its_items_are_tensors(method: str) -> None:
         assert infos[reader.name] == ValueInfo("tensor", (3, 5, 4), "float32")
 
 
-def test_nbytes() -> None:
-    assert ValueInfo("tensor", (3, 5, 4), "float32").nbytes == 3 * 5 * 4 * 4
-    assert ValueInfo("tensor", (2, 8), "int64").nbytes == 2 * 8 * 8
-    assert ValueInfo("tensor", (7,), "bfloat16").nbytes == 14
-    assert ValueInfo("tensor", (4, 4), "bool").nbytes == 16
-    assert ValueInfo("tensor", (), "float64").nbytes == 8  # a scalar tensor
-    assert ValueInfo("tensor", (0, 3), "float32").nbytes == 0
-    assert ValueInfo("static", static=7).nbytes == 0
-    assert ValueInfo("bundle").nbytes == 0
-    assert ValueInfo("none").nbytes == 0
-
-
 def test_nbytes_of_captured_nodes_match_real_tensors() -> None:
     inputs = _inputs()
     captured = capture(Net(), inputs, method="export")
@@ -137,15 +126,6 @@ def test_nbytes_of_captured_nodes_match_real_tensors() -> None:
     assert infos[x].nbytes == inputs[1].numel() * 4
     (out,) = captured.output_nodes
     assert infos[out].nbytes == 3 * 20 * 8
-
-
-def test_dtype_names_round_trip() -> None:
-    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.uint8):
-        assert dtype_from_name(dtype_name(dtype)) is dtype
-    assert dtype_name(torch.float32) == "float32"
-    for bad in ("float33", "Tensor", "nn"):
-        with pytest.raises(ValueError, match="unknown dtype"):
-            dtype_from_name(bad)
 
 
 def test_wrong_input_shapes_raise_capture_error() -> None:

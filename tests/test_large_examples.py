@@ -1,0 +1,175 @@
+"""The large-model example files: ``examples/llama.py``, ``examples/gpt3.py``, ``tools/bench_large.py``.
+
+* Every large factory builds on the meta device in well under a second (nothing is
+  allocated) with the published parameter count, checked against a closed-form count
+  from the shapes (Llama 3 paper Table 3; Brown et al. 2020 Table 2.1).
+* ``example_inputs`` follows the factory built last (the convention has one per file).
+* The tiny defaults have real weights: their plans verify on CPU ranks (slow).
+* The hand-made splits of ``tools/bench_large.py`` are the ones Megatron and torchtitan make.
+"""
+
+from __future__ import annotations
+
+import doctest
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from partitioner.modelfile import load_model_file
+
+pytest.importorskip("transformers")
+
+from planning_helpers import make_plan, parameters_covered
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = str(ROOT / "examples" / "llama.py")
+GPT3 = str(ROOT / "examples" / "gpt3.py")
+
+
+def llama_parameters(
+    layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int
+) -> int:
+    """Untied embedding and head, q/k/v/o without bias (GQA: k and v are kv_heads / heads as wide),
+    a SwiGLU MLP (gate, up, down), two RMSNorm weights per layer and a final one."""
+    kv = hidden * kv_heads // heads
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
+    return 2 * vocab * hidden + layers * per_layer + hidden
+
+
+def gpt_parameters(layers: int, d: int, vocab: int, context: int) -> int:
+    """Tied token embedding / head, learned positions; per layer qkv and output projections,
+    a 4d MLP, all with biases, and two LayerNorms (weight and bias); a final LayerNorm."""
+    per_layer = (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d) + 4 * d
+    return vocab * d + context * d + layers * per_layer + 2 * d
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected", "published", "rounding"),
+    [
+        (f"{LLAMA}:llama3_8b", llama_parameters(32, 4096, 14336, 32, 8, 128256), 8.03e9, 0.001),
+        (f"{LLAMA}:llama3_70b", llama_parameters(80, 8192, 28672, 64, 8, 128256), 70.6e9, 0.001),
+        (
+            f"{LLAMA}:llama3_405b",
+            llama_parameters(126, 16384, 53248, 128, 8, 128256),
+            405.9e9,
+            0.001,
+        ),
+        (f"{GPT3}:gpt3_175b", gpt_parameters(96, 12288, 50257, 2048), 175e9, 0.003),
+        (f"{GPT3}:gpt3_xl", gpt_parameters(24, 2048, 50257, 2048), 1.3e9, 0.02),  # "1.3B": 2 digits
+    ],
+)
+def test_large_factories_build_on_meta_with_published_sizes(
+    spec: str, expected: int, published: float, rounding: float
+) -> None:
+    model_file = load_model_file(spec)
+    start = time.perf_counter()
+    model = model_file.build()
+    elapsed = time.perf_counter() - start
+    params = list(model.parameters())
+    assert all(p.is_meta for p in params), "large factories must not allocate weights"
+    count = sum(p.numel() for p in params)  # from the meta shapes; tied weights counted once
+    assert count == expected
+    assert abs(count / published - 1) < rounding, f"{count:,} vs published {published:,.0f}"
+    assert elapsed < 5.0, f"building on meta took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize(
+    ("spec", "seq", "vocab"),
+    [
+        (LLAMA, 32, 512),
+        (f"{LLAMA}:llama_tiny", 32, 512),
+        (f"{LLAMA}:llama3_70b", 4096, 128256),
+        (GPT3, 32, 512),
+        (f"{GPT3}:gpt3_175b", 2048, 50257),
+    ],
+)
+def test_example_inputs_follow_the_factory(spec: str, seq: int, vocab: int) -> None:
+    model_file = load_model_file(spec)
+    model_file.build()
+    (ids,) = model_file.example_inputs(3)
+    assert ids.shape == (3, seq) and ids.dtype == torch.int64 and ids.device.type == "cpu"
+    assert 0 <= int(ids.min()) and int(ids.max()) < vocab
+    assert model_file.example_target is not None
+    assert model_file.example_target(3).shape == (3, seq)
+
+
+def test_sequence_lengths_are_listed_per_factory() -> None:
+    from _examples import example
+
+    llama, gpt3 = example("llama"), example("gpt3")
+    assert llama.SEQ_LENS == {
+        "build_model": 32,
+        "llama_tiny": 32,
+        "llama3_8b": 4096,
+        "llama3_70b": 4096,
+        "llama3_405b": 4096,
+    }
+    assert gpt3.SEQ_LENS == {"build_model": 32, "gpt3_xl": 2048, "gpt3_175b": 2048}
+    assert all(callable(getattr(m, name)) for m in (llama, gpt3) for name in m.SEQ_LENS)
+
+
+def test_tiny_defaults_run_and_lose_like_a_language_model() -> None:
+    for spec, vocab in ((LLAMA, 512), (GPT3, 512)):
+        model_file = load_model_file(spec)
+        model = model_file.build()
+        assert all(not p.is_meta for p in model.parameters())
+        assert model_file.loss_fn is not None and model_file.example_target is not None
+        loss = model_file.loss_fn(
+            model(*model_file.example_inputs(2)), model_file.example_target(2)
+        )
+        # A freshly initialised model is close to uniform over the vocabulary: loss ~ log V.
+        assert abs(float(loss.detach()) - torch.log(torch.tensor(float(vocab)))) < 0.5
+
+
+def test_hand_made_splits_are_megatron_and_torchtitan() -> None:
+    from tools import bench_large
+
+    failures, _ = doctest.testmod(bench_large, verbose=False)
+    assert failures == 0
+    # Llama 3 405B on 16 stages: 126 layers, one fewer on the first and the last stage.
+    split = bench_large.first_last_lighter_split(126, 16)
+    assert split is not None and bench_large.layers_per_stage(split, 16) == "7|8x14|7"
+    assert split[0] == 0 and split[-1] == 15
+    equal = bench_large.equal_layer_split(80, 16)
+    assert equal is not None and bench_large.layers_per_stage(equal, 16) == "5x16"
+    assert bench_large.equal_layer_split(126, 128) is None  # more stages than layers
+    assert (
+        bench_large.layers_per_stage(bench_large.first_last_lighter_split(126, 128) or (), 128)
+        == "0|1x126|0"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("spec", "schedule"), [(LLAMA, "1f1b"), (GPT3, "gpipe")])
+def test_tiny_default_plans_and_verifies(tmp_path: Path, spec: str, schedule: str) -> None:
+    """About 30 s: plan for 2 stages (h100 costs), then train 2 steps on 2 CPU ranks vs the whole model."""
+    from runtime.verify import verify
+
+    plan = make_plan(spec, tmp_path, pp=2, microbatches=2, schedule=schedule, batch=4)
+    names, held = parameters_covered(plan, spec)
+    assert names <= held
+    result = verify(tmp_path, spec, steps=2, tolerance=1e-5)
+    assert result.ok, result.summary()
+
+
+@pytest.mark.slow
+def test_bench_large_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """About 45 s: both tiny cases in fresh processes; ours is never slower than a hand-made split."""
+    import json
+
+    from tools import bench_large
+
+    out = tmp_path / "large.json"
+    code = bench_large.main(["--quick", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "| tiny-llama |" in text and "| tiny-gpt |" in text
+    results = json.loads(out.read_text())
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["pp"] * r["dp"] == 8 and r["rss_bytes"] > 0 and r["wall_s"] > 0
+        for b in r["baselines"].values():
+            if "error" not in b and b["fits"]:
+                assert r["step_s"] <= b["step_s"] * (1 + 1e-9)
+    assert code == 0, text
