@@ -23,8 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from partitioner.defaults import DEFAULT_SCHEDULE, SCHEDULES
+from partitioner.defaults import SCHEDULES
 from partitioner.errors import AutopartitionError
+from partitioner.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
 from partitioner.units import parse_size
 
 __all__ = ["main", "parse_size"]  # parse_size lives in partitioner.units
@@ -32,14 +33,16 @@ __all__ = ["main", "parse_size"]  # parse_size lives in partitioner.units
 _DEVICES = ("auto", "cpu", "cuda", "a100", "h100", "h200")
 _CAPTURE = ("auto", "export", "symbolic_trace")
 _DEFAULT_BATCH = 32
-_DEFAULT_MICROBATCHES = 8
+_AUTO = "auto"
+_RECOMPUTE = ("auto", "none", "full")
 _WIDTH = 100
 
 _EPILOG = """\
 examples:
   autopartition examples/gpt.py --gpus 4 --batch-size 16 --microbatches 4 --out plan/
   autopartition examples/gpt.py:gpt_medium --gpus 8 --device h100 --memory-per-gpu 80GiB
-  autopartition model.py --gpus 8 --pp 4 --dp 2 --schedule 1f1b
+  autopartition examples/gpt3.py:gpt3_xl --gpus 8 --device h100 --precision bf16-mixed
+  autopartition model.py --gpus 8 --pp 4 --dp 2 --schedule 1f1b --recompute none
   autopartition show plan/                         # the report again, from plan.json
   autopartition verify plan/ --model model.py      # run on CPU ranks, compare with the model
   autopartition run plan/ --nproc-per-node 8 -- train.py --epochs 1
@@ -132,6 +135,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _microbatches(text: str) -> int | str:
+    return _AUTO if text.lower() == _AUTO else _positive_int(text)
+
+
 def _size(text: str) -> float:
     try:
         return parse_size(text)
@@ -156,21 +163,32 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="number of GPUs (pipeline stages x replicas)")
     parser.add_argument("--batch-size", type=_positive_int, metavar="B",
                         help=f"mini-batch size (default: the model file's fixed batch, else {_DEFAULT_BATCH})")
-    parser.add_argument("--microbatches", type=_positive_int, default=_DEFAULT_MICROBATCHES, metavar="M",
-                        help=f"micro-batches per mini-batch (default {_DEFAULT_MICROBATCHES})")
-    parser.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE, type=str.lower,
-                        help=f"pipeline schedule (default {DEFAULT_SCHEDULE})")
+    parser.add_argument("--microbatches", type=_microbatches, default=_AUTO, metavar="auto|M",
+                        help="micro-batches per mini-batch (default auto: try divisors of each replica's batch)")
+    parser.add_argument("--schedule", choices=(_AUTO, *SCHEDULES), default=_AUTO, type=str.lower,
+                        help="pipeline schedule (default auto: try each, keep the fastest)")
     parser.add_argument("--pp", type=_positive_int, metavar="P", help="fix the number of pipeline stages")
     parser.add_argument("--dp", type=_positive_int, metavar="D", help="fix the number of replicas per stage")
     parser.add_argument("--device", choices=_DEVICES, default="auto", type=str.lower,
                         help="auto/cpu/cuda measure here; a100/h100/h200 predict for that GPU (default auto)")
     parser.add_argument("--memory-per-gpu", type=_size, metavar="SIZE",
                         help="memory cap per GPU, e.g. 80GiB, 40GB, 512MiB (default: the device's)")
+    parser.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION, type=str.lower,
+                        help="fp32; bf16-mixed: bf16 compute and activations, fp32 weights, gradients and "
+                        f"optimizer state; bf16: everything bf16 (default {DEFAULT_PRECISION})")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=DEFAULT_OPTIMIZER, type=str.lower,
+                        help=f"adam (2 state tensors per parameter) or sgd (1) (default {DEFAULT_OPTIMIZER})")
+    parser.add_argument("--recompute", choices=_RECOMPUTE, default=_AUTO, type=str.lower,
+                        help="recompute activations in backward: auto (per stage, only where needed to fit), "
+                        "none, full (default auto)")
+    parser.add_argument("--gpus-per-node", type=_positive_int, metavar="K",
+                        help="GPUs per node, a divisor of N: links between nodes are slower "
+                        "(default: the largest divisor of N up to 8)")
     parser.add_argument("--capture", choices=_CAPTURE, default="auto",
                         help="how to capture the graph (default auto: export, then symbolic_trace)")
     parser.add_argument("--out", default="plan", metavar="DIR", help="plan directory to write (default plan/)")
     parser.add_argument("--time-limit", type=_positive_float, default=10.0, metavar="S",
-                        help="solver time limit per pp x dp shape, seconds (default 10)")
+                        help="time limit of each ILP solve, seconds (default 10)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     return parser
 
@@ -250,6 +268,10 @@ def _plan(args: argparse.Namespace) -> int:
         dp=args.dp,
         capture_method=cast(Any, args.capture),
         time_limit=args.time_limit,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        recompute=args.recompute,
+        gpus_per_node=args.gpus_per_node,
         loss_fn=model_file.loss_fn,
         target=model_file.example_target(batch) if model_file.example_target else None,
         status=say,

@@ -90,20 +90,6 @@ class NodeCost:
     weight_bytes: int = 0  # parameter bytes read (part of io_bytes; independent of the batch)
     saved_float32_bytes: int | None = None  # the float32 part of saved_bytes (None: not known)
 
-    def scaled(self, factor: float) -> NodeCost:
-        """Cost for a batch ``factor`` times as large (linear in batch; weights read once)."""
-        return NodeCost(
-            forward_s=self.forward_s * factor,
-            backward_s=self.backward_s * factor,
-            forward_flops=self.forward_flops * factor,
-            backward_flops=self.backward_flops * factor,
-            saved_bytes=int(self.saved_bytes * factor),
-            io_bytes=int(self.weight_bytes + (self.io_bytes - self.weight_bytes) * factor),
-            dtype=self.dtype,
-            weight_bytes=self.weight_bytes,
-            saved_float32_bytes=None if self.saved_float32_bytes is None else int(self.saved_float32_bytes * factor),
-        )
-
 
 def predicted_times(cost: NodeCost, spec: DeviceSpec) -> tuple[float, float]:
     """Roofline forward and backward seconds of one node on ``spec``."""
@@ -488,7 +474,6 @@ class _LayerInterpreter(_CostInterpreter):
     layer already timed (identical transformer blocks) is not run: its nodes get
     the costs of the first one's, position by position, and the values other
     layers read from it are placeholders of the propagated shapes.
-    ``timed`` lists the layers that ran, in order.
     """
 
     def __init__(
@@ -500,7 +485,6 @@ class _LayerInterpreter(_CostInterpreter):
         self.layer_of = {name: layer for layer in layers(gm) for name in layer.nodes}
         self.reference: dict[str, Layer] = {}  # signature -> the first layer with it, once it is done
         self.reused: dict[str, Layer] = {}  # layer path -> the layer whose costs it takes
-        self.timed: list[str] = []
         self.live: dict[str, Any] = {}  # graph name -> materialised tensor
         self.owned: dict[str, list[str]] = {}  # layer path -> graph names it materialised
         self.requires_grad: dict[str, list[bool]] = {}  # node -> requires_grad of its output tensors
@@ -552,8 +536,6 @@ class _LayerInterpreter(_CostInterpreter):
         needed = [n for n in layer.nodes if self._read_outside(n, layer)]
         if reference is not None and all("val" in self._node(n).meta for n in needed):
             self.reused[layer.path] = reference
-        else:
-            self.timed.append(layer.path)
 
     def _leave(self, layer: Layer) -> None:
         for name in self.owned.pop(layer.path, []):

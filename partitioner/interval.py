@@ -12,6 +12,15 @@ limits; the all-reduce term (replicas > 1) is evaluated for every candidate but
 not enumerated, so with replicas the answer is exact only when that term does
 not decide between candidates (``solve`` then asks the ILP).
 
+What a candidate stage costs may depend on its index: under 1F1B it holds
+fewer micro-batches the later it sits, its inbound link may cross nodes
+(:func:`~partitioner.problem.stage_links`), and whether it must recompute
+(:func:`~partitioner.problem.choose_recompute`: keep if that fits, else
+recompute if that fits) follows from its blocks and its micro-batches in
+flight.  So the DP keeps one cost matrix per distinct (in flight, link) pair
+of stages, each entry the time of the option the rule picks (``inf`` where
+neither fits), and stays exact: the rule is optimal stage by stage.
+
 Example::
 
     >>> from partitioner.problem import PartitionProblem
@@ -24,44 +33,129 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
 import time
+from collections.abc import Callable
 
 import networkx as nx
 import numpy as np
 
 from partitioner.blockgraph import problem_graph
 from partitioner.defaults import DEFAULT_SCHEDULE
-from partitioner.problem import Partition, PartitionProblem, ScheduleKind, in_flight, step_time
+from partitioner.problem import (
+    MEMORY_TOLERANCE,
+    Partition,
+    PartitionProblem,
+    ScheduleKind,
+    allreduce_latencies,
+    can_recompute,
+    choose_recompute,
+    in_flight,
+    stage_links,
+    step_time,
+)
 
 __all__ = ["down_sets", "interval_matrices", "solve_down_sets", "solve_intervals"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frontiers:
+    """For every pair of frontiers ``(a, b)``: what the stage between them costs.
+
+    ``cost`` is ``inf`` where ``(a, b)`` is no stage.  The optional matrices are None
+    when nothing needs them: ``cost_slow`` without an inbound link across nodes,
+    ``kept``/``peak``/``extra`` without recomputation.
+    """
+
+    cost: np.ndarray  # compute + transfers in over the intra-node link
+    cost_slow: np.ndarray | None  # compute + transfers in over the inter-node link
+    static: np.ndarray
+    activation: np.ndarray
+    kept: np.ndarray | None  # bytes kept per micro-batch when recomputing (block inputs)
+    peak: np.ndarray | None  # the largest block's activations
+    extra: np.ndarray | None  # recomputation seconds
+
+
+def _needs(problem: PartitionProblem, stages: int) -> tuple[bool, bool]:
+    """(some stage's inbound link is priced differently, some stage may recompute)."""
+    inbound, _ = stage_links(problem, stages)
+    slow = problem.transfer_slow_s is not None and any(inbound)
+    return slow, can_recompute(problem)
 
 
 def interval_matrices(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(time, static, activation)`` of every interval ``[i, j)`` as (N+1, N+1) arrays.
 
-    ``time`` includes the transfers the interval receives; entries with ``j <= i``
-    are ``inf`` / unused.
+    ``time`` includes the transfers the interval receives (over the intra-node
+    link); entries with ``j <= i`` are ``inf`` / unused.
     """
+    frontiers = _interval_frontiers(problem, slow=False, recompute=False)
+    return frontiers.cost, frontiers.static, frontiers.activation
+
+
+def _interval_frontiers(problem: PartitionProblem, *, slow: bool, recompute: bool) -> _Frontiers:
+    """:class:`_Frontiers` of the intervals ``[i, j)`` of the given order."""
     n = problem.size
-    t = np.asarray(problem.time_s, dtype=float)
-    prefix_t = np.concatenate([[0.0], np.cumsum(t)])
-    prefix_s = np.concatenate([[0.0], np.cumsum(np.asarray(problem.static_bytes, dtype=float))])
-    prefix_a = np.concatenate([[0.0], np.cumsum(np.asarray(problem.activation_bytes, dtype=float))])
-    cost = prefix_t[None, :] - prefix_t[:, None]
-    static = prefix_s[None, :] - prefix_s[:, None]
-    activation = prefix_a[None, :] - prefix_a[:, None]
+
+    def prefix_difference(values: tuple[float, ...]) -> np.ndarray:
+        prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
+        return prefix[None, :] - prefix[:, None]
+
+    compute = prefix_difference(problem.time_s)
+    static = prefix_difference(problem.static_bytes)
     graph = problem_graph(problem)
-    for u, readers in graph.adj.items():
-        if readers:
-            _add_if_reader_inside(cost, sorted(readers), problem.transfer_s[u], lo=u + 1)
+    invalid = np.tril(np.ones((n + 1, n + 1), dtype=bool))
+
+    def with_transfers(prices: tuple[float, ...]) -> np.ndarray:
+        cost = compute.copy()
+        for u, readers in graph.adj.items():
+            if readers:
+                _add_if_reader_inside(cost, sorted(readers), prices[u], lo=u + 1)
+        cost[invalid] = np.inf
+        return cost
+
     for nbytes, _, shared_readers in problem.shared:
         _add_if_reader_inside(static, sorted(set(shared_readers)), nbytes, lo=0)
-    invalid = np.tril(np.ones((n + 1, n + 1), dtype=bool))
-    cost[invalid] = np.inf
-    return cost, static, activation
+
+    def largest() -> np.ndarray:  # peak[i, j] = max(activation_bytes[i:j]): running maxima along rows
+        rows = np.where(np.tri(n + 1, n, k=-1, dtype=bool), 0.0, np.asarray(problem.activation_bytes, dtype=float))
+        peak = np.zeros((n + 1, n + 1))
+        peak[:, 1:] = np.maximum.accumulate(rows, axis=1)
+        return peak
+
+    return _assemble(problem, static, prefix_difference, with_transfers, largest, slow=slow, recompute=recompute)
+
+
+def _assemble(
+    problem: PartitionProblem,
+    static: np.ndarray,
+    difference: Callable[[tuple[float, ...]], np.ndarray],
+    with_transfers: Callable[[tuple[float, ...]], np.ndarray],
+    largest: Callable[[], np.ndarray],
+    *,
+    slow: bool,
+    recompute: bool,
+) -> _Frontiers:
+    """:class:`_Frontiers` from how a layout sums block values over a stage, prices its transfers in,
+    and finds its largest block activations; only the matrices ``slow`` and ``recompute`` need."""
+    kept = peak = extra = None
+    if recompute and problem.recompute_bytes is not None and problem.recompute_s is not None:
+        kept, extra, peak = difference(problem.recompute_bytes), difference(problem.recompute_s), largest()
+    cost_slow = None
+    if slow and problem.transfer_slow_s is not None:
+        cost_slow = with_transfers(problem.transfer_slow_s)
+    return _Frontiers(
+        cost=with_transfers(problem.transfer_s),
+        cost_slow=cost_slow,
+        static=static,
+        activation=difference(problem.activation_bytes),
+        kept=kept,
+        peak=peak,
+        extra=extra,
+    )
 
 
 def _add_if_reader_inside(matrix: np.ndarray, readers: list[int], amount: float, *, lo: int) -> None:
@@ -89,9 +183,10 @@ def solve_intervals(
     n = problem.size
     if not 1 <= stages <= n:
         return None
-    cost, static, activation = interval_matrices(problem)
+    slow, recompute = _needs(problem, stages)
+    frontiers = _interval_frontiers(problem, slow=slow, recompute=recompute)
     prefixes = np.tri(n + 1, n, k=-1, dtype=bool)  # row i: the first i blocks
-    return _best_split(problem, prefixes, cost, static, activation, stages, microbatches, schedule, "interval-dp")
+    return _best_split(problem, prefixes, frontiers, stages, microbatches, schedule, "interval-dp")
 
 
 def down_sets(problem: PartitionProblem, *, limit: int) -> np.ndarray | None:
@@ -143,12 +238,15 @@ def solve_down_sets(
     """
     if not 1 <= stages <= problem.size:
         return None
-    cost, static, activation = _down_set_matrices(problem, member)
-    return _best_split(problem, member, cost, static, activation, stages, microbatches, schedule, "down-set-dp")
+    slow, recompute = _needs(problem, stages)
+    frontiers = _down_set_frontiers(problem, member, slow=slow, recompute=recompute)
+    return _best_split(problem, member, frontiers, stages, microbatches, schedule, "down-set-dp")
 
 
-def _down_set_matrices(problem: PartitionProblem, member: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Like :func:`interval_matrices`, for stages ``D_b minus D_a`` with ``D_a`` strictly inside ``D_b``."""
+def _down_set_frontiers(
+    problem: PartitionProblem, member: np.ndarray, *, slow: bool, recompute: bool
+) -> _Frontiers:
+    """Like :func:`_interval_frontiers`, for stages ``D_b minus D_a`` with ``D_a`` strictly inside ``D_b``."""
     f = member.astype(float)
     inside = (f @ (~member).astype(float).T) == 0  # inside[a, b]: D_a is a subset of D_b
     sizes = member.sum(axis=1)
@@ -158,27 +256,53 @@ def _down_set_matrices(problem: PartitionProblem, member: np.ndarray) -> tuple[n
         totals = f @ np.asarray(values, dtype=float)
         return totals[None, :] - totals[:, None]
 
-    cost = difference(problem.time_s)
+    compute = difference(problem.time_s)
     static = difference(problem.static_bytes)
-    activation = difference(problem.activation_bytes)
+    # received[u][a, b]: u lies before the stage (in D_a) and one of its readers inside it.
+    received = {}
     for u, readers in problem_graph(problem).adj.items():
-        if readers and problem.transfer_s[u] > 0:
+        if readers:
             count = member[:, sorted(readers)].sum(axis=1)
-            # u lies before the stage (in D_a) and one of its readers inside it.
-            cost += problem.transfer_s[u] * (member[:, u][:, None] & (count[None, :] > count[:, None]))
+            received[u] = member[:, u][:, None] & (count[None, :] > count[:, None])
+
+    def with_transfers(prices: tuple[float, ...]) -> np.ndarray:
+        cost = compute.copy()
+        for u, inbound in received.items():
+            if prices[u] > 0:
+                cost += prices[u] * inbound
+        cost[~nested] = np.inf
+        return cost
+
     for nbytes, _, shared_readers in problem.shared:
         count = member[:, sorted(set(shared_readers))].sum(axis=1)
         static += nbytes * (count[None, :] > count[:, None])
-    cost[~nested] = np.inf
-    return cost, static, activation
+
+    def largest() -> np.ndarray:
+        return _largest_in_difference(member, nested, np.asarray(problem.activation_bytes, dtype=float))
+
+    return _assemble(problem, static, difference, with_transfers, largest, slow=slow, recompute=recompute)
+
+
+def _largest_in_difference(member: np.ndarray, nested: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``out[a, b]``: the largest ``values[v]`` over v in ``D_b minus D_a`` (0 if none), where ``nested``.
+
+    Blocks by decreasing value: each pair takes the first value whose block it holds.
+    """
+    out = np.zeros(nested.shape)
+    open_pairs = nested.copy()
+    for v in np.argsort(-values, kind="stable"):
+        if values[v] <= 0 or not open_pairs.any():
+            break
+        hit = open_pairs & np.outer(~member[:, v], member[:, v])
+        out[hit] = values[v]
+        open_pairs &= ~hit
+    return out
 
 
 def _best_split(
     problem: PartitionProblem,
     member: np.ndarray,
-    cost: np.ndarray,
-    static: np.ndarray,
-    activation: np.ndarray,
+    frontiers: _Frontiers,
     stages: int,
     microbatches: int,
     schedule: ScheduleKind,
@@ -186,19 +310,19 @@ def _best_split(
 ) -> Partition | None:
     """Enumerate the bottleneck cap over frontier pairs; ``member[k]``: blocks before frontier k."""
     start = time.perf_counter()
-    masks = _memory_masks(problem, static, activation, stages, microbatches, schedule)
-    feasible_cost = np.where(np.any(masks, axis=0), cost, np.inf)
-    candidates = np.unique(feasible_cost[np.isfinite(feasible_cost)])
+    table, variant_of, candidates = _stage_tables(problem, frontiers, stages, microbatches, schedule)
     if candidates.size == 0:
         return None
+    # The all-reduce latency of the stage that pays the most: every split has every stage.
+    fixed = max(allreduce_latencies(problem, stages))
     # Smallest cap with any feasible split (binary search), and the least sum overall.
-    unconstrained = _min_sum(cost, masks, member, stages, cap=np.inf)
+    unconstrained = _min_sum(table, variant_of, member, cap=np.inf)
     if unconstrained is None:
         return None
     lo, hi = 0, candidates.size - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if _min_sum(cost, masks, member, stages, cap=candidates[mid]) is None:
+        if _min_sum(table, variant_of, member, cap=candidates[mid]) is None:
             lo = mid + 1
         else:
             hi = mid
@@ -207,18 +331,23 @@ def _best_split(
     index = lo
     while index < candidates.size:
         cap = candidates[index]
-        if best is not None and min_sum + (microbatches - 1) * cap + problem.allreduce_latency_s >= best[0] - 1e-15:
+        if best is not None and min_sum + (microbatches - 1) * cap + fixed >= best[0] - 1e-15:
             break
-        found = _min_sum(cost, masks, member, stages, cap=cap)
+        found = _min_sum(table, variant_of, member, cap=cap)
         assert found is not None  # caps from the smallest feasible one up are all feasible
-        objective, _ = step_time(problem, found[1], microbatches=microbatches)
+        objective, _ = step_time(problem, found[1], microbatches=microbatches, schedule=schedule)
         if best is None or objective < best[0] - 1e-15:
             best = (objective, found[1])
         # The least sum only falls at some larger cap; every cap before that gives this split's
-        # sum with a larger maximum, so jump (binary search) to where the sum first falls.
-        index = _next_drop(cost, masks, member, stages, candidates, after=index, level=found[0])
+        # sum with a larger maximum, so jump (binary search) to where the sum first falls, and
+        # far enough to beat the best: at cap c >= the next candidate, the step is at least
+        # sum + (M-1) c + fixed, so a sum of best - fixed - (M-1) next or more cannot win.
+        level = _below(found[0])
+        if index + 1 < candidates.size:
+            level = min(level, -_below(-(best[0] - fixed - (microbatches - 1) * float(candidates[index + 1]))))
+        index = _next_drop(table, variant_of, member, candidates, after=index, level=level)
     assert best is not None
-    lower = min_sum + (microbatches - 1) * float(candidates[lo]) + problem.allreduce_latency_s
+    lower = min_sum + (microbatches - 1) * float(candidates[lo]) + fixed
     return Partition(
         stage_of=best[1],
         stages=stages,
@@ -227,34 +356,71 @@ def _best_split(
         status="optimal",
         solver=name,
         wall_s=time.perf_counter() - start,
+        recompute=choose_recompute(problem, best[1], stages, microbatches=microbatches, schedule=schedule),
     )
 
 
-def _memory_masks(
+def _stage_tables(
     problem: PartitionProblem,
-    static: np.ndarray,
-    activation: np.ndarray,
+    frontiers: _Frontiers,
     stages: int,
     microbatches: int,
     schedule: ScheduleKind,
-) -> np.ndarray:
-    """``masks[s, a, b]``: the stage between frontiers a and b fits in memory as stage s."""
-    if problem.memory_limit is None:
-        return np.ones((stages, *static.shape), dtype=bool)
-    limit = problem.memory_limit * (1 + 1e-12)
-    return np.stack(
-        [
-            static + in_flight(s, stages, microbatches, schedule) * activation <= limit
-            for s in range(stages)
-        ]
-    )
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(table, variant_of, candidates)``: stage s between frontiers a and b takes ``table[variant_of[s], a, b]``.
+
+    Stages that hold as many micro-batches and share a kind of inbound link cost the
+    same, so there is one matrix per such variant, each entry the time of the option
+    :func:`~partitioner.problem.choose_recompute` picks (``inf``: no stage, or nothing
+    fits).  ``candidates``: every finite entry, sorted, without repeats.
+    """
+    inbound, _ = stage_links(problem, stages)
+    keys = [
+        (in_flight(s, stages, microbatches, schedule), bool(inbound[s]) and frontiers.cost_slow is not None)
+        for s in range(stages)
+    ]
+    variants = sorted(set(keys))
+    variant_of = np.array([variants.index(k) for k in keys], dtype=np.int64)
+    limit = None if problem.memory_limit is None else problem.memory_limit * (1 + MEMORY_TOLERANCE)
+    recompute = frontiers.kept is not None
+    everywhere = np.ones(frontiers.cost.shape, dtype=bool)
+    nowhere = np.zeros(frontiers.cost.shape, dtype=bool)
+    tables = []
+    used: dict[tuple[bool, bool], np.ndarray] = {}  # (slow link, recomputed): where some variant uses it
+    for flight, slow in variants:
+        base = frontiers.cost_slow if slow and frontiers.cost_slow is not None else frontiers.cost
+        keep = everywhere if limit is None else frontiers.static + flight * frontiers.activation <= limit
+        redo = nowhere
+        if recompute:
+            assert frontiers.kept is not None and frontiers.peak is not None
+            fits = everywhere if limit is None else (
+                frontiers.static + flight * frontiers.kept + frontiers.peak <= limit
+            )
+            if problem.recompute == "full":
+                keep, redo = nowhere, fits
+            elif limit is not None:  # auto: recompute only where keeping does not fit
+                redo = ~keep & fits
+        table = np.where(keep, base, np.inf)
+        if redo is not nowhere:
+            assert frontiers.extra is not None
+            table = np.where(redo, base + frontiers.extra, table)
+        tables.append(table)
+        for flag, where in ((False, keep), (True, redo)):
+            if where is not nowhere:
+                used[slow, flag] = used[slow, flag] | where if (slow, flag) in used else where
+    values = []
+    for (slow, flag), where in used.items():
+        base = frontiers.cost_slow if slow and frontiers.cost_slow is not None else frontiers.cost
+        chosen = base[where] + (frontiers.extra[where] if flag and frontiers.extra is not None else 0.0)
+        values.append(chosen[np.isfinite(chosen)])
+    candidates = np.unique(np.concatenate(values)) if values else np.zeros(0)
+    return np.stack(tables), variant_of, candidates
 
 
 def _next_drop(
-    cost: np.ndarray,
-    masks: np.ndarray,
+    table: np.ndarray,
+    variant_of: np.ndarray,
     member: np.ndarray,
-    stages: int,
     candidates: np.ndarray,
     *,
     after: int,
@@ -264,30 +430,45 @@ def _next_drop(
     lo, hi = after + 1, candidates.size
     while lo < hi:
         mid = (lo + hi) // 2
-        found = _min_sum(cost, masks, member, stages, cap=candidates[mid])
-        if found is not None and found[0] < level - 1e-12 * max(1.0, abs(level)):
+        found = _min_sum(table, variant_of, member, cap=candidates[mid])
+        if found is not None and found[0] < level:
             hi = mid
         else:
             lo = mid + 1
     return lo
 
 
+def _below(value: float) -> float:
+    """``value`` less a rounding margin (1e-12 relative): a sum must fall below this to count as smaller.
+
+    >>> _below(1.0) < 1.0 < -_below(-1.0)
+    True
+    """
+    return value - 1e-12 * max(1.0, abs(value))
+
+
 def _min_sum(
-    cost: np.ndarray, masks: np.ndarray, member: np.ndarray, stages: int, *, cap: float
+    table: np.ndarray, variant_of: np.ndarray, member: np.ndarray, *, cap: float
 ) -> tuple[float, tuple[int, ...]] | None:
     """Least total stage time with every stage at most ``cap``; None if impossible.
 
-    Frontier 0 is the empty set and the last frontier all blocks.
+    Frontier 0 is the empty set and the last frontier all blocks; stage s between
+    frontiers a and b costs ``table[variant_of[s], a, b]``.
     """
-    k = cost.shape[0]
-    allowed = np.where(cost <= cap, cost, np.inf)
+    stages, k = variant_of.size, table.shape[1]
+    allowed = np.where(table <= cap, table, np.inf)
     best = np.full(k, np.inf)
     best[0] = 0.0
     choices = np.zeros((stages, k), dtype=np.int64)
     for s in range(stages):
-        total = best[:, None] + np.where(masks[s], allowed, np.inf)  # (from frontier a, to b)
-        choices[s] = np.argmin(total, axis=0)
-        best = total[choices[s], np.arange(k)]
+        reached = np.flatnonzero(np.isfinite(best))  # frontiers s stages can reach (few, early on)
+        if reached.size == 0:
+            return None
+        lo, hi = reached[0], reached[-1] + 1
+        total = best[lo:hi, None] + allowed[variant_of[s], lo:hi]  # (from frontier lo + i, to b)
+        pick = np.argmin(total, axis=0)
+        choices[s] = lo + pick
+        best = total[pick, np.arange(k)]
     if not np.isfinite(best[k - 1]):
         return None
     stage_of = np.zeros(member.shape[1], dtype=np.int64)

@@ -198,12 +198,12 @@ def _reset(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
     reset = getattr(module, "reset_parameters", None)
     if not callable(reset) or any(not is_meta(t) for t in module.parameters()):
         return {}  # deep-copying real children would copy real weights
-    clone = copy.deepcopy(module)  # every tensor on meta: nothing is copied
-    clone.to_empty(device=device, recurse=False)
     try:
+        clone = copy.deepcopy(module)  # every parameter on meta: no weight is copied
+        clone.to_empty(device=device, recurse=False)
         with torch.no_grad():
             clone.reset_parameters()  # type: ignore[operator]
-    except Exception:  # noqa: BLE001 - an init that needs its children real: use placeholders
+    except Exception:  # noqa: BLE001 - an init that needs its children real, an uncopyable module: placeholders
         return {}
     return dict(clone.named_parameters(recurse=False)) | dict(clone.named_buffers(recurse=False))
 

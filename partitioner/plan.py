@@ -5,6 +5,12 @@ A plan directory holds ``plan.json`` (this module's :class:`Plan`), one readable
 executes it) and the report.  :meth:`Plan.load` validates every field and the
 format version; it only parses JSON.
 
+Format versions: 2 (issue 8) added the training precision, the optimizer, GPUs
+per node, per-stage recomputation and links, per-boundary links, the predicted
+MFU and model FLOPs, and each candidate's micro-batch count and schedule.  A
+version-1 plan still loads, read as fp32, Adam (or SGD for one optimizer state),
+one node of all its GPUs, no recomputation (:func:`upgrade_v1`).
+
 Example::
 
     >>> import tempfile
@@ -48,9 +54,12 @@ __all__ = [
     "TiedParameter",
     "example_plan",
     "stage_topology",
+    "upgrade_v1",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+LINKS = ("intra", "inter")  # a message or all-reduce inside one node, or between nodes
+STAGE_RECOMPUTE = ("none", "full")  # keep activations, or recompute each block's forward in backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +78,7 @@ class Boundary:
     dtype: str
     source: int
     target: int
+    link: str = "intra"  # "inter" when some replica's pair of ranks sits on two nodes
 
     @property
     def nbytes(self) -> int:
@@ -84,8 +94,10 @@ class StagePrediction:
     memory_bytes: float  # peak, for the whole step
     parameter_bytes: int
     activation_bytes: float  # saved per micro-batch
-    send_bytes: int  # forward activations sent per micro-batch
-    allreduce_s: float  # once per step
+    send_bytes: int  # forward activations sent per micro-batch (at the plan's precision)
+    allreduce_s: float  # once per step, on the stage's all-reduce link, latency included
+    recompute_s: float = 0.0  # recomputation forward, part of backward_s (recomputing stages)
+    recompute_peak_bytes: float = 0.0  # one block's activations, live again during each backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +112,8 @@ class StagePlan:
     outputs: tuple[Boundary, ...]  # sent
     modules: tuple[str, ...]  # first and last module path of its compute nodes
     predicted: StagePrediction
+    recompute: str = "none"  # "full": activations dropped after forward, remade in backward
+    allreduce_link: str = "intra"  # the link its replicas' gradient all-reduce crosses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +122,9 @@ class StepPrediction:
     bubble_fraction: float
     samples_per_s: float
     peak_memory_bytes: tuple[float, ...]  # per stage (every replica the same)
+    # Forward + backward FLOPs of one mini-batch, recomputation and loss excluded; None: not known.
+    model_flops: float | None = None
+    mfu: float | None = None  # model_flops / (gpus x peak FLOP/s of the compute dtype x step_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +144,25 @@ class SolverInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One pp x dp shape the planner considered."""
+    """One pp x dp x micro-batches x schedule combination the planner considered, and its fate.
+
+    ``status``: ``optimal`` / ``feasible`` (solved; the solver's status),
+    ``infeasible`` (does not fit), ``pruned`` (a lower bound on its step already
+    loses), ``skipped`` (cannot be planned).  ``note`` says why it lost (or
+    ``chosen``).
+    """
 
     pp: int
     dp: int
-    step_s: float | None  # closed-form objective; None: infeasible or skipped
+    step_s: float | None  # closed-form objective; None: not solved (see status)
     status: str
     note: str
     simulated_s: float | None = None  # discrete-event simulation of the best candidates
+    microbatches: int | None = None  # None: not recorded (format version 1)
+    schedule: str | None = None
+    recomputed_stages: int | None = None  # stages that recompute in its split
+    memory_bytes: float | None = None  # peak per GPU of its split; for "infeasible", what it would need
+    bubble_fraction: float | None = None  # simulated where simulated, else closed form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +192,9 @@ class CostModelInfo:
     link_latency: float
     memory_limit: float | None
     optimizer_states: int
+    inter_node_bandwidth: float | None = None  # bytes/s per GPU between nodes; None: link_bandwidth
+    inter_node_latency: float | None = None  # seconds per message between nodes; None: link_latency
+    peak_flops: float | None = None  # FLOP/s of one GPU in the compute dtype, for the MFU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +219,9 @@ class Plan:
     stage_code: tuple[str, ...]  # readable generated code per stage; never executed
     # From the planner, in memory only (never in plan.json): save() draws it as graph.png, blocks.graphml.
     block_graph: BlockGraph | None = dataclasses.field(default=None, compare=False, repr=False)
+    precision: str = "fp32"  # partitioner.precision.PRECISIONS
+    optimizer: str = "adam"  # partitioner.precision.OPTIMIZERS; its states: cost_model.optimizer_states
+    gpus_per_node: int | None = None  # node of rank r: r // gpus_per_node; None: one node
 
     @property
     def microbatch_size(self) -> int:
@@ -236,13 +270,17 @@ class Plan:
             ) from exc
         if not isinstance(data, dict) or "format_version" not in data:
             raise PlanFormatError(f"{origin} has no format_version: it is not an autopartition plan.")
-        if data["format_version"] != FORMAT_VERSION:
+        version = data["format_version"]
+        if isinstance(version, bool) or version not in (1, FORMAT_VERSION):
             raise PlanFormatError(
-                f"{origin} has format version {data['format_version']!r}; this autopartition reads "
-                f"version {FORMAT_VERSION}. Re-plan the model with this version."
+                f"{origin} has format version {version!r}; this autopartition reads version "
+                f"{FORMAT_VERSION} (and version 1). Re-plan the model with this version."
             )
         try:
-            return _decode(Plan, data, "plan")
+            # The current version has every field; a version-1 plan takes the defaults of those it lacks.
+            plan: Plan = _decode(Plan, upgrade_v1(data) if version == 1 else data, "plan", strict=version != 1)
+            _check_names(plan)
+            return plan
         except (TypeError, ValueError, KeyError) as exc:
             raise PlanFormatError(
                 f"{origin} is corrupt: {exc}. Make the plan again with `autopartition model.py`."
@@ -291,34 +329,90 @@ def stage_topology(
 # ---------------------------------------------------------------- decoding
 
 
-def _decode(kind: Any, value: Any, where: str) -> Any:
+def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A format-version-1 plan's JSON object in the current layout, with the defaults it implies.
+
+    Version 1 planned fp32 training on one node without recomputation; its
+    optimizer is named by its state count (1: SGD, else Adam).  The predicted
+    MFU and model FLOPs were not recorded (None).  Fields version 1 lacks keep
+    their defaults; anything malformed is left for decoding to report.
+
+    >>> old = json.loads(example_plan().to_json())
+    >>> old["format_version"] = 1
+    >>> del old["precision"], old["optimizer"], old["gpus_per_node"]
+    >>> new = upgrade_v1(old)
+    >>> new["format_version"], new["precision"], new["optimizer"], new["gpus_per_node"]
+    (2, 'fp32', 'adam', 2)
+    """
+    out = dict(data, format_version=FORMAT_VERSION)
+    cost_model = data.get("cost_model")
+    states = cost_model.get("optimizer_states") if isinstance(cost_model, dict) else None
+    out.setdefault("precision", "fp32")
+    out.setdefault("optimizer", "sgd" if states == 1 else "adam")
+    out.setdefault("gpus_per_node", data.get("gpus"))
+    candidates = data.get("candidates")
+    if isinstance(candidates, list):
+        out["candidates"] = [
+            dict({"microbatches": data.get("microbatches"), "schedule": data.get("schedule")}, **c)
+            if isinstance(c, dict) else c for c in candidates
+        ]
+    return out
+
+
+def _check_names(plan: Plan) -> None:
+    """Fields that hold one of a few names: a misspelt one is a corrupt plan."""
+    from partitioner.precision import OPTIMIZERS, PRECISIONS
+
+    checks: list[tuple[str, str, Sequence[str]]] = [
+        ("plan.precision", plan.precision, PRECISIONS),
+        ("plan.optimizer", plan.optimizer, tuple(OPTIMIZERS)),
+    ]
+    for st in plan.stages:
+        where = f"plan.stages[{st.index}]"
+        checks += [(f"{where}.recompute", st.recompute, STAGE_RECOMPUTE),
+                   (f"{where}.allreduce_link", st.allreduce_link, LINKS)]
+        checks += [(f"{where}.boundary {b.producer}.link", b.link, LINKS) for b in (*st.inputs, *st.outputs)]
+    for where, value, allowed in checks:
+        if value not in allowed:
+            raise ValueError(f"{where} is {value!r}, expected one of {', '.join(allowed)}")
+    if plan.gpus_per_node is not None and plan.gpus_per_node < 1:
+        raise ValueError(f"plan.gpus_per_node is {plan.gpus_per_node}, expected at least 1")
+
+
+def _decode(kind: Any, value: Any, where: str, *, strict: bool = False) -> Any:
+    """``value`` (parsed JSON) as ``kind``; ``strict``: every dataclass field must be present.
+
+    Fields that are not in plan.json at all (``Plan.block_graph``) are never required.
+    """
     origin = typing.get_origin(kind)
     if dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise TypeError(f"{where} should be an object, got {type(value).__name__}")
         hints = typing.get_type_hints(kind)
-        fields = {f.name for f in dataclasses.fields(kind)}
+        fields = {f.name for f in dataclasses.fields(kind) if f.compare}
         unknown = set(value) - fields
         if unknown:
             raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
-        optional = {f.name for f in dataclasses.fields(kind) if f.default is not dataclasses.MISSING}
+        optional = set() if strict else {
+            f.name for f in dataclasses.fields(kind) if f.default is not dataclasses.MISSING}
         missing = fields - set(value) - optional
         if missing:
             raise KeyError(f"{where} lacks fields {sorted(missing)}")
-        return kind(**{k: _decode(hints[k], value[k], f"{where}.{k}") for k in fields if k in value})  # type: ignore[operator]
+        return kind(**{k: _decode(hints[k], value[k], f"{where}.{k}", strict=strict)  # type: ignore[operator]
+                       for k in fields if k in value})
     if origin in (Union, types.UnionType):
         args = typing.get_args(kind)
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _decode(inner[0], value, where)
+        return _decode(inner[0], value, where, strict=strict)
     if origin is tuple:
         args = typing.get_args(kind)
         if not isinstance(value, list):
             raise TypeError(f"{where} should be a list, got {type(value).__name__}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
-        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(_decode(args[0], v, f"{where}[{i}]", strict=strict) for i, v in enumerate(value))
+        return tuple(_decode(a, v, f"{where}[{i}]", strict=strict) for i, (a, v) in enumerate(zip(args, value)))
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{where} should be a number, got {value!r}")
@@ -349,7 +443,8 @@ def example_plan() -> Plan:
         predicted=StepPrediction(9e-3, 1 / 3, 444.4, (320.0, 320.0)),
         solver=SolverInfo("interval-dp", "optimal", 9e-3, 9e-3, 0.01, 3),
         cost_model=CostModelInfo("measured on cpu", 1e9, 6e-5, None, 2),
-        candidates=(Candidate(2, 1, 9e-3, "optimal", "chosen"),),
+        candidates=(Candidate(2, 1, 9e-3, "optimal", "chosen", microbatches=2, schedule="gpipe"),),
         bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
         stage_code=("# stage 0\n", "# stage 1\n"),
+        gpus_per_node=2,
     )

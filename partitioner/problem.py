@@ -3,6 +3,27 @@
 A :class:`PartitionProblem` is plain data (no torch); :mod:`partitioner.solve`
 turns it into a :class:`Partition`.  Costs are per micro-batch, per replica.
 
+Two per-stage choices change what a stage costs, both fixed by the stage's
+index and blocks alone (so the closed form, the DPs, the ILP and the brute
+force agree):
+
+* **Links** (multi-node topology): ranks are laid out stage-major, ``rank = s x
+  replicas + r`` on node ``rank // gpus_per_node``.  Stage s pays every transfer
+  it receives at ``transfer_slow_s`` iff stage s-1's messages to it cross nodes
+  (:func:`~partitioner.commcost.p2p_crosses_nodes`; an edge that skips stages is
+  charged at the receiving stage's inbound link, a documented approximation), and
+  its all-reduce (its blocks, the shared parameters it holds, the fixed latency
+  term) at the slow variants iff its replicas span nodes
+  (:func:`~partitioner.commcost.allreduce_crosses_nodes`).
+* **Recomputation** (Korthikanti et al., "Reducing Activation Recomputation in
+  Large Transformer Models", MLSys 2023, full recomputation): a recomputed stage
+  keeps only its blocks' inputs per micro-batch in flight (``recompute_bytes``)
+  plus one block's activations live again during its backward (the largest
+  ``activation_bytes``), and spends ``recompute_s`` more (one more forward).
+  :func:`choose_recompute` applies the rule: keep if that fits, else recompute if
+  that fits.  Keeping is never slower and the step time only grows with a
+  stage's time, so the rule is optimal for any split.
+
 Example::
 
     >>> p = PartitionProblem(time_s=(1.0, 2.0), static_bytes=(0.0, 0.0),
@@ -10,27 +31,47 @@ Example::
     ...     transfer_s=(0.5, 0.0), edges=((0, 1),))
     >>> step_time(p, (0, 1), microbatches=4)
     (11.0, (1.0, 2.5))
+    >>> slow = dataclasses.replace(p, transfer_slow_s=(1.5, 0.0), gpus_per_node=1)  # one GPU per node
+    >>> step_time(slow, (0, 1), microbatches=4)
+    (15.0, (1.0, 3.5))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Sequence
 from typing import Literal
 
-from partitioner.defaults import ScheduleKind
+from partitioner.commcost import allreduce_crosses_nodes, p2p_crosses_nodes
+from partitioner.defaults import DEFAULT_SCHEDULE, ScheduleKind
 
 __all__ = [
+    "MEMORY_TOLERANCE",
+    "RECOMPUTE_MODES",
     "Partition",
     "PartitionProblem",
+    "RecomputeMode",
     "ScheduleKind",
+    "allreduce_latencies",
+    "can_recompute",
     "check_assignment",
+    "choose_recompute",
     "in_flight",
     "relative_gap",
     "stage_costs",
+    "stage_links",
     "stage_memory",
     "step_time",
+    "within_limit",
 ]
+
+RecomputeMode = Literal["auto", "none", "full"]
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = typing.get_args(RecomputeMode)
+
+# Relative slack on the memory limit: sums taken in another order (prefix sums in the DP,
+# the ILP's scaled rows) may differ from stage_memory's in the last bits.
+MEMORY_TOLERANCE = 1e-12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +89,17 @@ class PartitionProblem:
       The last block produces the model's output and always sits in the last stage.
     * ``shared``: parameters read by several blocks (tied weights): ``(static_bytes,
       allreduce_s, readers)``; held once by each stage with a reader.
+
+    Topology (all optional; without ``gpus_per_node`` every link is intra-node):
+    ``transfer_slow_s[u]``, ``allreduce_slow_s[v]``, ``shared_slow_allreduce_s[k]``
+    (parallel to ``shared``) and ``allreduce_latency_slow_s`` are the same costs over
+    the inter-node link (None: as fast as intra-node); ``replicas`` ranks per stage,
+    ``gpus_per_node`` GPUs per node.
+
+    Recomputation (optional): ``recompute_bytes[v]`` kept per micro-batch when v is
+    recomputed (its inputs from other blocks), ``recompute_s[v]`` the extra seconds
+    (v's forward); None: no block can be recomputed.  ``recompute``: "none" (never),
+    "full" (every stage) or "auto" (per stage, only where keeping does not fit).
     """
 
     time_s: tuple[float, ...]
@@ -59,6 +111,15 @@ class PartitionProblem:
     shared: tuple[tuple[float, float, tuple[int, ...]], ...] = ()
     memory_limit: float | None = None
     allreduce_latency_s: float = 0.0  # fixed cost of a stage's first all-reduce bucket (replicas > 1)
+    transfer_slow_s: tuple[float, ...] | None = None
+    allreduce_slow_s: tuple[float, ...] | None = None
+    shared_slow_allreduce_s: tuple[float, ...] | None = None
+    allreduce_latency_slow_s: float | None = None
+    replicas: int = 1
+    gpus_per_node: int | None = None
+    recompute_bytes: tuple[float, ...] | None = None
+    recompute_s: tuple[float, ...] | None = None
+    recompute: RecomputeMode = "none"
 
     @property
     def size(self) -> int:
@@ -66,17 +127,34 @@ class PartitionProblem:
 
     def __post_init__(self) -> None:
         n = len(self.time_s)
-        for field in ("static_bytes", "activation_bytes", "allreduce_s", "transfer_s"):
-            if len(getattr(self, field)) != n:
-                raise ValueError(f"{field} has {len(getattr(self, field))} entries, expected {n}")
+        for field in (
+            "static_bytes", "activation_bytes", "allreduce_s", "transfer_s",
+            "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s",
+        ):
+            value = getattr(self, field)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{field} has {len(value)} entries, expected {n}")
         for u, v in self.edges:
             if not 0 <= u < v < n:
                 raise ValueError(f"edge {(u, v)} is not forward in the block order of {n} blocks")
+        if self.shared_slow_allreduce_s is not None and len(self.shared_slow_allreduce_s) != len(self.shared):
+            raise ValueError(
+                f"shared_slow_allreduce_s has {len(self.shared_slow_allreduce_s)} entries, "
+                f"expected {len(self.shared)} (one per shared parameter)"
+            )
+        if (self.recompute_bytes is None) != (self.recompute_s is None):
+            raise ValueError("recompute_bytes and recompute_s go together: give both or neither")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute is {self.recompute!r}, expected one of {RECOMPUTE_MODES}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas is {self.replicas}, expected at least 1")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node is {self.gpus_per_node}, expected at least 1 (or None)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """The solver's answer: a stage for every block, and how good it is."""
+    """The solver's answer: a stage for every block, whether each stage recomputes, and how good it is."""
 
     stage_of: tuple[int, ...]
     stages: int
@@ -85,6 +163,7 @@ class Partition:
     status: Literal["optimal", "feasible"]
     solver: str
     wall_s: float
+    recompute: tuple[bool, ...] = ()  # per stage (empty: not recorded, read as the problem's rule)
 
     @property
     def gap(self) -> float:
@@ -109,21 +188,203 @@ def in_flight(stage: int, stages: int, microbatches: int, schedule: ScheduleKind
     return microbatches
 
 
-def stage_costs(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> tuple[list[float], list[float]]:
-    """Per-stage time (compute + transfers in) and all-reduce seconds."""
+def within_limit(nbytes: float, limit: float | None) -> bool:
+    """``nbytes`` fits under ``limit`` (None: no limit), up to :data:`MEMORY_TOLERANCE`.
+
+    >>> within_limit(100.0, 100.0), within_limit(101.0, 100.0), within_limit(1e30, None)
+    (True, False, True)
+    """
+    return limit is None or nbytes <= limit * (1 + MEMORY_TOLERANCE)
+
+
+def can_recompute(problem: PartitionProblem) -> bool:
+    """True when some stage may recompute: recomputation costs are given and the mode is not "none"."""
+    return problem.recompute != "none" and problem.recompute_bytes is not None
+
+
+# ------------------------------------------------------------------ links
+
+
+def stage_links(problem: PartitionProblem, stages: int) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Per stage: (does its inbound link cross nodes, does its all-reduce cross nodes).
+
+    Stage 0 receives nothing, so its inbound entry is False.  Without
+    ``gpus_per_node`` (one node) both are all False.
+
+    >>> p = PartitionProblem(time_s=(1.0,), static_bytes=(0.0,), activation_bytes=(0.0,),
+    ...     allreduce_s=(0.0,), transfer_s=(0.0,), edges=(), replicas=2, gpus_per_node=4)
+    >>> stage_links(p, 4)  # ranks 0-1 | 2-3 on node 0, 4-5 | 6-7 on node 1
+    ((False, False, True, False), (False, False, False, False))
+    >>> stage_links(dataclasses.replace(p, replicas=3), 3)  # ranks 0-2 | 3-5 | 6-8
+    ((False, True, True), (False, True, True))
+    """
+    dp, per_node = problem.replicas, problem.gpus_per_node
+    if per_node is None:
+        return (False,) * stages, (False,) * stages
+    inbound = tuple(s > 0 and p2p_crosses_nodes(s - 1, s, dp=dp, gpus_per_node=per_node) for s in range(stages))
+    allreduce = tuple(allreduce_crosses_nodes(s, dp=dp, gpus_per_node=per_node) for s in range(stages))
+    return inbound, allreduce
+
+
+def allreduce_latencies(problem: PartitionProblem, stages: int) -> tuple[float, ...]:
+    """The fixed all-reduce latency term of each stage: the slow one where its all-reduce crosses nodes."""
+    _, slow = stage_links(problem, stages)
+    fast = problem.allreduce_latency_s
+    over = fast if problem.allreduce_latency_slow_s is None else problem.allreduce_latency_slow_s
+    return tuple(over if crosses else fast for crosses in slow)
+
+
+def _transfer_prices(problem: PartitionProblem, slow: bool) -> tuple[float, ...]:
+    return problem.transfer_slow_s if slow and problem.transfer_slow_s is not None else problem.transfer_s
+
+
+def _allreduce_prices(problem: PartitionProblem, slow: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-block and per-shared-parameter all-reduce seconds on the slow or the fast link."""
+    blocks = problem.allreduce_slow_s if slow and problem.allreduce_slow_s is not None else problem.allreduce_s
+    shared = tuple(s[1] for s in problem.shared)
+    if slow and problem.shared_slow_allreduce_s is not None:
+        shared = problem.shared_slow_allreduce_s
+    return blocks, shared
+
+
+# ------------------------------------------------------------------ recomputation
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """What a stage's memory and time are made of, per stage."""
+
+    static: list[float]
+    activation: list[float]  # kept per micro-batch when not recomputing
+    kept: list[float]  # kept per micro-batch when recomputing (block inputs)
+    peak: list[float]  # one block's activations, live again during its backward
+    extra: list[float]  # recomputation seconds
+
+
+def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _Parts:
+    parts = _Parts(*([0.0] * stages for _ in range(5)))
+    for v, s in enumerate(stage_of):
+        parts.static[s] += problem.static_bytes[v]
+        parts.activation[s] += problem.activation_bytes[v]
+        parts.peak[s] = max(parts.peak[s], problem.activation_bytes[v])
+        if problem.recompute_bytes is not None and problem.recompute_s is not None:
+            parts.kept[s] += problem.recompute_bytes[v]
+            parts.extra[s] += problem.recompute_s[v]
+    for nbytes, _, readers in problem.shared:
+        for s in {stage_of[r] for r in readers}:
+            parts.static[s] += nbytes
+    return parts
+
+
+def _memory(parts: _Parts, s: int, flight: int, recompute: bool) -> float:
+    if recompute:
+        return parts.static[s] + flight * parts.kept[s] + parts.peak[s]
+    return parts.static[s] + flight * parts.activation[s]
+
+
+def choose_recompute(
+    problem: PartitionProblem,
+    stage_of: Sequence[int],
+    stages: int,
+    *,
+    microbatches: int,
+    schedule: ScheduleKind,
+) -> tuple[bool, ...]:
+    """Which stages recompute, by the problem's mode: "none" never, "full" always, "auto" per stage.
+
+    "auto": keep the activations if the stage fits the memory limit, else recompute
+    if that fits, else keep (the split does not fit either way).  Without
+    recomputation costs (``recompute_bytes`` None) no stage recomputes.
+
+    Two blocks of 10 activation bytes (2 when recomputed), limit 25, 1F1B with
+    2 stages and 4 micro-batches: stage 0 holds 2 in flight (20 bytes, fits),
+    one block alone with 3 in flight would not::
+
+        >>> p = PartitionProblem(time_s=(1.0,) * 3, static_bytes=(0.0,) * 3,
+        ...     activation_bytes=(10.0,) * 3, allreduce_s=(0.0,) * 3, transfer_s=(0.0,) * 3,
+        ...     edges=((0, 1), (1, 2)), memory_limit=25.0, recompute_bytes=(2.0,) * 3,
+        ...     recompute_s=(0.5,) * 3, recompute="auto")
+        >>> choose_recompute(p, (0, 1, 1), 2, microbatches=4, schedule="1f1b")
+        (False, False)
+        >>> choose_recompute(p, (0, 0, 1), 2, microbatches=4, schedule="1f1b")  # stage 0: 2 x 20 > 25
+        (True, False)
+    """
+    if not can_recompute(problem):
+        return (False,) * stages
+    if problem.recompute == "full":
+        return (True,) * stages
+    if problem.memory_limit is None:
+        return (False,) * stages
+    parts = _parts(problem, stage_of, stages)
+    chosen = []
+    for s in range(stages):
+        flight = in_flight(s, stages, microbatches, schedule)
+        keep = within_limit(_memory(parts, s, flight, False), problem.memory_limit)
+        chosen.append(not keep and within_limit(_memory(parts, s, flight, True), problem.memory_limit))
+    return tuple(chosen)
+
+
+def _resolve(
+    problem: PartitionProblem,
+    stage_of: Sequence[int],
+    stages: int,
+    recompute: Sequence[bool] | None,
+    microbatches: int | None,
+    schedule: ScheduleKind,
+) -> tuple[bool, ...]:
+    """An explicit per-stage choice as given (checked), or the problem's rule (:func:`choose_recompute`)."""
+    if recompute:  # None or () : not given
+        if len(recompute) != stages:
+            raise ValueError(f"recompute has {len(recompute)} entries, expected one per stage ({stages})")
+        if any(recompute) and problem.recompute_bytes is None:
+            raise ValueError("a stage recomputes but the problem has no recompute_bytes")
+        return tuple(bool(r) for r in recompute)
+    decides_by_memory = problem.recompute == "auto" and problem.memory_limit is not None
+    if microbatches is None and decides_by_memory and can_recompute(problem):
+        raise ValueError('recompute="auto" decides by memory: give microbatches or the per-stage choice')
+    return choose_recompute(problem, stage_of, stages, microbatches=microbatches or 1, schedule=schedule)
+
+
+# ------------------------------------------------------------------ costs
+
+
+def stage_costs(
+    problem: PartitionProblem,
+    stage_of: Sequence[int],
+    stages: int,
+    *,
+    recompute: Sequence[bool] | None = None,
+    microbatches: int | None = None,
+    schedule: ScheduleKind = DEFAULT_SCHEDULE,
+) -> tuple[list[float], list[float]]:
+    """Per-stage time (compute + recomputation + transfers in) and all-reduce seconds (latency excluded).
+
+    Transfers and all-reduces are priced on the link each stage's traffic crosses
+    (:func:`stage_links`).  ``recompute``: the per-stage choice; None applies the
+    problem's rule (:func:`choose_recompute`, which needs ``microbatches`` and
+    ``schedule`` in "auto" mode with a memory limit).
+    """
+    chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
+    inbound, outbound = stage_links(problem, stages)
     times = [0.0] * stages
     allreduce = [0.0] * stages
+    block_allreduce = [_allreduce_prices(problem, slow)[0] for slow in (False, True)]
     for v, s in enumerate(stage_of):
         times[s] += problem.time_s[v]
-        allreduce[s] += problem.allreduce_s[v]
+        allreduce[s] += block_allreduce[outbound[s]][v]
+        if chosen[s]:
+            assert problem.recompute_s is not None
+            times[s] += problem.recompute_s[v]
     received: set[tuple[int, int]] = set()
+    transfer = [_transfer_prices(problem, slow) for slow in (False, True)]
     for u, v in problem.edges:
         if stage_of[u] != stage_of[v] and (u, stage_of[v]) not in received:
             received.add((u, stage_of[v]))
-            times[stage_of[v]] += problem.transfer_s[u]
-    for _, seconds, readers in problem.shared:
+            times[stage_of[v]] += transfer[inbound[stage_of[v]]][u]
+    shared_allreduce = [_allreduce_prices(problem, slow)[1] for slow in (False, True)]
+    for k, (_, _, readers) in enumerate(problem.shared):
         for s in {stage_of[r] for r in readers}:
-            allreduce[s] += seconds
+            allreduce[s] += shared_allreduce[outbound[s]][k]
     return times, allreduce
 
 
@@ -134,28 +395,45 @@ def stage_memory(
     *,
     microbatches: int,
     schedule: ScheduleKind,
+    recompute: Sequence[bool] | None = None,
 ) -> list[float]:
-    """Peak bytes per stage: static state plus activations of the micro-batches in flight."""
-    static = [0.0] * stages
-    activations = [0.0] * stages
-    for v, s in enumerate(stage_of):
-        static[s] += problem.static_bytes[v]
-        activations[s] += problem.activation_bytes[v]
-    for nbytes, _, readers in problem.shared:
-        for s in {stage_of[r] for r in readers}:
-            static[s] += nbytes
-    return [
-        static[s] + in_flight(s, stages, microbatches, schedule) * activations[s] for s in range(stages)
-    ]
+    """Peak bytes per stage: static state plus activations of the micro-batches in flight.
+
+    A recomputing stage keeps its blocks' inputs per micro-batch in flight plus the
+    largest block's activations (live again during that block's backward).
+    ``recompute``: the per-stage choice; None applies :func:`choose_recompute`.
+    """
+    chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
+    parts = _parts(problem, stage_of, stages)
+    return [_memory(parts, s, in_flight(s, stages, microbatches, schedule), chosen[s]) for s in range(stages)]
 
 
 def step_time(
-    problem: PartitionProblem, stage_of: Sequence[int], *, microbatches: int
+    problem: PartitionProblem,
+    stage_of: Sequence[int],
+    *,
+    microbatches: int,
+    schedule: ScheduleKind = DEFAULT_SCHEDULE,
+    recompute: Sequence[bool] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
-    """Closed-form step time ``sum t + (M-1) max t + max all-reduce`` and the stage times."""
+    """Closed-form step time ``sum t + (M-1) max t + max (all-reduce + latency)`` and the stage times.
+
+    The GPipe fill-and-drain bound (Huang et al., "GPipe", NeurIPS 2019): every
+    micro-batch passes every stage once, and the slowest stage paces the other M-1;
+    each stage's gradient all-reduce (DDP, Li et al., VLDB 2020) runs after its
+    last backward.  ``recompute``: the per-stage choice; None applies the rule of
+    :func:`choose_recompute` (``schedule`` only matters there).
+    """
     stages = max(stage_of) + 1
-    times, allreduce = stage_costs(problem, stage_of, stages)
-    total = sum(times) + (microbatches - 1) * max(times) + max(allreduce) + problem.allreduce_latency_s
+    times, allreduce = stage_costs(
+        problem, stage_of, stages, recompute=recompute, microbatches=microbatches, schedule=schedule
+    )
+    latency = allreduce_latencies(problem, stages)
+    total = sum(times) + (microbatches - 1) * max(times)
+    if all(x == latency[0] for x in latency):  # one latency for every stage (one node): max a + latency
+        total = total + max(allreduce) + latency[0]
+    else:
+        total = total + max(a + x for a, x in zip(allreduce, latency, strict=True))
     return total, tuple(times)
 
 

@@ -3,10 +3,12 @@
 :func:`write_report` simulates the plan's own schedule
 (:func:`partitioner.simulate.simulate`), then writes next to ``plan.json``:
 
-* ``report.md``: summary, stage table, simulated vs closed-form step time,
-  bubble, busy share and peak memory per stage, the pp x dp shapes considered
-  and why the chosen one won, the solver's status and gap, tied parameters,
-  the rank layout, and the commands to verify and run the plan;
+* ``report.md``: summary (with the predicted MFU), the assumptions in one place
+  (precision, optimizer and bytes per parameter, recomputation per stage, links
+  and which of them cross nodes), stage table, simulated vs closed-form step
+  time, bubble, busy share and peak memory per stage, every pp x dp x M x
+  schedule combination considered and why each lost, the solver's status and
+  gap, tied parameters, the rank layout, and the commands to verify and run it;
 * ``timeline.png`` (one row per stage, GPipe style) and ``stages.png``
   (time and peak memory per stage);
 * ``predicted_trace.json``: the simulated step as a Chrome / Perfetto trace.
@@ -30,6 +32,7 @@ from pathlib import Path
 from partitioner.figures import stage_bars_png, timeline_png
 from partitioner.plan import Plan
 from partitioner.simulate import Simulation, simulate
+from partitioner.table import assumptions, is_chosen, ranked_candidates
 from partitioner.timeline import write_chrome_trace
 from partitioner.units import format_bytes, format_ms
 
@@ -63,6 +66,7 @@ def report_markdown(plan: Plan, *, simulation: Simulation | None = None, directo
     sections = [
         f"# autopartition plan: {plan.model.class_name}",
         _summary(plan, sim),
+        _assumptions(plan),
         "## Stages\n\n" + _stage_table(plan) + _block_graph(directory),
         _simulation(plan, sim),
         _candidates(plan),
@@ -84,18 +88,36 @@ def _summary(plan: Plan, sim: Simulation) -> str:
     rows = [
         ("model", (f"{m.class_name} ({m.parameters:,} parameters, {format_bytes(m.parameter_bytes)}; "
                   f"captured with {m.capture}, fingerprint `{m.fingerprint}`)")),
-        ("GPUs", f"{plan.gpus} = {plan.pp} pipeline stages (pp) x {plan.dp} data-parallel replicas (dp)"),
+        ("GPUs", (f"{plan.gpus} = {plan.pp} pipeline stages (pp) x {plan.dp} data-parallel replicas (dp), "
+                  f"{plan.gpus_per_node or plan.gpus} per node")),
         ("schedule", f"{plan.schedule}, {plan.microbatches} micro-batches per step"),
         ("batch", (f"{plan.batch_size} samples per step = {plan.dp} replicas x {plan.microbatches} "
                   f"micro-batches x {plan.microbatch_size} sample{'' if plan.microbatch_size == 1 else 's'}")),
-        ("device", (f"{plan.device}; costs {cm.source}; link {cm.link_bandwidth / 1e9:.3g} GB/s, "
-                   f"{cm.link_latency * 1e6:.3g} µs per message")),
+        ("device", f"{plan.device}; costs {cm.source}; {plan.precision}, {plan.optimizer}"),
         ("memory limit", limit),
         ("predicted step", (f"{format_ms(plan.solver.objective)} (closed form), {format_ms(sim.step_s)} (simulated); "
                            f"{plan.predicted.samples_per_s:,.1f} samples/s")),
         ("bubble", f"{_pct(closed_form_bubble(plan))} (closed form), {_pct(sim.bubble_fraction)} (simulated)"),
+        ("MFU", "not known" if plan.predicted.mfu is None else (
+            f"{_pct(plan.predicted.mfu)} predicted ({plan.predicted.model_flops or 0:.3g} model FLOPs per step)")),
     ]
     return "## Summary\n\n" + _table(("", ""), rows)
+
+
+def _assumptions(plan: Plan) -> str:
+    """Every assumption behind the prediction, in one place."""
+    rows = [(topic, text) for topic, text in assumptions(plan)]
+    rows.insert(3, ("recomputation per stage", ", ".join(f"{s.index}: {s.recompute}" for s in plan.stages)))
+    links = [f"{b.source}->{b.target} `{b.producer}`: {b.link}" for s in plan.stages for b in s.outputs]
+    rows.insert(5, ("boundary links", "; ".join(links) or "none (one stage)"))
+    if plan.dp > 1:
+        rows.insert(6, ("all-reduce links", ", ".join(f"stage {s.index}: {s.allreduce_link}" for s in plan.stages)))
+    note = ("Costs were taken in the model's own dtype and converted to the precision (bytes of float32 "
+            "activations halve under bf16; times use the compute dtype's peak). A recomputing stage keeps only "
+            "its blocks' inputs per micro-batch in flight, holds one block's activations again during each "
+            "backward, and runs each block's forward twice (Korthikanti et al. 2022, full recomputation). "
+            "Ranks are laid out stage-major (rank = stage x dp + replica), node = rank // GPUs per node.")
+    return "## Assumptions\n\n" + _table(("", ""), rows) + "\n\n" + note
 
 
 def _stage_table(plan: Plan) -> str:
@@ -110,13 +132,14 @@ def _stage_table(plan: Plan) -> str:
             str(st.compute_nodes),
             f"{len(st.parameters)} ({format_bytes(p.parameter_bytes)})",
             format_ms(p.forward_s),
-            format_ms(p.backward_s),
+            format_ms(p.backward_s) + (f" (recompute {format_ms(p.recompute_s)})" if p.recompute_s else ""),
+            st.recompute,
             format_bytes(p.send_bytes) if st.outputs else "-",
-            format_ms(p.allreduce_s) if plan.dp > 1 else "-",
+            f"{format_ms(p.allreduce_s)} ({st.allreduce_link})" if plan.dp > 1 else "-",
             format_bytes(_at(plan.predicted.peak_memory_bytes, st.index, p.memory_bytes)),
         ))
     head = ("stage", "ranks", "modules", "compute nodes", "parameters", "forward / mb", "backward / mb",
-            "sends / mb", "all-reduce", "peak memory")
+            "recompute", "sends / mb", "all-reduce", "peak memory")
     return _table(head, rows)
 
 
@@ -192,34 +215,48 @@ def closed_form_bubble(plan: Plan) -> float:
 
 
 def _candidates(plan: Plan) -> str:
+    """Every combination considered, best first, and why each lost."""
+    ranked = ranked_candidates(plan)
     rows = []
-    for c in plan.candidates:
-        chosen = c.pp == plan.pp and c.dp == plan.dp
+    for c in ranked:
+        chosen = is_chosen(c, plan)
+        shape = f"{c.pp} x {c.dp}"
         rows.append((
-            f"**{c.pp} x {c.dp}**" if chosen else f"{c.pp} x {c.dp}",
+            f"**{shape}**" if chosen else shape,
+            "-" if c.microbatches is None else str(c.microbatches),
+            c.schedule or "-",
+            "-" if c.recomputed_stages is None else f"{c.recomputed_stages} of {c.pp}",
             "-" if c.step_s is None else format_ms(c.step_s),
             "-" if c.simulated_s is None else format_ms(c.simulated_s),
-            c.status + (" (chosen)" if chosen else ""),
+            "-" if c.bubble_fraction is None else _pct(c.bubble_fraction),
+            "-" if c.memory_bytes is None else format_bytes(c.memory_bytes),
+            c.status,
             c.note,
         ))
-    feasible = sorted((c for c in plan.candidates if c.step_s is not None),
-                      key=lambda c: c.simulated_s if c.simulated_s is not None else (c.step_s or 0.0))
-    others = [c for c in feasible if (c.pp, c.dp) != (plan.pp, plan.dp)]
+    runner = next((c for c in ranked if not is_chosen(c, plan) and c.step_s is not None), None)
     if not plan.candidates:
-        why = "The pp x dp shape was fixed; no other shape was considered."
-    elif not others:
-        why = f"{plan.pp} x {plan.dp} was the only shape that could be planned; the others' reasons are above."
+        why = "The combination was fixed; no other was considered."
+    elif runner is None:
+        why = f"{_combination(plan)} was the only combination that could be planned; the others' reasons are above."
     else:
-        runner = others[0]
         runner_s = runner.simulated_s if runner.simulated_s is not None else runner.step_s
         assert runner_s is not None
-        why = (f"{plan.pp} x {plan.dp} won with the lowest predicted step time, {format_ms(plan.predicted.step_s)} "
-               "(the solver ranks every shape by its closed form; the best few are then simulated and the "
-               f"simulation decides); the next best, {runner.pp} x {runner.dp}, predicts {format_ms(runner_s)} "
-               f"({runner_s / plan.predicted.step_s - 1:+.1%}).")
-    return "## Shapes considered (pp x dp)\n\n" + _table(
-        ("pp x dp", "closed form", "simulated", "status", "note"), rows) \
-        + "\n\n" + why
+        how = "simulated" if runner.simulated_s is not None else "closed form"
+        why = (f"{_combination(plan)} won with the lowest predicted step time, {format_ms(plan.predicted.step_s)} "
+               "(every combination is ranked by the solver's closed form, after a lower bound prunes the hopeless "
+               "ones; the best few are then simulated and the simulation decides); the next best, "
+               f"{runner.pp} x {runner.dp}, M = {runner.microbatches}, {runner.schedule}, predicts "
+               f"{format_ms(runner_s)} ({how}, {runner_s / plan.predicted.step_s - 1:+.1%}).")
+    head = ("pp x dp", "M", "schedule", "recomputes", "closed form", "simulated", "bubble", "peak memory",
+            "status", "why not chosen")
+    return ("## Combinations considered (pp x dp x micro-batches x schedule)\n\n"
+            "Peak memory is per GPU; for a combination that does not fit, what its fastest split would need "
+            "(with every stage recomputing where recomputation is allowed).\n\n"
+            + _table(head, rows) + "\n\n" + why)
+
+
+def _combination(plan: Plan) -> str:
+    return f"{plan.pp} x {plan.dp}, M = {plan.microbatches}, {plan.schedule}"
 
 
 def _solver(plan: Plan) -> str:

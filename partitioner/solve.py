@@ -11,6 +11,17 @@ received by stage r; ``z[k, s]`` a shared (tied) parameter held by stage s.
 Objective: ``sum_s t_s + (M-1) T + A`` with ``T >= t_s`` and ``A >=`` each
 stage's all-reduce time; memory per stage is a hard limit.
 
+Links and recomputation (:mod:`partitioner.problem`): whether stage s's inbound
+link or all-reduce crosses nodes depends on s alone, so its transfer and
+all-reduce prices are constants per stage and stay linear.  Where stages may
+recompute ("auto"), a binary ``r_s`` chooses, and ``w[v, s] = in(v, s) AND r_s``
+is linearised exactly (``w <= in``, ``w <= r``, ``w >= in + r - 1``): stage s's
+time gains ``sum_v recompute_s[v] w[v, s]``, its memory swaps ``activation_bytes``
+for ``recompute_bytes`` on those blocks and adds ``P_s >= activation_bytes[v]
+w[v, s]`` (the largest block's activations, live again in its backward).  After
+solving, the choice is taken again by :func:`~partitioner.problem.choose_recompute`
+(it differs from ``r`` only on ties) and the split priced by ``step_time``.
+
 :func:`solve` first runs the exact interval DP (:mod:`partitioner.interval`)
 over the given order; when the blocks form a chain and there are no replicas,
 that is already optimal.  Without replicas on a graph with at most
@@ -34,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pulp
 
@@ -44,10 +55,15 @@ from partitioner.problem import (
     Partition,
     PartitionProblem,
     ScheduleKind,
+    allreduce_latencies,
+    can_recompute,
     check_assignment,
+    choose_recompute,
     in_flight,
+    stage_links,
     stage_memory,
     step_time,
+    within_limit,
 )
 
 __all__ = ["DOWN_SET_LIMIT", "ILP_SIZE_LIMIT", "is_chain", "solve", "solve_ilp"]
@@ -80,7 +96,7 @@ def solve(
     """
     start = time.perf_counter()
     interval = solve_intervals(problem, stages=stages, microbatches=microbatches, schedule=schedule)
-    replicated = any(a > 0 for a in problem.allreduce_s) or any(s[1] > 0 for s in problem.shared)
+    replicated = _replicated(problem)
     if not replicated and not is_chain(problem) and use_ilp is None:
         member = down_sets(problem, limit=DOWN_SET_LIMIT)
         if member is not None:  # few enough orders to enumerate: exact without the ILP
@@ -120,6 +136,19 @@ def solve(
         lower_bound=min(ilp.lower_bound, best.objective),
         solver=ilp.solver if best is ilp else f"{interval.solver if interval else ''}+{ilp.solver}",
         wall_s=time.perf_counter() - start,
+    )
+
+
+def _replicated(problem: PartitionProblem) -> bool:
+    """True when some all-reduce costs anything: a second bottleneck the DPs do not enumerate.
+
+    (The fixed latency term alone is no bottleneck: every split has every stage.)
+    """
+    slow = (*(problem.allreduce_slow_s or ()), *(problem.shared_slow_allreduce_s or ()))
+    return (
+        any(a > 0 for a in problem.allreduce_s)
+        or any(s[1] > 0 for s in problem.shared)
+        or any(a > 0 for a in slow)
     )
 
 
@@ -180,32 +209,57 @@ def solve_ilp(
         for s in range(P):
             for v in set(readers):
                 lp += holds[k, s] >= inside(v, s)
+    redo, both, choice = _recompute_variables(lp, problem, P, inside)
+    inbound, outbound = stage_links(problem, P)
+    latency = allreduce_latencies(problem, P)
+    least_latency = min(latency)
     bottleneck = _var(lp, "T", 0, None)
     allreduce = _var(lp, "A", 0, None)
     stage_time = []
     for s in range(P):
-        t = pulp.lpSum(problem.time_s[v] / t_unit * inside(v, s) for v in range(n)) + pulp.lpSum(
-            problem.transfer_s[u] / t_unit * var for (u, r), var in receives.items() if r == s
+        transfer = _prices(problem.transfer_s, problem.transfer_slow_s, inbound[s])
+        block_allreduce = _prices(problem.allreduce_s, problem.allreduce_slow_s, outbound[s])
+        shared_allreduce = _prices(
+            tuple(k[1] for k in problem.shared), problem.shared_slow_allreduce_s, outbound[s]
+        )
+        t = (
+            pulp.lpSum(problem.time_s[v] / t_unit * inside(v, s) for v in range(n))
+            + pulp.lpSum(transfer[u] / t_unit * var for (u, r), var in receives.items() if r == s)
+            + pulp.lpSum(
+                problem.recompute_s[v] / t_unit * var
+                for (v, r), var in both.items()
+                if r == s and problem.recompute_s is not None
+            )
         )
         stage_time.append(t)
         lp += bottleneck >= t
+        # Latency above the least stage's (0 without topology): the least is added after solving.
         lp += allreduce >= pulp.lpSum(
-            problem.allreduce_s[v] / t_unit * inside(v, s) for v in range(n)
-        ) + pulp.lpSum(problem.shared[k][1] / t_unit * holds[k, s] for k in range(len(problem.shared)))
+            block_allreduce[v] / t_unit * inside(v, s) for v in range(n)
+        ) + pulp.lpSum(
+            shared_allreduce[k] / t_unit * holds[k, s] for k in range(len(problem.shared))
+        ) + (latency[s] - least_latency) / t_unit
         if problem.memory_limit is not None:
             flight = in_flight(s, P, M, schedule)
-            lp += (
-                pulp.lpSum(
-                    (problem.static_bytes[v] + flight * problem.activation_bytes[v]) / b_unit * inside(v, s)
+            memory = pulp.lpSum(
+                (problem.static_bytes[v] + flight * problem.activation_bytes[v]) / b_unit * inside(v, s)
+                for v in range(n)
+            ) + pulp.lpSum(problem.shared[k][0] / b_unit * holds[k, s] for k in range(len(problem.shared)))
+            if s in redo:  # recomputed blocks keep their inputs instead, plus the largest block's activations
+                assert problem.recompute_bytes is not None
+                peak = _var(lp, f"P_{s}", 0, None)
+                for v in range(n):
+                    if problem.activation_bytes[v] > 0:
+                        lp += peak >= problem.activation_bytes[v] / b_unit * both[v, s]
+                memory += peak + pulp.lpSum(
+                    flight * (problem.recompute_bytes[v] - problem.activation_bytes[v]) / b_unit * both[v, s]
                     for v in range(n)
                 )
-                + pulp.lpSum(problem.shared[k][0] / b_unit * holds[k, s] for k in range(len(problem.shared)))
-                <= 1 + 1e-9
-            )
+            lp += memory <= 1 + 1e-9
     objective = pulp.lpSum(stage_time) + (M - 1) * bottleneck + allreduce
     lp += objective
     if upper_bound is not None:
-        lp += objective <= (upper_bound - problem.allreduce_latency_s) / t_unit * (1 + 1e-9)
+        lp += objective <= (upper_bound - least_latency) / t_unit * (1 + 1e-9)
     for _ in range(_RETRIES):
         status, bound, name = _run(lp, time_limit)
         if status not in ("optimal", "feasible"):
@@ -213,14 +267,22 @@ def solve_ilp(
         stage_of = tuple(
             next(s for s in range(P) if s == P - 1 or (x[v, s].value() or 0) > 0.5) for v in range(n)
         )
-        if check_assignment(problem, stage_of, P) is None and _fits(problem, stage_of, P, M, schedule):
+        other_split = pulp.lpSum(1 - var if var.value() > 0.5 else var for var in x.values())
+        if check_assignment(problem, stage_of, P) is not None or not _fits(problem, stage_of, P, M, schedule):
+            # Within HiGHS's tolerances but over the limit by a few bytes: exclude it and solve again.
+            lp += other_split >= 1
+            continue
+        recompute = choose_recompute(problem, stage_of, P, microbatches=M, schedule=schedule)
+        kept = [s for s, var in choice.items() if recompute[s] and (var.value() or 0) < 0.5]
+        if not kept:
             break
-        # Within HiGHS's tolerances but over the limit by a few bytes: exclude it and solve again.
-        lp += pulp.lpSum(1 - var if var.value() > 0.5 else var for var in x.values()) >= 1
+        # Kept within tolerance, but only recomputing fits: this split keeps those stages no more.
+        for s in kept:
+            lp += other_split + choice[s] >= 1
     else:
         return None
-    value, _ = step_time(problem, stage_of, microbatches=M)
-    bound = None if bound is None else bound * t_unit + problem.allreduce_latency_s
+    value, _ = step_time(problem, stage_of, microbatches=M, schedule=schedule, recompute=recompute)
+    bound = None if bound is None else bound * t_unit + least_latency
     return Partition(
         stage_of=stage_of,
         stages=P,
@@ -229,7 +291,45 @@ def solve_ilp(
         status="optimal" if status == "optimal" else "feasible",
         solver=name,
         wall_s=time.perf_counter() - start,
+        recompute=recompute,
     )
+
+
+def _prices(fast: tuple[float, ...], slow: tuple[float, ...] | None, crosses: bool) -> tuple[float, ...]:
+    """The inter-node prices where the link crosses nodes and they are given, else the intra-node ones."""
+    return slow if crosses and slow is not None else fast
+
+
+def _recompute_variables(
+    lp: pulp.LpProblem,
+    problem: PartitionProblem,
+    stages: int,
+    inside: Callable[[int, int], pulp.LpAffineExpression],
+) -> tuple[set[int], dict[tuple[int, int], pulp.LpAffineExpression], dict[int, pulp.LpVariable]]:
+    """The stages that may recompute, ``w[v, s]`` = block v in stage s AND stage s recomputes, and ``r_s``.
+
+    "full": every stage recomputes (``w = in``); "auto" with a memory limit: a binary
+    ``r_s`` per stage, ``w`` linearised (``w <= in``, ``w <= r``, ``w >= in + r - 1``,
+    exact at integral ``in`` and ``r``).  Otherwise (or without recomputation costs,
+    or "auto" without a limit, where keeping always fits and is never slower): none.
+    """
+    n = problem.size
+    if not can_recompute(problem) or (problem.recompute == "auto" and problem.memory_limit is None):
+        return set(), {}, {}
+    both: dict[tuple[int, int], pulp.LpAffineExpression] = {}
+    choice: dict[int, pulp.LpVariable] = {}
+    for s in range(stages):
+        if problem.recompute == "full":
+            both.update({(v, s): pulp.LpAffineExpression(inside(v, s)) for v in range(n)})
+            continue
+        redo = choice[s] = _var(lp, f"r_{s}", 0, 1, "Binary")
+        for v in range(n):
+            w = _var(lp, f"w_{v}_{s}", 0, 1)
+            lp += w <= inside(v, s)
+            lp += w <= redo
+            lp += w >= inside(v, s) + redo - 1
+            both[v, s] = pulp.LpAffineExpression(w)
+    return set(range(stages)), both, choice
 
 
 def _run(lp: pulp.LpProblem, time_limit: float) -> tuple[str, float | None, str]:
@@ -290,16 +390,21 @@ def _var(lp: pulp.LpProblem, name: str, low: float | None, high: float | None, c
 
 
 def _fits(problem: PartitionProblem, stage_of: tuple[int, ...], P: int, M: int, schedule: ScheduleKind) -> bool:
+    """Every stage within the memory limit, with the recomputation :func:`choose_recompute` picks."""
     if problem.memory_limit is None:
         return True
-    limit = problem.memory_limit * (1 + 1e-12)
-    return all(m <= limit for m in stage_memory(problem, stage_of, P, microbatches=M, schedule=schedule))
+    memory = stage_memory(problem, stage_of, P, microbatches=M, schedule=schedule)
+    return all(within_limit(m, problem.memory_limit) for m in memory)
 
 
 def _simple_bound(problem: PartitionProblem, stages: int, microbatches: int) -> float:
-    """A bound valid for any split: all work once, plus M-1 times an even share or the largest block."""
+    """A bound valid for any split: all work once, plus M-1 times an even share or the largest block.
+
+    (Recomputation and transfers only add time; every stage pays at least its latency term.)
+    """
     total = sum(problem.time_s)
-    return total + (microbatches - 1) * max(total / stages, max(problem.time_s)) + problem.allreduce_latency_s
+    fixed = max(allreduce_latencies(problem, stages))
+    return total + (microbatches - 1) * max(total / stages, max(problem.time_s)) + fixed
 
 
 def _with(partition: Partition, **changes: object) -> Partition:

@@ -1,27 +1,45 @@
 """The plan as a fixed-width text report: a header, one row per stage, then a summary.
 
+Every line fits :data:`WIDTH` columns (the module column is shortened in the
+middle when a table would not).
+
 Example::
 
     >>> from partitioner.plan import example_plan
-    >>> print(format_plan(example_plan()).splitlines()[0])
-    Sequential: 2 parameters (export) | 2 GPUs = 2 stages x 1 replica | gpipe, 2 micro-batches of 2, batch 4 | costs measured on cpu
+    >>> print("\\n".join(format_plan(example_plan()).splitlines()[:2]))
+    Sequential: 2 parameters (export) | 2 GPUs = 2 stages x 1 replica, one node of 2
+    gpipe, 2 micro-batches of 2, batch 4 | fp32, adam | costs measured on cpu
     >>> format_bytes(3 * 1024**2), format_seconds(0.0123)
     ('3.00 MiB', '12.3 ms')
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
-from partitioner.plan import Plan, StagePlan
+from partitioner.plan import Candidate, Plan, StagePlan
 from partitioner.units import format_bytes, format_count, format_seconds
 
-__all__ = ["format_bytes", "format_plan", "format_seconds"]  # the formatters live in partitioner.units
+__all__ = [
+    "WIDTH",
+    "assumptions",
+    "crossing_links",
+    "format_bytes",
+    "format_plan",
+    "format_seconds",
+    "is_chosen",
+    "ranked_candidates",
+    "recompute_summary",
+]  # the formatters live in partitioner.units
+
+WIDTH = 100  # columns every line of the text report fits in
+SHOWN_CANDIDATES = 12  # rows of the candidate table in the text report (report.md lists every one)
 
 
 def format_plan(plan: Plan) -> str:
-    """The whole report: header line, stage table, predictions, solver, tied parameters, candidates."""
-    lines = [_header(plan), ""]
+    """The whole report: header, stage table, predictions and assumptions, solver, tied parameters, candidates."""
+    lines = _header(plan) + [""]
     lines += _stage_table(plan)
     lines.append("")
     lines += _summary(plan)
@@ -32,9 +50,9 @@ def format_plan(plan: Plan) -> str:
             others = [a for a in tied.aliases if a != tied.name]
             where = "stage" if len(tied.stages) == 1 else "stages"
             note = "; gradients summed across stages" if len(tied.stages) > 1 else ""
-            lines.append(
-                f"  {tied.name} = {', '.join(others) or tied.name}"
-                f" on {where} {', '.join(map(str, tied.stages))}{note}"
+            lines += _wrap(
+                f"{tied.name} = {', '.join(others) or tied.name} on {where} {', '.join(map(str, tied.stages))}{note}",
+                indent="  ",
             )
     if plan.candidates:
         lines.append("")
@@ -42,27 +60,125 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------- shared with report.md
+
+
+def recompute_summary(plan: Plan) -> str:
+    """Which stages recompute their activations, in a few words.
+
+    >>> from partitioner.plan import example_plan
+    >>> recompute_summary(example_plan())
+    'none'
+    """
+    full = [s.index for s in plan.stages if s.recompute == "full"]
+    if not full:
+        return "none"
+    if len(full) == len(plan.stages):
+        return "every stage (full)"
+    return f"full on stage{'s' if len(full) > 1 else ''} {_ranges(full)}"
+
+
+def crossing_links(plan: Plan) -> tuple[list[str], list[int]]:
+    """(boundaries "a->b" whose messages cross nodes, stages whose all-reduce crosses nodes).
+
+    >>> from partitioner.plan import example_plan
+    >>> crossing_links(example_plan())
+    ([], [])
+    """
+    pairs = sorted({(b.source, b.target) for s in plan.stages for b in s.outputs if b.link == "inter"})
+    stages = [s.index for s in plan.stages if s.allreduce_link == "inter" and plan.dp > 1]
+    return [f"{a}->{b}" for a, b in pairs], stages
+
+
+def assumptions(plan: Plan) -> list[tuple[str, str]]:
+    """What the prediction assumes, as (topic, statement) pairs: precision, optimizer, recomputation, links."""
+    from partitioner.precision import static_bytes_per_element
+
+    cm = plan.cost_model
+    per_parameter = static_bytes_per_element(plan.precision, cm.optimizer_states)
+    kind = {
+        "fp32": "weights, gradients, optimizer state and activations in float32",
+        "bf16-mixed": "bf16 compute and activations under autocast; fp32 weights, gradients, optimizer state",
+        "bf16": "weights, gradients, optimizer state and activations in bf16",
+    }.get(plan.precision, plan.precision)
+    states = "state tensor" if cm.optimizer_states == 1 else "state tensors"
+    nodes = _node_layout(plan)
+    intra = f"{cm.link_bandwidth / 1e9:.3g} GB/s, {cm.link_latency * 1e6:.3g} µs per message inside a node"
+    if cm.inter_node_bandwidth is not None:
+        latency = cm.inter_node_latency if cm.inter_node_latency is not None else cm.link_latency
+        inter = f"; {cm.inter_node_bandwidth / 1e9:.3g} GB/s, {latency * 1e6:.3g} µs between nodes"
+    else:
+        inter = "; the same between nodes"
+    boundaries, allreduces = crossing_links(plan)
+    if plan.gpus_per_node is None or plan.gpus <= plan.gpus_per_node:
+        carried = "everything stays inside one node"
+    else:
+        carried = (f"boundaries {', '.join(boundaries)}" if boundaries else "no boundary") + " and " + (
+            f"all-reduces of stages {_ranges(allreduces)}" if allreduces else "no all-reduce") + " cross nodes"
+    peak = (f"model FLOPs of a step (forward + backward, recomputation not counted) / ({plan.gpus} GPUs x "
+            f"{cm.peak_flops / 1e12:,.4g} TFLOP/s x step)") if cm.peak_flops else "not known (no peak FLOP/s)"
+    return [
+        ("precision", f"{plan.precision}: {kind}"),
+        ("optimizer", (f"{plan.optimizer}, {cm.optimizer_states} {states} per parameter: "
+                       f"{per_parameter} bytes per parameter with weights and gradients")),
+        ("recomputation", recompute_summary(plan)),
+        ("links", f"{nodes}; {intra}{inter}"),
+        ("across nodes", carried),
+        ("MFU", peak),
+    ]
+
+
+def ranked_candidates(plan: Plan) -> list[Candidate]:
+    """The candidates, best first: chosen, simulated, solved by closed form, pruned, not fitting, skipped."""
+    rank = {"pruned": 3, "infeasible": 4, "skipped": 5}
+
+    def key(c: Candidate) -> tuple[float, ...]:
+        if is_chosen(c, plan):
+            return (0, 0.0, 0.0)
+        if c.simulated_s is not None:
+            return (1, c.simulated_s, 0.0)
+        if c.step_s is not None:
+            return (2, c.step_s, 0.0)
+        return (rank.get(c.status, 6), c.pp, -(c.microbatches or 0))
+
+    return sorted(plan.candidates, key=key)
+
+
+def is_chosen(candidate: Candidate, plan: Plan) -> bool:
+    """True for the candidate that became ``plan`` (by its note; by its shape for version-1 plans)."""
+    if candidate.note == "chosen":
+        return True
+    return candidate.microbatches is None and (candidate.pp, candidate.dp) == (plan.pp, plan.dp) \
+        and not any(c.note == "chosen" for c in plan.candidates)
+
+
 # ----------------------------------------------------------------- parts
 
 
-def _header(plan: Plan) -> str:
+def _header(plan: Plan) -> list[str]:
     model = plan.model
     replicas = "replica" if plan.dp == 1 else "replicas"
     stages = "stage" if plan.pp == 1 else "stages"
     micro = "micro-batch" if plan.microbatches == 1 else "micro-batches"
     memory = plan.cost_model.memory_limit
-    limit = f", limit {format_bytes(memory)} per GPU" if memory is not None else ""
-    return (
-        f"{model.class_name}: {format_count(model.parameters)} parameters ({model.capture})"
-        f" | {plan.gpus} GPUs = {plan.pp} {stages} x {plan.dp} {replicas}"
-        f" | {plan.schedule}, {plan.microbatches} {micro} of {plan.microbatch_size}, batch {plan.batch_size}"
-        f" | costs {plan.cost_model.source}{limit}"
-    )
+    limit = f" | {format_bytes(memory)} per GPU" if memory is not None else ""
+    first = (f"{model.class_name}: {format_count(model.parameters)} parameters ({model.capture})"
+             f" | {plan.gpus} GPUs = {plan.pp} {stages} x {plan.dp} {replicas}, {_node_layout(plan)}")
+    second = (f"{plan.schedule}, {plan.microbatches} {micro} of {plan.microbatch_size}, batch {plan.batch_size}"
+              f" | {plan.precision}, {plan.optimizer} | costs {plan.cost_model.source}{limit}")
+    return _wrap(first) + _wrap(second)
+
+
+def _node_layout(plan: Plan) -> str:
+    per_node = plan.gpus_per_node or plan.gpus
+    if per_node >= plan.gpus:
+        return f"one node of {plan.gpus}"
+    return f"{plan.gpus // per_node} nodes of {per_node}"
 
 
 def _stage_table(plan: Plan) -> list[str]:
-    headers = ["stage", "ranks", "modules", "nodes", "params", "peak memory", "fwd ms", "bwd ms", "sends"]
-    right = {0, 3, 4, 5, 6, 7, 8}
+    headers = ["stage", "ranks", "modules", "params", "peak memory", "fwd ms", "bwd ms", "recomp", "sends"]
+    right = {0, 3, 4, 5, 6, 8}
     replicated = plan.dp > 1
     if replicated:
         headers.append("allreduce ms")
@@ -74,65 +190,141 @@ def _stage_table(plan: Plan) -> list[str]:
             str(stage.index),
             _ranks(stage.ranks),
             _modules(stage),
-            str(stage.compute_nodes),
             format_bytes(p.parameter_bytes),
             _memory(p.memory_bytes, plan.cost_model.memory_limit),
             _ms(p.forward_s),
             _ms(p.backward_s),
+            "full" if stage.recompute == "full" else "-",
             format_bytes(p.send_bytes) if p.send_bytes else "-",
         ]
         if replicated:
-            row.append(_ms(p.allreduce_s))
+            row.append(_ms(p.allreduce_s) + ("*" if stage.allreduce_link == "inter" else ""))
         rows.append(row)
-    table = _render(headers, rows, right)
-    table.append("fwd/bwd ms and sends are per micro-batch; peak memory is per GPU for the whole step.")
-    return table
+    table = _render(headers, rows, right, shrink=2, indent=0)
+    notes = "fwd/bwd ms and sends: per micro-batch (bwd with recomputation); peak memory: per GPU, whole step"
+    if any(s.allreduce_link == "inter" for s in plan.stages) and replicated:
+        notes += "; *: across nodes"
+    return table + _wrap(notes + ".")
 
 
 def _summary(plan: Plan) -> list[str]:
     step = plan.predicted
     peak = max(step.peak_memory_bytes, default=0.0)
     solver = plan.solver
+    mfu = f" | MFU {100 * step.mfu:.1f}%" if step.mfu is not None else ""
     prediction = (
         f"predicted step {format_seconds(step.step_s)} | bubble {100 * step.bubble_fraction:.1f}%"
-        f" | {step.samples_per_s:,.0f} samples/s | peak memory {format_bytes(peak)} per GPU"
+        f" | {step.samples_per_s:,.0f} samples/s{mfu} | peak memory {format_bytes(peak)} per GPU"
     )
     solved = (
         f"solver {solver.name}: {solver.status}, gap {100 * solver.gap:.1f}% to the lower bound,"
         f" {solver.blocks} blocks, {format_seconds(solver.wall_s)}"
     )
-    return [prediction, solved]
+    lines = _wrap(prediction)
+    lines.append("assumptions:")
+    for topic, text in assumptions(plan):
+        lines += _wrap(f"{topic}: {text}", indent="  ", subsequent="    ")
+    return lines + _wrap(solved)
 
 
 def _candidates(plan: Plan) -> list[str]:
+    ranked = ranked_candidates(plan)
+    shown: list[Candidate] = []
+    shapes: set[tuple[int, int]] = set()
+    for i, c in enumerate(ranked):  # all if few; else the best few, the simulated, the best of every pp x dp
+        if len(ranked) <= SHOWN_CANDIDATES or i < SHOWN_CANDIDATES // 2 or c.simulated_s is not None \
+                or (c.pp, c.dp) not in shapes:
+            shown.append(c)
+            shapes.add((c.pp, c.dp))
+    shown = shown[:SHOWN_CANDIDATES]
     rows = []
-    for c in plan.candidates:
-        chosen = c.pp == plan.pp and c.dp == plan.dp
+    for c in shown:
         rows.append([
-            "*" if chosen else "",
+            "*" if is_chosen(c, plan) else "",
             str(c.pp),
             str(c.dp),
+            "-" if c.microbatches is None else str(c.microbatches),
+            c.schedule or "-",
+            _recomputed(c),
             format_seconds(c.step_s) if c.step_s is not None else "-",
             format_seconds(c.simulated_s) if c.simulated_s is not None else "-",
-            c.status,
-            c.note,
+            c.note or c.status,
         ])
-    body = _render(["", "pp", "dp", "closed form", "simulated", "status", "note"], rows, {1, 2, 3, 4})
-    return ["pp x dp candidates (* = chosen):"] + ["  " + line for line in body]
+    body = _render(["", "pp", "dp", "M", "sched", "recomp", "closed form", "simulated", "why not chosen"],
+                   rows, {1, 2, 3, 6, 7}, shrink=8, indent=2)
+    title = "candidates: pp x dp x M micro-batches x schedule (* = chosen; the best by closed form are simulated)"
+    lines = _wrap(title) + ["  " + line for line in body]
+    hidden = len(plan.candidates) - len(shown)
+    if hidden > 0:
+        lines.append(f"  (+{hidden} more combination{'s' if hidden > 1 else ''}: report.md and plan.json list every one)")
+    return lines
+
+
+def _recomputed(c: Candidate) -> str:
+    if c.recomputed_stages is None:
+        return "-"
+    if c.recomputed_stages == 0:
+        return "none"
+    return "all" if c.recomputed_stages == c.pp else f"{c.recomputed_stages}/{c.pp}"
 
 
 # ----------------------------------------------------------------- helpers
 
 
-def _render(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+def _render(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int], *, shrink: int | None = None,
+    indent: int = 0,
+) -> list[str]:
+    """Aligned columns; column ``shrink`` is cut short in the middle so that lines indented by
+    ``indent`` stay within :data:`WIDTH`."""
+    cells = [list(r) for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    over = sum(widths) + 2 * (len(widths) - 1) + indent - WIDTH
+    if shrink is not None and over > 0:
+        room = max(len(headers[shrink]), widths[shrink] - over, 8)
+        for r in cells:
+            r[shrink] = _shorten(r[shrink], room)
+        widths[shrink] = max([len(headers[shrink])] + [len(r[shrink]) for r in cells])
 
-    def line(cells: Sequence[str]) -> str:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+    def line(row: Sequence[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         return "  ".join(parts).rstrip()
 
     rule = ["-" * w if h else " " * w for h, w in zip(headers, widths)]
-    return [line(headers), line(rule)] + [line(r) for r in rows]
+    return [line(headers), line(rule)] + [line(r) for r in cells]
+
+
+def _shorten(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, an ellipsis in the middle where cut.
+
+    >>> _shorten("transformer.h.0 … transformer.h.11", 20)
+    'transform…ormer.h.11'
+    """
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+def _wrap(text: str, *, indent: str = "", subsequent: str | None = None) -> list[str]:
+    return textwrap.wrap(text, width=WIDTH, initial_indent=indent,
+                         subsequent_indent=indent if subsequent is None else subsequent,
+                         break_on_hyphens=False, break_long_words=False) or [indent]
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """Ascending integers as runs.
+
+    >>> _ranges([0, 1, 2, 5, 7, 8])
+    '0-2, 5, 7-8'
+    """
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def _ms(seconds: float) -> str:

@@ -12,6 +12,7 @@ Example (in each rank started by ``autopartition run`` / torchrun)::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,11 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from partitioner import errors
+from partitioner.agree import plan_digest, plan_sections
 from partitioner.errors import AutopartitionError, PlanMismatchError
 from partitioner.plan import Plan
 from partitioner.schedule import Action, validate
 from partitioner.timeline import TimelineEvent, write_chrome_trace
-from runtime.comm import init_distributed, pick_device
+from runtime.comm import PeerFailure, init_distributed, pick_device
 from runtime.execute import StepRunner
 from runtime.replicate import make_groups, sum_tied_grads, sync_tied_weights, wrap_replicas
 from runtime.stage import build_local_stage
@@ -58,18 +61,20 @@ class Pipeline:
         self.timeout = timeout
         self.trace = trace
         init_distributed(self.device, timeout=timeout)
-        world = dist.get_world_size()
-        if world != plan.gpus:
-            raise AutopartitionError(
-                f"The plan needs {plan.gpus} ranks ({plan.pp} stages x {plan.dp} replicas) but "
-                f"{world} were started. Launch with --nproc-per-node {plan.gpus} (or nodes x procs = {plan.gpus})."
-            )
         self.rank = dist.get_rank()
-        self.stage_index, self.replica = plan.rank_layout()[self.rank]
-        validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from())
         self._state_keys = set(model.state_dict().keys())
+        # Every check that can fail on one rank alone runs before the ranks compare notes,
+        # so that a failure on any rank stops all of them (a lone raise would leave the
+        # others waiting in the first collective until the timeout).
+        failure: Exception | None = None
+        try:
+            self.stage_index, self.replica = _place(plan, self.rank, dist.get_world_size())
+            validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from())
+            self._stage = build_local_stage(plan, model, self.stage_index)
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised
+            failure = exc
+        _agree(plan, failure, device=self.device, timeout=timeout)
         self._groups = make_groups(plan, self.rank)
-        self._stage = build_local_stage(plan, model, self.stage_index)
         self._stage.module.to(self.device)
         sync_tied_weights(self._stage.module, self._groups)
         self._module = wrap_replicas(
@@ -220,3 +225,86 @@ class Pipeline:
             (tuple(piece(x, mb) for x in inputs), pytree.tree_map(lambda v, mb=mb: piece(v, mb), target))
             for mb in range(plan.microbatches)
         ]
+
+
+# ---------------------------------------------------------- one plan for all
+
+_SAFE_PATTERN = (
+    "Every rank must run one plan: compile it once and save it (`plan.save(\"plan/\")`, or "
+    "`autopartition model.py --gpus N --out plan/`), then `Plan.load(\"plan/\")` in every rank, or start "
+    "the ranks with `autopartition run plan/ -- train.py`. (`partitioner.compile()` called in every rank "
+    "after init_process_group solves on rank 0 and sends that plan to the others.)"
+)
+
+
+def _place(plan: Plan, rank: int, world: int) -> tuple[int, int]:
+    """This rank's (stage, replica), once the job has the plan's rank count."""
+    if world != plan.gpus:
+        raise AutopartitionError(
+            f"The plan needs {plan.gpus} ranks ({plan.pp} stages x {plan.dp} replicas) but "
+            f"{world} were started. Launch with --nproc-per-node {plan.gpus} (or nodes x procs = {plan.gpus})."
+        )
+    return plan.rank_layout()[rank]
+
+
+def _agree(plan: Plan, failure: Exception | None, *, device: torch.device, timeout: float) -> None:
+    """One collective before any step: every rank's plan digest, and whether it could build its stage.
+
+    Raises on every rank (the same message) when the plans differ or any rank failed;
+    a rank that failed itself re-raises its own exception.
+    """
+    replicas = "replica" if plan.dp == 1 else "replicas"
+    note = {
+        "digest": plan_digest(plan),
+        "sections": plan_sections(plan),
+        "fingerprint": plan.model.fingerprint,
+        "layout": f"{plan.pp} stages x {plan.dp} {replicas}, compute nodes per stage "
+                  f"{[s.compute_nodes for s in plan.stages]}",
+        "failure": None if failure is None else
+                   (type(failure).__name__, str(failure), isinstance(failure, AutopartitionError)),
+    }
+    notes: list[Any] = [None] * dist.get_world_size()
+    # Objects travel as tensors on the current device: under NCCL that must be this rank's GPU.
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    try:
+        with on_device:
+            dist.all_gather_object(notes, note)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise PeerFailure(
+            f"Rank {dist.get_rank()}: not every rank answered while comparing plans (timeout {timeout:g} s): "
+            f"{first}. Every rank must build a Pipeline."
+        ) from exc
+    if len({n["digest"] for n in notes}) > 1:
+        raise PlanMismatchError(_mismatch_message(notes))
+    if failure is not None:
+        raise failure
+    failed = [(r, n["failure"]) for r, n in enumerate(notes) if n["failure"] is not None]
+    if failed:
+        rank, (kind, message, user) = failed[0]
+        text = f"Rank {rank} cannot run the plan: {message}"
+        if not user:  # a bug or a crash there, not bad input
+            raise PeerFailure(f"Rank {rank} failed while building its stage ({kind}: {message}); see its traceback.")
+        cls = getattr(errors, kind, None)
+        raise (cls if isinstance(cls, type) and issubclass(cls, AutopartitionError) else AutopartitionError)(text)
+
+
+def _mismatch_message(notes: list[dict[str, Any]]) -> str:
+    """Who holds which plan (ranks grouped by digest), how they differ, and what to do."""
+    groups: dict[str, list[int]] = {}
+    for rank, n in enumerate(notes):
+        groups.setdefault(n["digest"], []).append(rank)
+    holders = []
+    for digest, ranks in groups.items():
+        n = notes[ranks[0]]
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        holders.append(f"{who} {'holds' if len(ranks) == 1 else 'hold'} plan {digest[:12]} "
+                       f"({n['layout']}; model fingerprint {n['fingerprint']})")
+    sections = [n["sections"] for n in notes]
+    fields = sorted({k for s in sections for k in s if len({str(t.get(k)) for t in sections}) > 1})
+    models = "" if len({n["fingerprint"] for n in notes}) == 1 else (
+        " The ranks also built different models: every rank must build the same one.")
+    return (
+        f"The ranks hold different plans ({'; '.join(holders)}); they differ in {', '.join(fields)}. "
+        f"Running them would compute a wrong loss or hang, so no rank starts.{models} {_SAFE_PATTERN}"
+    )

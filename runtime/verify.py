@@ -1,36 +1,162 @@
-"""Verify a plan: run it on CPU ranks and compare with the unpartitioned model.
+"""Verify a plan: run it on CPU ranks and compare with the unpartitioned model run the same way.
 
 ``verify(plan_dir, model_spec)`` spawns ``plan.gpus`` CPU processes (gloo),
 trains ``steps`` optimizer steps (SGD with momentum) through
-:class:`~runtime.Pipeline`, and compares every step's loss, every gradient and
-the final parameters with the same training on one process with the whole
-model.  Differences are absolute, after scaling by the reference's largest
-magnitude when that exceeds 1.
+:class:`~runtime.Pipeline`, and checks every step against a reference that
+runs the whole model in this process *the way the pipeline runs it*, so that
+only a partitioning error can make the two differ:
+
+* **Same micro-batches.** The batch is split into ``dp`` replicas x ``M``
+  micro-batches exactly as :meth:`Pipeline.step` slices it; the reference
+  runs them in that order, backpropagates ``loss / M`` per micro-batch and
+  averages the replicas' gradients (as DDP does).  Batch statistics
+  (BatchNorm) are therefore per micro-batch in both runs, and running
+  statistics are kept per replica (the runtime's DDP does not re-broadcast
+  buffers), so they are compared too.
+* **Same start every step.** Before each step the reference takes the
+  pipeline's parameters and buffers, so a rounding difference cannot grow
+  over steps (a max-pool or ReLU tie flipped by 1e-7 would otherwise look
+  like a wrong gradient); each step's differences are reported.
+* **No randomness.** Dropout (modules, functional, inside attention) runs
+  with ``p=0`` in both runs; any other random draw (``rand*``,
+  ``bernoulli``, ``multinomial``, ...) reseeds the generator to one fixed
+  seed at every call, so both runs draw the same values.  Both are done by
+  torch modes around the forward and backward, which see the eager model,
+  symbolic-trace graphs and exported (aten) graphs alike.  The random ops
+  of the captured graph are listed in the report.
+
+``dtype="float64"`` runs both sides in double precision (model, inputs and
+the plan's boundary tensors), for a tolerance of 1e-10 instead of 1e-5.
+Differences are absolute, after scaling by the reference's largest magnitude
+when that exceeds 1.
 
 Example::
 
     result = verify("plan/", "examples/gpt.py", steps=3)
-    print(result.summary())
+    print(result.report())
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import functools
 import os
 import socket
+import sys
 import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from partitioner.errors import AutopartitionError
+from partitioner.ir import dtype_name
 from partitioner.plan import Plan
 from runtime.stage import recapture
 
-__all__ = ["VerifyResult", "free_port", "verify", "verify_plan"]
+__all__ = [
+    "DTYPES",
+    "Derandomised",
+    "ModelTraits",
+    "RandomOp",
+    "StepComparison",
+    "VerifyResult",
+    "free_port",
+    "model_traits",
+    "plan_in_dtype",
+    "reference_microbatches",
+    "verify",
+    "verify_plan",
+]
+
+DTYPES = {"float32": 1e-5, "float64": 1e-10}  # dtype -> default tolerance
+_SEED = 1234  # every random draw in either run starts from this seed
+
+
+# ------------------------------------------------------------------ results
+
+
+@dataclasses.dataclass(frozen=True)
+class Worst:
+    """The largest difference of one kind in one step, where it is, and how many exceed the tolerance."""
+
+    value: float = 0.0
+    where: str = "-"
+    name: str = ""
+    rank: int = -1
+    over: int = 0
+    total: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepComparison:
+    """One step, both runs started from the pipeline's parameters and buffers."""
+
+    step: int  # 1-based
+    loss: float  # the reference's mini-batch loss
+    loss_diff: float
+    grad: Worst
+    buffer: Worst
+    param: Worst  # after the optimizer step
+
+    def largest(self) -> float:
+        return max(self.loss_diff, self.grad.value, self.buffer.value, self.param.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomOp:
+    """A random op of the captured graph: its node, what it calls, and its drop probability if dropout."""
+
+    node: str
+    op: str  # "Dropout" (a module), "dropout", "randn_like", ...
+    p: float | None = None  # dropout only (None when not a constant)
+    dropout: bool = False
+
+    def __str__(self) -> str:
+        if self.dropout:
+            return f"{self.node} ({self.op}" + (f", p={self.p:g})" if self.p is not None else ")")
+        return self.node if self.node == self.op else f"{self.node} ({self.op})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTraits:
+    """What can make a model's runs differ besides the partition: random ops and batch statistics."""
+
+    random_ops: tuple[RandomOp, ...] = ()
+    batch_stats: tuple[str, ...] = ()  # "BatchNorm2d down.1 (running statistics)"
+
+    @property
+    def has_running_stats(self) -> bool:
+        return any("running" in s for s in self.batch_stats)
+
+    def random_text(self) -> str:
+        """What verify did about the random ops, listing them."""
+        dropout = [str(r) for r in self.random_ops if r.dropout]
+        other = [str(r) for r in self.random_ops if not r.dropout]
+        parts = []
+        if dropout:
+            parts.append(f"{_plural(len(dropout), 'dropout op')} neutralised (p=0) in both runs: {', '.join(dropout)}")
+        if other:
+            parts.append(f"{_plural(len(other), 'other random op')} given the same draws in both runs "
+                         f"(generator reseeded to one seed at every call): {', '.join(other)}")
+        return "; ".join(parts) or "no random ops"
+
+    def facts(self) -> str:
+        """Random ops and batch statistics, for a MISMATCH: whether either could explain it."""
+        random = (f"random ops ({', '.join(map(str, self.random_ops))}), neutralised in both runs"
+                  if self.random_ops else "no random ops")
+        stats = (f"batch statistics ({', '.join(self.batch_stats)}), per micro-batch in both runs"
+                 if self.batch_stats else "no batch statistics")
+        return f"The model has {random}, and {stats}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +169,124 @@ class VerifyResult:
     worst_param: str
     tolerance: float
     losses: tuple[float, ...]  # the reference's
+    max_buffer_diff: float = 0.0
+    worst_buffer: str = "-"
+    per_step: tuple[StepComparison, ...] = ()
+    start_diff: Worst = Worst()  # the ranks' initial state against the model file's
+    dtype: str = "float32"
+    layout: str = ""  # "1 replica x 2 micro-batches of 4"
+    traits: ModelTraits = ModelTraits()
+    neutralised: tuple[dict[str, int], dict[str, int]] = ({}, {})  # (reference, pipeline) changed calls by op
+    rank_places: tuple[str, ...] = ()  # "stage 0, replica 1" per rank
+    pp: int = 1
 
     @property
     def ok(self) -> bool:
-        return max(self.max_loss_diff, self.max_grad_diff, self.max_param_diff) <= self.tolerance
+        return max(self.max_loss_diff, self.max_grad_diff, self.max_param_diff, self.max_buffer_diff,
+                   self.start_diff.value) <= self.tolerance
 
     def summary(self) -> str:
-        verdict = "OK" if self.ok else "MISMATCH"
+        """The verdict, one paragraph starting with OK or MISMATCH, with its reason."""
+        return self._ok_verdict() if self.ok else self._mismatch_verdict()
+
+    def report(self) -> str:
+        """One line per step, then the verdict (what ``autopartition verify`` prints)."""
+        lines = [self._step_line(s) for s in self.per_step]
+        return "\n".join([*lines, self.summary()])
+
+    # --------------------------------------------------------------- text
+
+    def _step_line(self, s: StepComparison) -> str:
+        verdict = "OK      " if s.largest() <= self.tolerance else "MISMATCH"
+        parts = [f"loss {s.loss:.6f} (diff {_num(s.loss_diff)})", f"gradients {_num(s.grad.value, s.grad.name)}"]
+        if s.buffer.total:
+            parts.append(f"buffers {_num(s.buffer.value, s.buffer.name)}")
+        parts.append(f"parameters after the update {_num(s.param.value, s.param.name)}")
+        return f"step {s.step}: {verdict} " + ", ".join(parts)
+
+    def _how(self) -> str:
+        stats = ""
+        if self.traits.batch_stats:
+            per_replica = self.traits.has_running_stats and "replicas" in self.layout
+            kinds = sorted({s.split()[0] for s in self.traits.batch_stats})
+            stats = f"; {'/'.join(kinds)} statistics per micro-batch" + (
+                ", running statistics per replica" if per_replica else "")
+        return f"reference micro-batched as the pipeline ({self.layout}{stats})"
+
+    def _calls(self) -> str:
+        reference, pipeline = (sum(c.values()) for c in self.neutralised)
+        if reference == pipeline:
+            return f" ({_plural(reference, 'call')} changed in each run)" if reference else ""
+        return f" (calls changed: {reference} in the reference, {pipeline} in the pipeline)"
+
+    def _ok_verdict(self) -> str:
+        match = max(self.max_loss_diff, self.max_grad_diff)
+        matched = "exactly" if match == 0 else f"to {match:.0e}"
+        extra = ""
+        if any(s.buffer.total for s in self.per_step):
+            extra = ", buffers " + ("exactly" if self.max_buffer_diff == 0 else f"to {self.max_buffer_diff:.0e}")
         return (
-            f"{verdict}: {self.steps} steps, losses {', '.join(f'{x:.6f}' for x in self.losses)}; "
-            f"largest difference: loss {self.max_loss_diff:.2e}, gradient {self.max_grad_diff:.2e} "
-            f"({self.worst_grad}), parameter {self.max_param_diff:.2e} ({self.worst_param}); "
-            f"tolerance {self.tolerance:.0e}"
+            f"OK: loss and gradients match {matched} over {_plural(self.steps, 'step')}{extra} "
+            f"(tolerance {self.tolerance:.0e}, {self.dtype}; each step from the pipeline's parameters); "
+            f"{self._how()}; {self.traits.random_text()}{self._calls()}."
         )
+
+    def _mismatch_verdict(self) -> str:
+        facts = self.traits.facts()
+        reference, pipeline = (sum(c.values()) for c in self.neutralised)
+        if reference != pipeline:
+            facts += (f"; but the runs changed different numbers of random calls (reference {reference}, "
+                      f"pipeline {pipeline}): a random op that runs differently once partitioned")
+        return (
+            f"MISMATCH: {self._first_difference()}. {facts}. Tolerance {self.tolerance:.0e} ({self.dtype}); "
+            f"{self._how()}."
+        )
+
+    def _first_difference(self) -> str:
+        if self.start_diff.value > self.tolerance:
+            return (
+                f"the ranks start from other parameters or buffers than the model file builds "
+                f"({self._look(self.start_diff)} differs by {self.start_diff.value:.1e}): build_model() must be "
+                "deterministic (seeded) and must not depend on the rank"
+            )
+        for s in self.per_step:
+            if s.largest() <= self.tolerance:
+                continue
+            at = f"first at step {s.step} of {self.steps}"
+            grads = f"{s.grad.over} of {s.grad.total} gradients differ, the most {self._look(s.grad)} by {s.grad.value:.1e}"
+            if s.loss_diff > self.tolerance:
+                return (f"{at}: the loss differs by {s.loss_diff:.1e} ({s.loss:.6f} in the reference) and {grads}; "
+                        f"look at the forward, from the stage that computes the loss (stage {self.pp - 1}) back")
+            if s.grad.value > self.tolerance:
+                return (f"{at}: the loss matches but {grads}; look at the backward of the stage holding "
+                        f"{s.grad.name} and the gradients sent into it")
+            if s.buffer.value > self.tolerance:
+                return (f"{at}: loss and gradients match but buffer {self._look(s.buffer)} differs by "
+                        f"{s.buffer.value:.1e} ({s.buffer.over} of {s.buffer.total} buffers differ); look at how "
+                        "that stage updates its running statistics")
+            return (f"{at}: gradients match but parameter {self._look(s.param)} differs after the optimizer step "
+                    f"by {s.param.value:.1e}; look at tied weights and replica synchronisation")
+        return "no difference found"
+
+    def _look(self, w: Worst) -> str:
+        if w.rank < 0:
+            return w.name or "-"
+        place = self.rank_places[w.rank] if w.rank < len(self.rank_places) else ""
+        return f"{w.name} on rank {w.rank} ({place})"
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def _num(value: float, name: str = "") -> str:
+    """A difference for the step lines: ``0``, or ``3.1e-08 (fc.weight)``."""
+    if value == 0:
+        return "0"
+    return f"{value:.1e}" + (f" ({name})" if name else "")
+
+
+# --------------------------------------------------------------- entry points
 
 
 def free_port() -> int:
@@ -71,69 +302,274 @@ def verify(
     steps: int = 3,
     lr: float = 0.01,
     timeout: float = 120.0,
-    tolerance: float = 1e-5,
+    tolerance: float | None = None,
+    dtype: str = "float32",
+    progress: Callable[[str], None] | None = None,
 ) -> VerifyResult:
-    """Train ``steps`` steps with the plan on CPU ranks and with the whole model; compare."""
+    """Train ``steps`` steps with the plan on CPU ranks and with the whole model run the same way; compare.
+
+    ``tolerance`` defaults to 1e-5 for float32 and 1e-10 for float64; ``progress``
+    receives a line at each phase.
+    """
     from partitioner.modelfile import load_model_file
 
-    plan = Plan.load(plan_dir)
+    if dtype not in DTYPES:
+        raise AutopartitionError(f"verify runs in {' or '.join(DTYPES)}, not {dtype!r}.")
+    tol = DTYPES[dtype] if tolerance is None else tolerance
+    say = progress or (lambda _: None)
+    plan = plan_in_dtype(Plan.load(plan_dir), getattr(torch, dtype))
     model_file = load_model_file(model_spec)
     if model_file.loss_fn is None or model_file.example_target is None:
         raise AutopartitionError(
             f"{model_spec} needs loss_fn(outputs, target) and example_target(batch_size) for verification."
         )
-    torch.manual_seed(0)
-    recapture(plan, model_file.build())  # a plan for another model fails here, before any rank starts
-    reference = _reference(model_file, plan, steps=steps, lr=lr)
+    model = _build(model_file, getattr(torch, dtype))
+    captured, _ = recapture(plan, model)  # a plan for another model fails here, before any rank starts
+    traits = model_traits(model, captured.graph_module)
+    say(f"verify: training {_plural(steps, 'step')} on {plan.gpus} CPU ranks ({plan.pp} x {plan.dp})")
     with tempfile.TemporaryDirectory(prefix="autopartition-verify-") as out:
         port = free_port()
         try:
             mp.start_processes(
                 _rank_main,
-                args=(plan.gpus, port, str(plan_dir), model_spec, steps, lr, out, timeout),
+                args=(plan.gpus, port, str(plan_dir), model_spec, steps, lr, out, timeout, dtype),
                 nprocs=plan.gpus,
                 start_method="spawn",
             )
         except mp.ProcessRaisedException as exc:
             raise AutopartitionError(f"A rank failed while verifying the plan:\n{_last_lines(str(exc))}") from exc
         except mp.ProcessExitedException as exc:
-            raise AutopartitionError(f"A rank exited while verifying the plan: {exc}") from exc
+            raise AutopartitionError(_rank_exit_message(Path(out), plan, exc)) from exc
         ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(plan.gpus)]
-    aliases = {name: set(t.aliases) for t in plan.tied for name in t.aliases}
-    return _compare(reference, ranks, steps=steps, tolerance=tolerance, aliases=aliases)
+    say("verify: running the unpartitioned model on the same micro-batches")
+    return _compare_steps(plan, model_file, ranks, steps=steps, lr=lr, tolerance=tol, dtype=dtype, traits=traits)
 
 
-def verify_plan(plan_dir: str, model_spec: str, *, steps: int = 3, timeout: float = 120.0) -> int:
-    """The ``autopartition verify`` command: print the comparison; exit code 0 when within tolerance."""
-    result = verify(plan_dir, model_spec, steps=steps, timeout=timeout)
-    print(result.summary())
+def verify_plan(
+    plan_dir: str, model_spec: str, *, steps: int = 3, timeout: float = 120.0, dtype: str = "float32"
+) -> int:
+    """The ``autopartition verify`` command: print each step and the verdict; exit code 0 when OK."""
+    result = verify(
+        plan_dir, model_spec, steps=steps, timeout=timeout, dtype=dtype,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(result.report())
     return 0 if result.ok else 1
 
 
-# ----------------------------------------------------------------- helpers
+# ------------------------------------------------------------- model traits
 
 
-def _reference(model_file: Any, plan: Plan, *, steps: int, lr: float) -> dict[str, Any]:
+# Functions taking a drop probability: name -> (position, keyword, default); training flag after it.
+_DROP_PROBABILITY: dict[str, tuple[int, str, float]] = {
+    **{name: (1, "p", 0.5) for name in (
+        "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+        "feature_dropout", "native_dropout",
+    )},
+    "scaled_dot_product_attention": (4, "dropout_p", 0.0),
+    "multi_head_attention_forward": (10, "dropout_p", 0.0),
+}
+_TRAINING_FLAG: dict[str, tuple[int, tuple[str, ...]]] = {
+    "scaled_dot_product_attention": (-1, ()),
+    "multi_head_attention_forward": (13, ("training",)),
+}
+_DEFAULT_TRAINING_FLAG = (2, ("training", "train"))
+
+
+def _op_name(target: Any) -> str:
+    """``aten.dropout.default``, ``F.dropout``, ``Tensor.bernoulli_`` -> ``dropout``, ``dropout``, ``bernoulli``."""
+    if isinstance(target, torch._ops.OpOverload):
+        name = target.overloadpacket.__name__
+    else:
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+@functools.cache
+def _is_random_name(name: str) -> bool:
+    """Whether a torch function of this name draws random numbers (its aten op is tagged seeded)."""
+    if name in _DROP_PROBABILITY:
+        return True
+    for candidate in (name, name + "_"):
+        packet = getattr(torch.ops.aten, candidate, None) if candidate.isidentifier() else None
+        if packet is not None and any(
+            torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads()
+        ):
+            return True
+    return False
+
+
+def _argument(args: Sequence[Any], kwargs: dict[str, Any], index: int, keys: Sequence[str], default: Any) -> Any:
+    if 0 <= index < len(args):
+        return args[index]
+    return next((kwargs[k] for k in keys if k in kwargs), default)
+
+
+def _drops(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The drop probability of a dropout-like call (0 when it does not drop: p=0 or not training)."""
+    index, key, default = _DROP_PROBABILITY[name]
+    t_index, t_keys = _TRAINING_FLAG.get(name, _DEFAULT_TRAINING_FLAG)
+    if t_keys and _argument(args, kwargs, t_index, t_keys, True) is False:
+        return 0.0
+    return _argument(args, kwargs, index, (key,), default)
+
+
+def _random_nodes(gm: fx.GraphModule) -> list[RandomOp]:
+    """The random ops of a captured graph (symbolic trace: modules and torch functions; export: aten ops)."""
+    found: list[RandomOp] = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":  # a leaf module, possibly holding dropout (TransformerEncoderLayer)
+            for sub_name, sub in gm.get_submodule(str(node.target)).named_modules():
+                p = sub.p if isinstance(sub, nn.modules.dropout._DropoutNd) else (
+                    sub.dropout if isinstance(sub, nn.MultiheadAttention) else 0.0)
+                if p and sub.training:
+                    path = ".".join(x for x in (str(node.target), sub_name) if x)
+                    found.append(RandomOp(path, type(sub).__name__, float(p), dropout=True))
+        elif node.op in ("call_function", "call_method"):
+            name = _op_name(node.target)
+            if name in _DROP_PROBABILITY:
+                p = _drops(name, node.args, dict(node.kwargs))
+                constant = isinstance(p, (int, float))
+                if not (constant and p == 0):
+                    found.append(RandomOp(node.name, name, float(p) if constant else None, dropout=True))
+            elif _is_random_name(name):
+                found.append(RandomOp(node.name, name))
+    return found
+
+
+def model_traits(model: nn.Module, graph_module: fx.GraphModule) -> ModelTraits:
+    """Random ops in the captured graph and modules with batch statistics in the model."""
+    stats = []
+    for name, module in model.named_modules():
+        is_bn = isinstance(module, nn.modules.batchnorm._BatchNorm)
+        is_in = isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats
+        if (is_bn or is_in) and module.training:
+            running = " (running statistics)" if module.track_running_stats else ""
+            stats.append(f"{type(module).__name__} {name}{running}")
+    return ModelTraits(random_ops=tuple(_random_nodes(graph_module)), batch_stats=tuple(stats))
+
+
+# -------------------------------------------------------- derandomising modes
+
+
+class _ZeroDropout(TorchFunctionMode):
+    """Calls dropout-like functions (torch, functional, aten) with drop probability 0."""
+
+    def __init__(self, counts: collections.Counter[str]) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        name = _op_name(func)
+        if name in _DROP_PROBABILITY and _drops(name, args, kwargs) != 0:
+            self.counts[name] += 1
+            index, key, _ = _DROP_PROBABILITY[name]
+            if index < len(args):
+                args = (*args[:index], 0.0, *args[index + 1 :])
+            else:
+                kwargs[key] = 0.0
+        return func(*args, **kwargs)
+
+
+class _SameDraws(TorchDispatchMode):
+    """Every random aten op draws from a generator reseeded to one seed (restored after the call).
+
+    Works below functions the function mode cannot see into (e.g. dropout inside
+    ``multi_head_attention_forward``), for every op torch tags ``nondeterministic_seeded``.
+    """
+
+    def __init__(self, counts: collections.Counter[str]) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        self.counts[_op_name(func)] += 1
+        if kwargs.get("generator") is not None:
+            kwargs["generator"] = torch.Generator(kwargs["generator"].device).manual_seed(_SEED)
+            return func(*args, **kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(_SEED)
+            return func(*args, **kwargs)
+
+
+class Derandomised:
+    """Context manager: dropout at p=0 and every other random draw from one fixed seed.
+
+    ``counts`` tells, per op, how many calls were changed (dropout: function
+    name; draws: aten op), so two runs can be checked to have done the same.
+    """
+
+    def __init__(self) -> None:
+        self.dropout: collections.Counter[str] = collections.Counter()
+        self.draws: collections.Counter[str] = collections.Counter()
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Self:
+        self._stack = contextlib.ExitStack()  # entered once per step in the ranks
+        self._stack.enter_context(_SameDraws(self.draws))
+        self._stack.enter_context(_ZeroDropout(self.dropout))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        merged = {f"{k} (p=0)": v for k, v in self.dropout.items()}
+        merged.update({f"{k} (fixed seed)": v for k, v in self.draws.items()})
+        return merged
+
+
+# ------------------------------------------------------------------ dtypes
+
+
+def plan_in_dtype(plan: Plan, dtype: torch.dtype) -> Plan:
+    """The plan with every floating input and boundary tensor in ``dtype`` (float64 verification)."""
+    name = dtype_name(dtype)
+
+    def cast(spec: Any) -> Any:
+        floating = spec.dtype.startswith(("float", "bfloat"))
+        return dataclasses.replace(spec, dtype=name) if floating and spec.dtype != name else spec
+
+    if all(t.dtype == name or not t.dtype.startswith(("float", "bfloat")) for t in plan.model.inputs) and all(
+        cast(b) is b for s in plan.stages for b in (*s.inputs, *s.outputs)
+    ):
+        return plan
+    stages = tuple(
+        dataclasses.replace(s, inputs=tuple(map(cast, s.inputs)), outputs=tuple(map(cast, s.outputs)))
+        for s in plan.stages
+    )
+    model = dataclasses.replace(plan.model, inputs=tuple(map(cast, plan.model.inputs)))
+    return dataclasses.replace(plan, model=model, stages=stages)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    def one(v: Any) -> Any:
+        return v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+    return pytree.tree_map(one, value)
+
+
+def _build(model_file: Any, dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    model = model_file.build()
-    inputs = model_file.example_inputs(plan.batch_size)
-    target = model_file.example_target(plan.batch_size)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses, grads = [], []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model_file.loss_fn(model(*inputs), target)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
-                      if p.grad is not None})
-        opt.step()
-    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return {"losses": losses, "grads": grads, "params": params}
+    model: nn.Module = model_file.build()
+    return model.to(dtype) if dtype != torch.float32 else model
+
+
+# --------------------------------------------------------------------- ranks
 
 
 def _rank_main(
-    rank: int, world: int, port: int, plan_dir: str, model_spec: str, steps: int, lr: float, out: str, timeout: float
+    rank: int, world: int, port: int, plan_dir: str, model_spec: str, steps: int, lr: float, out: str,
+    timeout: float, dtype_text: str,
 ) -> None:
     from partitioner.modelfile import load_model_file
     from runtime.pipeline import Pipeline
@@ -141,70 +577,243 @@ def _rank_main(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    plan = Plan.load(plan_dir)
-    model_file = load_model_file(model_spec)
-    torch.manual_seed(0)
-    model = model_file.build()
-    pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout)
-    inputs = model_file.example_inputs(plan.batch_size)
+    dtype = getattr(torch, dtype_text)
+    try:
+        plan = plan_in_dtype(Plan.load(plan_dir), dtype)
+        model_file = load_model_file(model_spec)
+        model = _build(model_file, dtype)
+        pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout)
+    except AutopartitionError as exc:  # a user error: one paragraph in the verifying process, no traceback
+        (Path(out) / f"rank{rank}.error").write_text(str(exc))
+        sys.exit(2)
     assert model_file.example_target is not None  # checked by verify() before spawning
-    target = model_file.example_target(plan.batch_size)
+    inputs = _cast(model_file.example_inputs(plan.batch_size), dtype)
+    target = _cast(model_file.example_target(plan.batch_size), dtype)
     opt = torch.optim.SGD(pipe.parameters(), lr=lr, momentum=0.9)
-    losses: list[float] = []
-    grads: list[dict[str, torch.Tensor]] = []
+    params = {n for n, _ in pipe.named_parameters()}
+
+    def snapshot() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        state = {n: t.detach().clone() for n, t in pipe.module.state_dict().items()}
+        return {n: t for n, t in state.items() if n in params}, {n: t for n, t in state.items() if n not in params}
+
+    record: dict[str, Any] = {"stage": pipe.stage, "replica": plan.rank_layout()[rank][1],
+                              "losses": [], "grads": [], "params": [], "buffers": []}
+    derandomised = Derandomised()
     for _ in range(steps):
+        p, b = snapshot()
+        record["params"].append(p)
+        record["buffers"].append(b)
         opt.zero_grad()
-        loss = pipe.step(inputs, target)
+        with derandomised:
+            loss = pipe.step(inputs, target)
         if loss is not None:
-            losses.append(loss.item())
-        grads.append({n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None})
+            record["losses"].append(loss.item())
+        record["grads"].append({n: q.grad.detach().clone() for n, q in pipe.named_parameters() if q.grad is not None})
         opt.step()
-    params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
-    torch.save({"losses": losses, "grads": grads, "params": params}, Path(out) / f"rank{rank}.pt")
+    p, b = snapshot()
+    record["params"].append(p)
+    record["buffers"].append(b)
+    record["random"] = derandomised.counts
+    torch.save(record, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
-    return float((got - want).abs().max()) / scale if want.numel() else 0.0
+def _rank_exit_message(out: Path, plan: Plan, exc: mp.ProcessExitedException) -> str:
+    errors = sorted(out.glob("rank*.error"))
+    if not errors:
+        return f"A rank exited while verifying the plan: {exc}"
+    rank = int(errors[0].stem[len("rank"):])
+    stage, replica = plan.rank_layout()[rank]
+    return f"Rank {rank} (stage {stage}, replica {replica}) stopped: {errors[0].read_text().strip()}"
 
 
-def _compare(
-    reference: dict[str, Any],
-    ranks: list[dict[str, Any]],
-    *,
-    steps: int,
-    tolerance: float,
-    aliases: dict[str, set[str]] | None = None,
+# ----------------------------------------------------------------- reference
+
+
+def reference_microbatches(plan: Plan, inputs: tuple[Any, ...], target: Any, replica: int) -> list[tuple[Any, Any]]:
+    """Replica ``replica``'s micro-batches, sliced as :meth:`Pipeline.step` slices them."""
+    per_replica = plan.batch_size // plan.dp
+    size = plan.microbatch_size
+
+    def piece(value: Any, mb: int) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        start = replica * per_replica + mb * size
+        return value[start : start + size]
+
+    return [
+        (tuple(piece(x, mb) for x in inputs), pytree.tree_map(lambda v, mb=mb: piece(v, mb), target))
+        for mb in range(plan.microbatches)
+    ]
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run as the ranks do (one thread), so that kernels reduce in the same order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _pick(ranks: Sequence[dict[str, Any]], key: str, step: int, *, replica: int | None,
+          aliases: dict[str, set[str]]) -> dict[str, torch.Tensor]:
+    """Every rank's ``key`` entries at ``step`` merged (replica 0 first), aliases filled in."""
+    order = sorted(range(len(ranks)), key=lambda r: (ranks[r]["replica"], ranks[r]["stage"]))
+    merged: dict[str, torch.Tensor] = {}
+    for r in order:
+        if replica is not None and ranks[r]["replica"] != replica:
+            continue
+        for name, value in ranks[r][key][step].items():
+            for alias in {name} | aliases.get(name, set()):
+                merged.setdefault(alias, value)
+    return merged
+
+
+def _compare_steps(
+    plan: Plan, model_file: Any, ranks: list[dict[str, Any]], *, steps: int, lr: float, tolerance: float,
+    dtype: str, traits: ModelTraits,
 ) -> VerifyResult:
-    loss_diff = 0.0
-    grad_diff, worst_grad = 0.0, "-"
-    param_diff, worst_param = 0.0, "-"
-    seen_loss = False
-    for rank, result in enumerate(ranks):
-        if result["losses"]:
-            seen_loss = True
-            for got, want in zip(result["losses"], reference["losses"]):
-                loss_diff = max(loss_diff, abs(got - want) / max(1.0, abs(want)))
+    """Run the reference one step at a time from the pipeline's state and compare every step."""
+    torch_dtype = getattr(torch, dtype)
+    aliases = {name: set(t.aliases) for t in plan.tied for name in t.aliases}
+    model = _build(model_file, torch_dtype)
+    inputs = _cast(model_file.example_inputs(plan.batch_size), torch_dtype)
+    target = _cast(model_file.example_target(plan.batch_size), torch_dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    places = tuple(f"stage {r['stage']}, replica {r['replica']}" for r in ranks)
+    start = _compare_state(ranks, {**{n: p.detach() for n, p in params.items()}, **dict(buffers)},
+                           ("params", "buffers"), 0, tolerance)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    derandomised = Derandomised()
+    per_step: list[StepComparison] = []
+    losses: list[float] = []
+    with _one_thread(), derandomised:
         for step in range(steps):
-            for name, grad in result["grads"][step].items():
-                want = reference["grads"][step].get(name)
-                d = float("inf") if want is None else _diff(grad, want)
-                if d > grad_diff:
-                    grad_diff, worst_grad = d, f"{name} on rank {rank}, step {step + 1}"
-        for name, value in result["params"].items():
-            d = _diff(value, reference["params"][name])
-            if d > param_diff:
-                param_diff, worst_param = d, f"{name} on rank {rank}"
-    if not seen_loss:
-        loss_diff = float("inf")
-    held = {name for result in ranks for name in result["params"]}
-    orphans = sorted(n for n in reference["params"] if not ({n} | (aliases or {}).get(n, set())) & held)
+            _load(params, _pick(ranks, "params", step, replica=None, aliases=aliases))
+            opt.zero_grad()
+            replica_grads: list[dict[str, torch.Tensor]] = []
+            replica_buffers: list[dict[str, torch.Tensor]] = []
+            replica_losses: list[torch.Tensor] = []
+            for replica in range(plan.dp):
+                _load(buffers, _pick(ranks, "buffers", step, replica=replica, aliases=aliases))
+                for p in params.values():
+                    p.grad = None
+                mb_losses = []
+                for x, y in reference_microbatches(plan, inputs, target, replica):
+                    mb_loss = model_file.loss_fn(model(*x), y) / plan.microbatches
+                    mb_loss.backward()
+                    mb_losses.append(mb_loss.detach())
+                replica_losses.append(torch.stack(mb_losses).sum())  # as StepRunner.run, then averaged as Pipeline
+                replica_grads.append({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
+                replica_buffers.append({n: b.detach().clone() for n, b in buffers.items()})
+            # DDP averages replicas: the sum of their gradients over dp.
+            for name, p in params.items():
+                grads = [g[name] for g in replica_grads if name in g]
+                p.grad = torch.stack(grads).sum(0) / plan.dp if grads else None
+            grads_now = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+            opt.step()
+            after = {n: p.detach().clone() for n, p in params.items()}
+            loss = float(torch.stack(replica_losses).sum() / plan.dp)
+            losses.append(loss)
+            per_step.append(_compare_step(step, ranks, loss, grads_now, replica_buffers, after, tolerance))
+    pipeline_calls: collections.Counter[str] = collections.Counter()
+    for r in ranks:
+        pipeline_calls.update(r.get("random", {}))
+    orphans = sorted(n for n in params if not ({n} | aliases.get(n, set())) & _held_params(ranks))
+    return _result(per_step, start, orphans, steps=steps, tolerance=tolerance, dtype=dtype, plan=plan,
+                   traits=traits, losses=losses, places=places,
+                   neutralised=(derandomised.counts, dict(pipeline_calls)))
+
+
+def _held_params(ranks: Sequence[dict[str, Any]]) -> set[str]:
+    return {name for r in ranks for name in r["params"][0]}
+
+
+def _load(target: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, tensor in target.items():
+            if name in values:
+                tensor.copy_(values[name])
+
+
+def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    if not want.numel():
+        return 0.0
+    if got.shape != want.shape:
+        return float("inf")
+    want_d, got_d = want.double(), got.double()
+    scale = max(1.0, float(want_d.abs().max()))
+    return float((got_d - want_d).abs().max()) / scale
+
+
+def _worst(items: Iterator[tuple[str, int, torch.Tensor, torch.Tensor | None]], tolerance: float) -> Worst:
+    worst = Worst()
+    over = total = 0
+    for name, rank, got, want in items:
+        d = float("inf") if want is None else _diff(got, want)
+        total += 1
+        over += d > tolerance
+        if d > worst.value or worst.rank < 0:
+            worst = Worst(d, f"{name} on rank {rank}", name, rank)
+    return dataclasses.replace(worst, over=over, total=total) if total else Worst()
+
+
+def _compare_state(ranks: Sequence[dict[str, Any]], want: dict[str, torch.Tensor], keys: Sequence[str],
+                   step: int, tolerance: float) -> Worst:
+    return _worst(((name, r, value, want.get(name)) for r, rank in enumerate(ranks) for key in keys
+                   for name, value in rank[key][step].items() if name in want), tolerance)
+
+
+def _compare_step(
+    step: int, ranks: list[dict[str, Any]], loss: float, grads: dict[str, torch.Tensor],
+    replica_buffers: list[dict[str, torch.Tensor]], after: dict[str, torch.Tensor], tolerance: float,
+) -> StepComparison:
+    got_losses = [r["losses"][step] for r in ranks if r["losses"]]
+    loss_diff = max((abs(g - loss) / max(1.0, abs(loss)) for g in got_losses), default=float("inf"))
+    grad = _worst(((n, i, g, grads.get(n)) for i, r in enumerate(ranks) for n, g in r["grads"][step].items()),
+                  tolerance)
+    buffer = _worst(((n, i, b, replica_buffers[r["replica"]].get(n)) for i, r in enumerate(ranks)
+                     for n, b in r["buffers"][step + 1].items() if n in replica_buffers[r["replica"]]), tolerance)
+    param = _compare_state(ranks, after, ("params",), step + 1, tolerance)
+    return StepComparison(step + 1, loss, loss_diff, grad, buffer, param)
+
+
+def _result(
+    per_step: list[StepComparison], start: Worst, orphans: list[str], *, steps: int, tolerance: float,
+    dtype: str, plan: Plan, traits: ModelTraits, losses: list[float], places: tuple[str, ...],
+    neutralised: tuple[dict[str, int], dict[str, int]],
+) -> VerifyResult:
+    def worst_of(kind: str) -> tuple[float, str]:
+        best = max(per_step, key=lambda s: getattr(s, kind).value, default=None)
+        if best is None:
+            return 0.0, "-"
+        w: Worst = getattr(best, kind)
+        return w.value, (f"{w.where}, step {best.step}" if w.rank >= 0 else "-")
+
+    grad_diff, worst_grad = worst_of("grad")
+    param_diff, worst_param = worst_of("param")
+    buffer_diff, worst_buffer = worst_of("buffer")
     if orphans:  # a parameter no stage holds would never train
         param_diff, worst_param = float("inf"), f"{orphans[0]} is held by no rank"
-    return VerifyResult(steps, loss_diff, grad_diff, worst_grad, param_diff, worst_param, tolerance,
-                        tuple(reference["losses"]))
+        per_step = [dataclasses.replace(s, param=Worst(float("inf"), worst_param, f"{orphans[0]} (held by no rank)",
+                                                       -1, 1, 1)) if s.step == 1 else s for s in per_step]
+    layout = (f"{_plural(plan.dp, 'replica')} x {_plural(plan.microbatches, 'micro-batch', 'micro-batches')} "
+              f"of {plan.microbatch_size}")
+    return VerifyResult(
+        steps=steps,
+        max_loss_diff=max((s.loss_diff for s in per_step), default=float("inf")),
+        max_grad_diff=grad_diff, worst_grad=worst_grad,
+        max_param_diff=param_diff, worst_param=worst_param,
+        tolerance=tolerance, losses=tuple(losses),
+        max_buffer_diff=buffer_diff, worst_buffer=worst_buffer,
+        per_step=tuple(per_step), start_diff=start, dtype=dtype, layout=layout, traits=traits,
+        neutralised=neutralised, rank_places=places, pp=plan.pp,
+    )
 
 
 def _last_lines(text: str, n: int = 12) -> str:

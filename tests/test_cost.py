@@ -95,12 +95,6 @@ def test_progress_reports_every_node() -> None:
     assert [d for d, _ in seen] == list(range(1, total + 1))
 
 
-def test_scaled_is_linear() -> None:
-    cost = NodeCost(1.0, 2.0, 10.0, 20.0, 100, 300, "float32")
-    half = cost.scaled(0.5)
-    assert half == NodeCost(0.5, 1.0, 5.0, 10.0, 50, 150, "float32")
-
-
 # ----------------------------------------------------------------- roofline
 
 

@@ -4,7 +4,9 @@ The reference (``_brute.brute_force_intervals``) tries every split of the
 blocks, in their given order, into contiguous non-empty stages.  Without
 all-reduce terms the DP is documented as exact, so objectives must agree to
 rounding; with replicas it must still return a valid split no better than the
-reference and a valid lower bound.
+reference and a valid lower bound.  The same holds with per-stage
+recomputation and node-crossing links, for the interval DP and the down-set DP
+(against every assignment).
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import _brute
 import numpy as np
 import pytest
 
-from partitioner.interval import down_sets, interval_matrices, solve_intervals
+from partitioner.interval import down_sets, interval_matrices, solve_down_sets, solve_intervals
 from partitioner.problem import (
+    Partition,
     PartitionProblem,
     check_assignment,
+    choose_recompute,
     stage_costs,
+    stage_links,
     stage_memory,
     step_time,
 )
@@ -39,15 +44,21 @@ def close(a: float, b: float) -> bool:
 Case = _brute.Case
 
 
-def make_case(seed: int, *, replicas: bool = False) -> Case:
-    """Random problem: chains with skips mostly, some general DAGs, limits half the time."""
+def make_case(seed: int, *, replicas: bool = False, rich: bool = False, orders: bool = False) -> Case:
+    """Random problem: chains with skips mostly, some general DAGs, limits half the time.
+
+    ``rich``: mostly with recomputation and often on several nodes (``_brute.RICH``).
+    ``orders``: DAGs with several topological orders, limits drawn over every
+    assignment (for the down-set DP).
+    """
     return _brute.make_case(
         seed,
-        sizes=(1, 8),
-        kinds=("chain", "chain", "chain", "dag", "sparse"),
+        sizes=(3, 7) if orders else (1, 8),
+        kinds=("dag", "dag", "sparse") if orders else ("chain", "chain", "chain", "dag", "sparse"),
         several_ways=0.85,
         replicas=float(replicas),
-        intervals=True,
+        intervals=not orders,
+        **(_brute.RICH if rich else {}),
     )
 
 
@@ -60,33 +71,41 @@ def assert_valid(case: Case, stage_of: tuple[int, ...]) -> None:
     ), "memory limit exceeded"
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_matches_brute_force(seed: int) -> None:
-    case = make_case(seed)
-    expected = _brute.brute_force_intervals(
-        case.problem,
-        stages=case.stages,
-        microbatches=case.microbatches,
-        schedule=case.schedule,
-    )
-    got = solve_intervals(
-        case.problem,
-        stages=case.stages,
-        microbatches=case.microbatches,
-        schedule=case.schedule,
-    )
+def assert_priced_by_the_rule(case: Case, got: Partition) -> None:
+    """The partition's recomputation is the rule's, and its objective the step time with it."""
+    kw = {"microbatches": case.microbatches, "schedule": case.schedule}
+    assert got.recompute == choose_recompute(case.problem, got.stage_of, case.stages, **kw)  # type: ignore[arg-type]
+    value, _ = step_time(case.problem, got.stage_of, recompute=got.recompute, **kw)  # type: ignore[arg-type]
+    assert close(value, got.objective)
+    assert _brute.fits(case.problem, got.stage_of, case.stages, recompute=got.recompute, **kw)  # type: ignore[arg-type]
+
+
+def assert_exact(case: Case, got: Partition | None, expected: float | None) -> None:
+    """``got`` (a DP's answer) is None exactly when brute force finds nothing, else optimal and sound."""
     if expected is None:
         assert got is None
         return
     assert got is not None, f"DP found nothing, brute force {expected}"
     assert close(got.objective, expected), (got, expected)
-    assert_valid(case, got.stage_of)
-    value, _ = step_time(case.problem, got.stage_of, microbatches=case.microbatches)
-    assert close(value, got.objective)
+    assert check_assignment(case.problem, got.stage_of, case.stages) is None
+    assert_priced_by_the_rule(case, got)
     assert got.lower_bound <= got.objective * (1 + REL) + 1e-12
     assert got.lower_bound <= expected * (1 + REL) + 1e-12
     assert got.stages == case.stages
     assert got.status == "optimal"
+
+
+def check_interval_dp(case: Case) -> None:
+    kw = {"stages": case.stages, "microbatches": case.microbatches, "schedule": case.schedule}
+    got = solve_intervals(case.problem, **kw)  # type: ignore[arg-type]
+    assert_exact(case, got, _brute.brute_force_intervals(case.problem, **kw))  # type: ignore[arg-type]
+    if got is not None:
+        assert_valid(case, got.stage_of)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_matches_brute_force(seed: int) -> None:
+    check_interval_dp(make_case(seed))
 
 
 @pytest.mark.parametrize("seed", range(1000, 1040))
@@ -276,3 +295,123 @@ def test_down_sets_stop_at_the_limit_on_a_wide_graph() -> None:
     start = time.perf_counter()
     assert down_sets(wide, limit=2000) is None
     assert time.perf_counter() - start < 2.0
+
+
+# --------------------------------------------------------------------------- recomputation and topology
+#
+# No all-reduce terms (the DPs are exact only without them); the all-reduce latency may
+# still differ between stages (a constant of the stage count: every split has every stage).
+
+RICH_SEEDS = range(2000, 2100)
+
+
+@pytest.mark.parametrize("seed", RICH_SEEDS)
+def test_matches_brute_force_with_recompute_and_topology(seed: int) -> None:
+    check_interval_dp(make_case(seed, rich=True))
+
+
+@pytest.mark.parametrize("seed", range(3000, 3100))
+def test_down_set_dp_matches_brute_force_with_recompute_and_topology(seed: int) -> None:
+    """Over every assignment (not only intervals of the given order)."""
+    case = make_case(seed, rich=True, orders=True)
+    kw = {"stages": case.stages, "microbatches": case.microbatches, "schedule": case.schedule}
+    member = down_sets(case.problem, limit=1 << case.problem.size)
+    assert member is not None
+    got = solve_down_sets(case.problem, member, **kw)  # type: ignore[arg-type]
+    assert_exact(case, got, _brute.brute_force(case.problem, **kw))  # type: ignore[arg-type]
+
+
+def test_rich_cases_cover_recomputation_and_crossings() -> None:
+    """The cases above recompute in some but not all stages, cross nodes, and are sometimes infeasible."""
+    some_recompute = mixed = crossing = infeasible = modes = 0
+    seen_modes = set()
+    for seed in RICH_SEEDS:
+        case = make_case(seed, rich=True)
+        kw = {"stages": case.stages, "microbatches": case.microbatches, "schedule": case.schedule}
+        best = _brute.brute_force_intervals_assignment(case.problem, **kw)  # type: ignore[arg-type]
+        seen_modes.add(case.problem.recompute if case.problem.recompute_bytes is not None else "-")
+        inbound, _ = stage_links(case.problem, case.stages)
+        crossing += any(inbound) and case.problem.transfer_slow_s is not None
+        if best is None:
+            infeasible += 1
+            continue
+        rule = choose_recompute(case.problem, best[1], case.stages, microbatches=case.microbatches,
+                                schedule=case.schedule)
+        some_recompute += any(rule) and case.problem.recompute == "auto"
+        mixed += any(rule) and not all(rule)
+    modes = len(seen_modes)
+    assert some_recompute >= 10
+    assert mixed >= 5
+    assert crossing >= 20
+    assert infeasible >= 5
+    assert modes == 4  # auto, none, full and no recomputation costs
+
+
+recompute_chain = _brute.recompute_chain
+
+
+def test_recompute_needed_in_stage_0_only() -> None:
+    """1F1B, P = 2, M = 4: stage 0 holds 2 micro-batches in flight, stage 1 holds 1; limit 25.
+
+    Cut after block 1: stage 0 keeps 2 x 20 = 40 > 25, recomputed 2 x 4 + 10 = 18: recomputes,
+    3 s; stage 1 keeps 1 x 20 = 20: 2 s.  Step 5 + 3 x 3 = 14.
+    Cut after block 0: stage 1 keeps 30 > 25, recomputed 6 + 10 = 16: 4.5 s; step 5.5 + 3 x 4.5 = 19.
+    Cut after block 2: stage 0 keeps 60, recomputed 2 x 6 + 10 = 22: 4.5 s; step 19.
+    """
+    result = solve_intervals(recompute_chain(), stages=2, microbatches=4, schedule="1f1b")
+    assert result is not None
+    assert result.stage_of == (0, 0, 1, 1)
+    assert result.recompute == (True, False)
+    assert result.objective == pytest.approx(14.0)
+
+
+def test_recompute_none_or_full_on_the_same_problem() -> None:
+    # "none": no cut keeps every stage under 25 (40, 30, 60 on the fuller stage): infeasible.
+    none = recompute_chain(recompute="none")
+    assert solve_intervals(none, stages=2, microbatches=4, schedule="1f1b") is None
+    # "full": both stages recompute; cut after 1: 3 | 3 s, step 6 + 3 x 3 = 15 (stage 1: 1 x 4 + 10 = 14).
+    full = solve_intervals(recompute_chain(recompute="full"), stages=2, microbatches=4, schedule="1f1b")
+    assert full is not None
+    assert full.stage_of == (0, 0, 1, 1) and full.recompute == (True, True)
+    assert full.objective == pytest.approx(15.0)
+
+
+def test_infeasible_even_with_recompute() -> None:
+    """Limit 15: cut after 1 recomputed needs 18 in stage 0; after 0, stage 1 needs 16; after 2, 22."""
+    assert solve_intervals(recompute_chain(memory_limit=15.0), stages=2, microbatches=4, schedule="1f1b") is None
+
+
+def test_topology_moves_the_cut_to_the_cheaper_crossing() -> None:
+    """Two replicas per stage, two GPUs per node: stage 1 is on the other node, its inbound link crosses.
+
+    Times 2 each, M = 4, transfers 0.1 intra-node; inter-node 5, 5, 0.5.
+    One node: cut after 1 (4 | 4.1): 8.1 + 3 x 4.1 = 20.4, best.
+    Two nodes: after 0: 2 | 11 -> 46; after 1: 4 | 9 -> 40; after 2: 6 | 2.5 -> 8.5 + 18 = 26.5, best.
+    """
+    one_node = chain((2.0,) * 4, transfer_s=(0.1, 0.1, 0.1, 0.0), transfer_slow_s=(5.0, 5.0, 0.5, 0.0), replicas=2)
+    result = solve_intervals(one_node, stages=2, microbatches=4)
+    assert result is not None and result.stage_of == (0, 0, 1, 1)
+    assert result.objective == pytest.approx(20.4)
+    two_nodes = dataclasses.replace(one_node, gpus_per_node=2)
+    result = solve_intervals(two_nodes, stages=2, microbatches=4)
+    assert result is not None and result.stage_of == (0, 0, 0, 1)
+    assert result.objective == pytest.approx(26.5)
+
+
+def test_topology_only_the_crossing_boundary_pays() -> None:
+    """Three stages, one GPU each, two per node: boundary 0->1 stays on node 0, 1->2 crosses.
+
+    Six blocks of 1 s, transfers 0.1 inside a node, 3 across except 0.2 after block 3: the
+    crossing cut goes after block 3 (stages 2 | 2.1 | 2.2), the other where the balance is best.
+    """
+    problem = chain(
+        (1.0,) * 6,
+        transfer_s=(0.1,) * 6,
+        transfer_slow_s=(3.0, 3.0, 3.0, 0.2, 3.0, 3.0),
+        gpus_per_node=2,
+    )
+    assert stage_links(problem, 3)[0] == (False, False, True)
+    result = solve_intervals(problem, stages=3, microbatches=4)
+    assert result is not None
+    assert result.stage_of == (0, 0, 1, 1, 2, 2)
+    assert result.objective == pytest.approx(6.3 + 3 * 2.2)

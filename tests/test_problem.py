@@ -14,9 +14,12 @@ import pytest
 from partitioner.problem import (
     Partition,
     PartitionProblem,
+    allreduce_latencies,
     check_assignment,
+    choose_recompute,
     in_flight,
     stage_costs,
+    stage_links,
     stage_memory,
     step_time,
 )
@@ -269,3 +272,178 @@ def test_partition_gap() -> None:
     assert partition(10.0, 10.0).gap == 0.0
     assert partition(0.0, 0.0).gap == 0.0
     assert partition(10.0, 11.0).gap == 0.0  # never negative
+
+
+# --------------------------------------------------------------------------- topology
+
+
+def two_nodes(**changes: object) -> PartitionProblem:
+    """The diamond on 2 replicas per stage and 3 GPUs per node, inter-node prices 10x.
+
+    Ranks: stage 0 = 0, 1 (node 0); stage 1 = 2, 3 (nodes 0 | 1); stage 2 = 4, 5 (node 1).
+    Inbound links: 0 -> 1 replica 1 goes 1 -> 3 (node 0 -> 1): crosses; 1 -> 2 replica 0
+    goes 2 -> 4 (node 0 -> 1): crosses.  All-reduce: only stage 1's spans nodes.
+    """
+    fields: dict[str, object] = {
+        "replicas": 2,
+        "gpus_per_node": 3,
+        "transfer_slow_s": (5.0, 2.5, 1.25, 80.0),
+        "allreduce_slow_s": (1.0, 2.0, 3.0, 4.0),
+        "allreduce_latency_s": 0.01,
+        "allreduce_latency_slow_s": 0.5,
+    }
+    return diamond(**{**fields, **changes})
+
+
+def test_stage_links_two_nodes() -> None:
+    inbound, allreduce = stage_links(two_nodes(), 3)
+    assert inbound == (False, True, True)
+    assert allreduce == (False, True, False)
+    assert allreduce_latencies(two_nodes(), 3) == (0.01, 0.5, 0.01)
+
+
+def test_stage_links_one_replica_per_stage() -> None:
+    # 2 GPUs per node, one rank per stage: stages 0, 1 | 2, 3 | 4: boundaries 1->2 and 3->4 cross.
+    problem = diamond(gpus_per_node=2)
+    assert stage_links(problem, 5) == ((False, False, True, False, True), (False,) * 5)
+
+
+def test_stage_costs_inter_node_prices() -> None:
+    # stage 1 = {1, 2} receives block 0 at the slow price 5 (not 0.5): 2 + 3 + 5 = 10.
+    # stage 2 = {3} receives blocks 1, 2 at 2.5 + 1.25: 4 + 3.75 = 7.75.
+    # All-reduce: stage 0 fast 0.1; stage 1 slow 2 + 3 = 5; stage 2 fast 0.4.
+    times, allreduce = stage_costs(two_nodes(), (0, 1, 1, 2), 3)
+    assert times == pytest.approx([1.0, 10.0, 7.75])
+    assert allreduce == pytest.approx([0.1, 5.0, 0.4])
+
+
+def test_step_time_latency_per_stage() -> None:
+    # sum t = 18.75; (M-1) max t = 2 * 10 = 20; max(a + latency) = max(0.11, 5.5, 0.41) = 5.5.
+    total, _ = step_time(two_nodes(), (0, 1, 1, 2), microbatches=3)
+    assert total == pytest.approx(44.25)
+
+
+def test_shared_parameter_slow_where_its_stage_crosses() -> None:
+    # Shared (fast 0.05, slow 0.7) read on stages 0 and 1: stage 0 pays 0.05, stage 1 (crossing) 0.7.
+    problem = two_nodes(shared=((100.0, 0.05, (0, 2)),), shared_slow_allreduce_s=(0.7,))
+    _, allreduce = stage_costs(problem, (0, 1, 1, 2), 3)
+    assert allreduce == pytest.approx([0.15, 5.7, 0.4])
+
+
+def test_slow_prices_unused_on_one_node() -> None:
+    """Slow prices without gpus_per_node (one node) change nothing: today's numbers exactly."""
+    one_node = two_nodes(gpus_per_node=None)
+    for stage_of in [(0, 1, 1, 2), (0, 0, 1, 1), (0, 0, 0, 0)]:
+        stages = max(stage_of) + 1
+        plain = diamond(allreduce_latency_s=0.01)
+        assert stage_costs(one_node, stage_of, stages) == stage_costs(plain, stage_of, stages)
+        assert step_time(one_node, stage_of, microbatches=3) == step_time(plain, stage_of, microbatches=3)
+
+
+def test_one_gpu_per_node_without_slow_prices_changes_nothing() -> None:
+    problem = diamond(gpus_per_node=1)  # every link crosses, but no slow prices are given
+    assert step_time(problem, (0, 1, 1, 2), microbatches=3) == step_time(diamond(), (0, 1, 1, 2), microbatches=3)
+
+
+# --------------------------------------------------------------------------- recomputation
+
+
+def recomputable(**changes: object) -> PartitionProblem:
+    """The diamond with recomputation costs: kept bytes 0.5 per block, extra seconds 0.5, 1, 1.5, 2."""
+    return diamond(
+        recompute_bytes=(0.5, 0.5, 0.5, 0.5),
+        recompute_s=(0.5, 1.0, 1.5, 2.0),
+        recompute="auto",
+        **changes,
+    )
+
+
+def test_stage_memory_recomputed() -> None:
+    # 1f1b, M = 4, in flight 3, 2, 1.  Recomputed: static + in flight x kept + largest activation.
+    # stage 0: 10 + 3*0.5 + 1 = 12.5; stage 1: 50 + 2*1.0 + 3 = 55; stage 2: 40 + 1*0.5 + 4 = 44.5.
+    memory = stage_memory(
+        recomputable(), (0, 1, 1, 2), 3, microbatches=4, schedule="1f1b", recompute=(True, True, True)
+    )
+    assert memory == pytest.approx([12.5, 55.0, 44.5])
+    # Mixed: stage 1 only.  Kept stages as before (13, 44).
+    memory = stage_memory(
+        recomputable(), (0, 1, 1, 2), 3, microbatches=4, schedule="1f1b", recompute=(False, True, False)
+    )
+    assert memory == pytest.approx([13.0, 55.0, 44.0])
+
+
+def test_stage_costs_recomputed_adds_a_forward() -> None:
+    # Stage 1 recomputes: 5.5 + 1 + 1.5 = 8; the others as before.  All-reduce unchanged.
+    times, allreduce = stage_costs(recomputable(), (0, 1, 1, 2), 3, recompute=(False, True, False))
+    assert times == pytest.approx([1.0, 8.0, 4.375])
+    assert allreduce == pytest.approx([0.1, 0.5, 0.4])
+    # sum 13.375 + 2 * 8 + 0.5
+    total, _ = step_time(recomputable(), (0, 1, 1, 2), microbatches=3, recompute=(False, True, False))
+    assert total == pytest.approx(29.875)
+
+
+def test_choose_recompute_auto_only_where_keeping_does_not_fit() -> None:
+    # Kept (1f1b, M = 4): 13, 60, 44.  Recomputed: 12.5, 55, 44.5.  Limit 58: only stage 1 recomputes.
+    problem = recomputable(memory_limit=58.0)
+    assert choose_recompute(problem, (0, 1, 1, 2), 3, microbatches=4, schedule="1f1b") == (False, True, False)
+    # step_time and stage_memory apply the same rule when no choice is given.
+    memory = stage_memory(problem, (0, 1, 1, 2), 3, microbatches=4, schedule="1f1b")
+    assert memory == pytest.approx([13.0, 55.0, 44.0])
+    total, _ = step_time(problem, (0, 1, 1, 2), microbatches=4, schedule="1f1b")
+    assert total == pytest.approx(13.375 + 3 * 8.0 + 0.5)
+    # Limit 54: stage 1 fits neither way; it keeps (and the split does not fit).
+    problem = recomputable(memory_limit=54.0)
+    assert choose_recompute(problem, (0, 1, 1, 2), 3, microbatches=4, schedule="1f1b") == (False, False, False)
+    # No limit: keeping always fits.
+    assert choose_recompute(recomputable(), (0, 1, 1, 2), 3, microbatches=4, schedule="1f1b") == (False,) * 3
+
+
+def test_choose_recompute_modes() -> None:
+    tight = recomputable(memory_limit=58.0)
+    kw: dict[str, object] = {"microbatches": 4, "schedule": "1f1b"}
+    assert choose_recompute(dataclasses.replace(tight, recompute="none"), (0, 1, 1, 2), 3, **kw) == (False,) * 3  # type: ignore[arg-type]
+    assert choose_recompute(dataclasses.replace(tight, recompute="full"), (0, 1, 1, 2), 3, **kw) == (True,) * 3  # type: ignore[arg-type]
+    # Without recomputation costs no stage can recompute, whatever the mode.
+    bare = diamond(recompute="full")
+    assert choose_recompute(bare, (0, 1, 1, 2), 3, **kw) == (False,) * 3  # type: ignore[arg-type]
+    assert step_time(bare, (0, 1, 1, 2), microbatches=3) == step_time(diamond(), (0, 1, 1, 2), microbatches=3)
+
+
+def test_recompute_choice_is_checked() -> None:
+    with pytest.raises(ValueError, match="one per stage"):
+        step_time(recomputable(), (0, 1, 1, 2), microbatches=3, recompute=(True, False))
+    with pytest.raises(ValueError, match="no recompute_bytes"):
+        stage_costs(diamond(), (0, 1, 1, 2), 3, recompute=(True, False, False))
+    with pytest.raises(ValueError, match="microbatches"):
+        stage_costs(recomputable(memory_limit=58.0), (0, 1, 1, 2), 3)
+    # An empty choice (a Partition without one) means the rule.
+    assert stage_costs(recomputable(), (0, 1, 1, 2), 3, recompute=()) == stage_costs(diamond(), (0, 1, 1, 2), 3)
+
+
+def test_partition_recompute_defaults_to_empty() -> None:
+    assert partition(1.0, 1.0).recompute == ()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("transfer_slow_s", (1.0,), "transfer_slow_s"),
+        ("allreduce_slow_s", (1.0,) * 5, "allreduce_slow_s"),
+        ("recompute_bytes", (1.0,) * 3, "recompute_bytes"),
+        ("shared_slow_allreduce_s", (1.0,), "one per shared"),
+        ("recompute", "sometimes", "recompute"),
+        ("replicas", 0, "replicas"),
+        ("gpus_per_node", 0, "gpus_per_node"),
+    ],
+)
+def test_problem_rejects_bad_optional_fields(field: str, value: object, match: str) -> None:
+    changes: dict[str, object] = {field: value}
+    if field == "recompute_bytes":
+        changes["recompute_s"] = (1.0,) * 4
+    with pytest.raises(ValueError, match=match):
+        diamond(**changes)
+
+
+def test_problem_wants_both_recompute_tuples() -> None:
+    with pytest.raises(ValueError, match="both or neither"):
+        diamond(recompute_bytes=(1.0,) * 4)

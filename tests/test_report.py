@@ -60,6 +60,7 @@ def pipeline_plan(stages: int = 4, microbatches: int = 8, *, dp: int = 2, kind: 
                     Candidate(stages // 2, dp * 2, 0.09, "feasible", "ilp, gap 2.0%")),
         tied=(TiedParameter("wte.weight", ("wte.weight", "lm_head.weight"), (0, stages - 1)),),
         stage_code=tuple(f"# stage {s}\n" for s in range(stages)),
+        gpus_per_node=stages * dp,
     )
 
 
@@ -85,14 +86,14 @@ def test_report_from_a_saved_plan(tmp_path: Path) -> None:
 def test_report_sections_for_a_replicated_pipeline() -> None:
     plan = pipeline_plan()
     text = report_markdown(plan, directory="out")
-    for heading in ("## Summary", "## Stages", "## Simulation", "## Shapes considered", "## Solver",
-                    "## Tied parameters", "## Rank layout", "## Commands"):
+    for heading in ("## Summary", "## Assumptions", "## Stages", "## Simulation", "## Combinations considered",
+                    "## Solver", "## Tied parameters", "## Rank layout", "## Commands"):
         assert heading in text
     assert "8 = 4 pipeline stages (pp) x 2 data-parallel replicas (dp)" in text
     assert "| 7 | 3 | 1 |" in text  # rank 7 is stage 3's second replica
     assert "`wte.weight`, `lm_head.weight`" in text
     assert "no split fits in memory" in text
-    assert "4 x 2 won with the lowest predicted step time" in text and "+50.0%" in text
+    assert "4 x 2, M = 8, 1f1b won with the lowest predicted step time" in text and "+50.0%" in text
     assert "--nproc-per-node 8" in text
     assert "peak memory (simulated)" in text and "differs" not in text  # simulation agrees with the plan
 

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from typing import Any
 
 import pytest
 
+from partitioner.commcost import Link
 from partitioner.errors import ScheduleError
-from partitioner.plan import example_plan
+from partitioner.plan import Boundary, Plan, example_plan
 from partitioner.schedule import Schedule, compute_order, lower, parse_actions
 from partitioner.simulate import (
     allreduce_buckets,
+    boundary_seconds,
     bucket_count,
     chain_topology,
     message_seconds,
+    plan_links,
     simulate,
     simulate_schedule,
+    stage_static_bytes,
     transfer_matrix,
 )
 
@@ -173,3 +179,79 @@ def test_simulate_example_plan() -> None:
     assert len(sim.events) == sum(len(row) for row in plan.actions)
     assert sim.peak_memory_bytes == pytest.approx((64 * 4 + 2 * 32.0,) * 2)
     assert 0 < sim.bubble_fraction < 1
+
+
+# ----------------------------------------------------------------- topology, precision, recomputation
+
+
+def _with(obj: Any, **fields: Any) -> Any:
+    """``dataclasses.replace`` that also sets the issue-8 fields a plan may not carry yet."""
+    names = {f.name for f in dataclasses.fields(obj)}
+    out = dataclasses.replace(obj, **{k: v for k, v in fields.items() if k in names})
+    for key, value in fields.items():
+        if key not in names:
+            object.__setattr__(out, key, value)  # read back with getattr defaults by simulate
+    return out
+
+
+def _two_nodes(plan: Plan, *, gpus_per_node: int, precision: str = "fp32") -> Plan:
+    # A slow network: 100 kB/s and 100 µs between nodes; 1 GB/s and 60 µs inside one.
+    cost_model = _with(plan.cost_model, inter_node_bandwidth=1e5, inter_node_latency=1e-4)
+    return _with(plan, cost_model=cost_model, gpus_per_node=gpus_per_node, precision=precision)
+
+
+def test_a_cross_node_message_is_priced_on_the_inter_node_link() -> None:
+    plan = example_plan()  # GPipe, 2 stages x 2 micro-batches, f = 1 ms, b = 2 ms, one 32-byte fp32 boundary
+    f, b = 1e-3, 2e-3
+    intra, inter = plan_links(_two_nodes(plan, gpus_per_node=1))
+    assert inter == Link(1e5, 1e-4) and intra == Link(1e9, 6e-5)
+    # One GPU per node: stage 0 (rank 0) and stage 1 (rank 1) are on two nodes.
+    c = 1e-4 + 32 / 1e5  # 420 µs, below f and b: every message but the first of each way hides
+    assert simulate(_two_nodes(plan, gpus_per_node=1)).step_s == pytest.approx(3 * (f + b) + 2 * c)
+    # Both ranks on one node: the NVLink-like link.
+    c = 6e-5 + 32 / 1e9
+    assert simulate(_two_nodes(plan, gpus_per_node=2)).step_s == pytest.approx(3 * (f + b) + 2 * c)
+    # bf16: the float32 boundary travels as 16 bytes.
+    c = 1e-4 + 16 / 1e5
+    assert simulate(_two_nodes(plan, gpus_per_node=1, precision="bf16-mixed")).step_s == pytest.approx(
+        3 * (f + b) + 2 * c)
+
+
+def test_boundary_seconds_follow_the_ranks() -> None:
+    # 4 stages x dp 2 on 4-GPU nodes: ranks 0-1, 2-3 | 4-5, 6-7: only stage 1 -> 2 crosses.
+    plan = example_plan()
+    spec = Boundary("x", (4,), "float32", 0, 1)
+    stages = []
+    for s in range(4):
+        outputs = (dataclasses.replace(spec, source=s, target=s + 1),) if s < 3 else ()
+        inputs = (dataclasses.replace(spec, source=s - 1, target=s),) if s else ()
+        stages.append(dataclasses.replace(plan.stages[0], index=s, ranks=(2 * s, 2 * s + 1),
+                                          inputs=inputs, outputs=outputs))
+    wide = _two_nodes(dataclasses.replace(plan, stages=tuple(stages), pp=4, dp=2, gpus=8), gpus_per_node=4)
+    seconds = boundary_seconds(wide)
+    fast, slow = 6e-5 + 16 / 1e9, 1e-4 + 16 / 1e5
+    assert [seconds[s][s + 1] for s in range(3)] == pytest.approx([fast, slow, fast])
+
+
+def test_static_bytes_follow_the_precision() -> None:
+    # 64 bytes of float32 parameters per stage = 16 elements.
+    plan = dataclasses.replace(example_plan(), model=dataclasses.replace(example_plan().model, parameters=32))
+    assert stage_static_bytes(plan) == [64 * 4] * 2  # fp32, Adam: x (2 + 2)
+    assert stage_static_bytes(_with(plan, precision="bf16-mixed")) == [16 * 16] * 2
+    assert stage_static_bytes(_with(plan, precision="bf16")) == [16 * 8] * 2
+    sgd = dataclasses.replace(plan, cost_model=dataclasses.replace(plan.cost_model, optimizer_states=1))
+    assert stage_static_bytes(_with(sgd, precision="bf16")) == [16 * 6] * 2
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_recomputed_activations_live_during_backward(kind: str) -> None:
+    # Kept per micro-batch 7 bytes (block inputs); each backward re-makes 50 bytes of activations.
+    stages, microbatches, static = 2, 4, 100.0
+    sim = simulate_schedule(
+        _schedule(kind, stages, microbatches), forward_s=[1.0] * stages, backward_s=[2.0] * stages,
+        static_bytes=[static] * stages, activation_bytes=[7.0] * stages, backward_bytes=[50.0] * stages,
+    )
+    in_flight = [microbatches if kind == "gpipe" else min(microbatches, stages - s) for s in range(stages)]
+    assert list(sim.peak_memory_bytes) == pytest.approx([static + n * 7.0 + 50.0 for n in in_flight])
+    for points in sim.memory:
+        assert points[-1][1] == pytest.approx(static)

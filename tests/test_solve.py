@@ -8,6 +8,10 @@ lower bound.
 
 The tests at the end (``test_bug_*``) pin down solver bugs found while writing
 these; they fail until the solver is fixed.
+
+The same holds with per-stage recomputation (auto, none, full) and links that
+cross nodes (``test_*_with_recompute_and_topology`` and the hand-computed cases
+after it).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from partitioner.problem import (
     Partition,
     PartitionProblem,
     check_assignment,
+    choose_recompute,
+    stage_links,
     stage_memory,
     step_time,
 )
@@ -46,15 +52,19 @@ def close(a: float, b: float) -> bool:
 Case = _brute.Case
 
 
-def make_case(seed: int) -> Case:
-    """A random small DAG: general, sparse, or a chain with skips; limits, sharing, replicas."""
+def make_case(seed: int, *, rich: bool = False) -> Case:
+    """A random small DAG: general, sparse, or a chain with skips; limits, sharing, replicas.
+
+    ``rich``: mostly with recomputation and often on several nodes (``_brute.RICH``).
+    """
+    chances: _brute.Chances = _brute.RICH if rich else {"limit": 0.4}
     return _brute.make_case(
         seed,
         sizes=(3, 7),
         kinds=("dag", "dag", "sparse", "sparse", "chain"),
         replicas=0.3,
-        limit=0.4,
         intervals=False,
+        **chances,
     )
 
 
@@ -68,7 +78,9 @@ def assert_sound(case: Case, result: Partition, expected: float) -> None:
     )
     if problem.memory_limit is not None:
         assert max(memory) <= problem.memory_limit, (memory, problem.memory_limit)
-    value, _ = step_time(problem, result.stage_of, microbatches=microbatches)
+    rule = choose_recompute(problem, result.stage_of, stages, microbatches=microbatches, schedule=case.schedule)
+    assert result.recompute == rule
+    value, _ = step_time(problem, result.stage_of, microbatches=microbatches, recompute=rule)
     assert close(value, result.objective)
     assert close(result.objective, expected), (result, expected)
     assert result.lower_bound <= result.objective + 1e-9
@@ -79,9 +91,8 @@ def assert_sound(case: Case, result: Partition, expected: float) -> None:
 SEEDS = range(80)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_solve_and_ilp_match_brute_force(seed: int) -> None:
-    case = make_case(seed)
+def check_solvers(case: Case) -> None:
+    """``solve_ilp`` and ``solve`` both reach the brute-force optimum, or both find nothing."""
     p, m, kind = case.stages, case.microbatches, case.schedule
     expected = _brute.brute_force(case.problem, stages=p, microbatches=m, schedule=kind)
     by_ilp = solve_ilp(case.problem, stages=p, microbatches=m, schedule=kind)
@@ -94,6 +105,11 @@ def test_solve_and_ilp_match_brute_force(seed: int) -> None:
     assert by_solve is not None, f"solve found nothing, brute force {expected}"
     assert_sound(case, by_ilp, expected)
     assert_sound(case, by_solve, expected)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_solve_and_ilp_match_brute_force(seed: int) -> None:
+    check_solvers(make_case(seed))
 
 
 def test_generator_covers_the_interesting_cases() -> None:
@@ -433,3 +449,193 @@ def test_down_set_dp_is_exact_without_the_ilp() -> None:
     assert result is not None
     assert result.solver == "down-set-dp" and result.status == "optimal"
     assert close(result.objective, 18.0) and close(result.lower_bound, 18.0)
+
+
+# --------------------------------------------------------------------------- recomputation and topology
+
+
+RICH_SEEDS = range(5000, 5100)
+
+
+@pytest.mark.parametrize("seed", RICH_SEEDS)
+def test_solve_and_ilp_match_brute_force_with_recompute_and_topology(seed: int) -> None:
+    check_solvers(make_case(seed, rich=True))
+
+
+def test_rich_cases_cover_the_ilp_paths() -> None:
+    """The cases above reach the ILP with recomputation binaries and with links that cross."""
+    auto_ilp = crossing_allreduce = recomputed = 0
+    for seed in RICH_SEEDS:
+        case = make_case(seed, rich=True)
+        problem = case.problem
+        replicated = any(a > 0 for a in problem.allreduce_s)
+        auto_ilp += replicated and problem.recompute == "auto" and problem.memory_limit is not None
+        _, allreduce = stage_links(problem, case.stages)
+        crossing_allreduce += replicated and any(allreduce)
+        best = _brute.brute_force_assignment(
+            problem, stages=case.stages, microbatches=case.microbatches, schedule=case.schedule
+        )
+        if best is not None:
+            rule = choose_recompute(
+                problem, best[1], case.stages, microbatches=case.microbatches, schedule=case.schedule
+            )
+            recomputed += any(rule) and problem.recompute == "auto"
+    assert auto_ilp >= 8
+    assert crossing_allreduce >= 5
+    assert recomputed >= 10
+
+
+recompute_chain = _brute.recompute_chain
+
+
+def test_ilp_recomputes_in_stage_0_only() -> None:
+    """1F1B, P = 2, M = 4 (stage 0: 2 in flight, stage 1: 1).  Worked out in test_interval.py:
+    cut after block 1, stage 0 recomputes (18 bytes, 3 s), stage 1 keeps (20 bytes, 2 s): 14."""
+    for result in (
+        solve_ilp(recompute_chain(), stages=2, microbatches=4, schedule="1f1b"),
+        solve(recompute_chain(), stages=2, microbatches=4, schedule="1f1b"),
+        solve(recompute_chain(), stages=2, microbatches=4, schedule="1f1b", use_ilp=True),
+    ):
+        assert result is not None
+        assert result.stage_of == (0, 0, 1, 1)
+        assert result.recompute == (True, False)
+        assert result.objective == pytest.approx(14.0)
+        assert result.status == "optimal"
+
+
+def test_ilp_recompute_full_and_one_stage() -> None:
+    # "full", one stage, M = 2 (gpipe): 4 + 4 x 0.5 = 6 s a micro-batch, 12 s; memory 2 x 8 + 10 = 26.
+    full = recompute_chain(recompute="full", memory_limit=26.0)
+    result = solve_ilp(full, stages=1, microbatches=2)
+    assert result is not None
+    assert result.recompute == (True,)
+    assert result.objective == pytest.approx(12.0)
+    assert solve_ilp(dataclasses.replace(full, memory_limit=25.0), stages=1, microbatches=2) is None
+
+
+def test_infeasible_even_with_recompute() -> None:
+    """Limit 15: no cut fits however the stages choose (18, 16, 22 bytes on the fuller stage)."""
+    tight = recompute_chain(memory_limit=15.0)
+    assert solve_ilp(tight, stages=2, microbatches=4, schedule="1f1b") is None
+    assert solve(tight, stages=2, microbatches=4, schedule="1f1b") is None
+    assert solve(tight, stages=2, microbatches=4, schedule="1f1b", use_ilp=True) is None
+
+
+def test_heavy_allreduce_stays_off_the_crossing_stage() -> None:
+    """Two replicas per stage, three GPUs per node: stage 0 (ranks 0, 1) is on node 0, stage 1
+    (ranks 2, 3) spans nodes 0 and 1, so its all-reduce pays the inter-node price.
+
+    Blocks 0 and 1 (2 s each) feed block 2 (2 s); block 0 all-reduces in 1 s (5 s across
+    nodes), M = 2.  (0, 1, 1) and (0, 0, 1): 2 | 4 or 4 | 2, 6 + 4 + 1 = 11; (1, 0, 1) puts
+    block 0 on the crossing stage: 6 + 4 + 5 = 15.  Without the topology all three tie at 11.
+    """
+    problem = no_costs(
+        3,
+        time_s=(2.0, 2.0, 2.0),
+        allreduce_s=(1.0, 0.0, 0.0),
+        allreduce_slow_s=(5.0, 0.0, 0.0),
+        edges=((0, 2), (1, 2)),
+        replicas=2,
+        gpus_per_node=3,
+    )
+    assert step_time(problem, (1, 0, 1), microbatches=2)[0] == pytest.approx(15.0)
+    for result in (solve_ilp(problem, stages=2, microbatches=2), solve(problem, stages=2, microbatches=2)):
+        assert result is not None
+        assert result.stage_of[0] == 0
+        assert result.objective == pytest.approx(11.0)
+        assert result.status == "optimal"
+
+
+def test_slower_latency_on_the_crossing_stage_is_charged_once() -> None:
+    """Latency per stage (0.1 on node 0, 2 where the all-reduce crosses) adds its maximum, 2,
+    whatever the split: every split has every stage."""
+    problem = no_costs(
+        3,
+        time_s=(2.0, 2.0, 2.0),
+        edges=((0, 2), (1, 2)),
+        replicas=2,
+        gpus_per_node=3,
+        allreduce_latency_s=0.1,
+        allreduce_latency_slow_s=2.0,
+    )
+    # Best split 2 | 4 or 4 | 2: 6 + 4 = 10, plus 2.
+    for result in (solve_ilp(problem, stages=2, microbatches=2), solve(problem, stages=2, microbatches=2)):
+        assert result is not None
+        assert result.objective == pytest.approx(12.0)
+        assert close(result.lower_bound, 12.0)
+
+
+def test_recomputation_is_per_stage_not_per_block() -> None:
+    """A stage recomputes all its blocks or none: recomputing only the cheap block is no option.
+
+    1F1B, M = 2, P = 2 (stage 0: 2 in flight, stage 1: 1); limit 16.  Block 0: 1 s, 10 bytes
+    of activations, kept 0 when recomputed, 0.1 s more; block 1: 1 s, 3 bytes, kept 2.5, 5 s more;
+    block 2: 2 s, 1 byte.  {0, 1} | {2}: stage 0 keeps 26 > 16, recomputes both (2 x 2.5 + 10 = 15):
+    7.1 s, step 7.1 + 2 + 7.1 = 16.2 (recomputing block 0 alone, 16 bytes, would give 6.2).
+    {0} | {1, 2}: stage 0 recomputes (10 bytes) 1.1 s, stage 1 keeps 4 bytes, 3 s: 1.1 + 3 + 3 = 7.1.
+    """
+    problem = no_costs(
+        3,
+        time_s=(1.0, 1.0, 2.0),
+        activation_bytes=(10.0, 3.0, 1.0),
+        edges=((0, 1), (1, 2)),
+        recompute_bytes=(0.0, 2.5, 1.0),
+        recompute_s=(0.1, 5.0, 1.0),
+        recompute="auto",
+        memory_limit=16.0,
+    )
+    result = solve_ilp(problem, stages=2, microbatches=2, schedule="1f1b")
+    assert result is not None
+    assert result.stage_of == (0, 1, 1) and result.recompute == (True, False)
+    assert result.objective == pytest.approx(7.1)
+
+
+def test_bug_ilp_keeps_a_stage_just_over_the_limit() -> None:
+    """Keeping overshoots the limit by 10 bytes in 1e12 (inside HiGHS's tolerance, outside ours):
+    the split must then be priced recomputed, not thrown away.
+
+    GPipe, M = 2.  {0, 1} | {2}: stage 0 keeps 2 x (2 x 2.5e11 + 5) = 1e12 + 10 bytes, so it
+    recomputes (2 x 2 + 2.5e11 bytes): 2.2 | 2 s, step 6.4.  {0} | {1, 2}: 1 | 3, step 7.
+    """
+    a = 2.5e11 + 2.5
+    problem = no_costs(
+        3,
+        time_s=(1.0, 1.0, 2.0),
+        activation_bytes=(a, a, 0.0),
+        edges=((0, 1), (1, 2)),
+        recompute_bytes=(1.0, 1.0, 0.0),
+        recompute_s=(0.1, 0.1, 0.0),
+        recompute="auto",
+        memory_limit=1e12,
+    )
+    result = solve_ilp(problem, stages=2, microbatches=2)
+    assert result is not None
+    assert result.stage_of == (0, 0, 1) and result.recompute == (True, False)
+    assert result.objective == pytest.approx(6.4)
+
+
+def test_recomputed_stage_holds_its_largest_block_again() -> None:
+    """The ILP's memory of a recomputed stage counts the largest block's activations; were it left
+    out, dozens of splits would look feasible, each rejected by the check after solving, and the
+    re-solves would run out before reaching the real optimum.
+
+    GPipe, M = 2, limit 115.  Blocks 0..5 independent, all read by block 6 (the output); 1 s each.
+    Block 0: 100 activation bytes, others 10; recomputed: 5 bytes kept, 0.01 s more.  A stage
+    with block 0 keeps at least 200, recomputed 2 x 5 (k + 1) + 100 <= 115 only alone (k = 0).
+    So {0} | {1..6}, the second stage recomputing too (keeps 2 x 60 = 120, recomputed 2 x 30 + 10
+    = 70): 1.01 | 6.06, step 7.07 + 6.06 = 13.13 (without the 100, {0, 1, 2} | ... 3.03 | 4, 11.03).
+    """
+    problem = no_costs(
+        7,
+        time_s=(1.0,) * 7,
+        activation_bytes=(100.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0),
+        edges=tuple((v, 6) for v in range(6)),
+        recompute_bytes=(5.0,) * 7,
+        recompute_s=(0.01,) * 7,
+        recompute="auto",
+        memory_limit=115.0,
+    )
+    result = solve_ilp(problem, stages=2, microbatches=2)
+    assert result is not None
+    assert result.stage_of == (0, 1, 1, 1, 1, 1, 1) and result.recompute == (True, True)
+    assert result.objective == pytest.approx(13.13)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from partitioner.plan import Candidate, CostModelInfo, TiedParameter, example_plan
-from partitioner.table import format_bytes, format_plan, format_seconds
+from partitioner.table import WIDTH, format_bytes, format_plan, format_seconds
 
 
 @pytest.mark.parametrize(
@@ -33,20 +33,26 @@ def test_format_seconds(s: float, text: str) -> None:
 def test_format_plan_example() -> None:
     text = format_plan(example_plan())
     lines = text.splitlines()
-    assert lines[0].startswith("Sequential: 2 parameters (export) | 2 GPUs = 2 stages x 1 replica")
-    assert "gpipe, 2 micro-batches of 2, batch 4" in lines[0] and "costs measured on cpu" in lines[0]
+    assert lines[0] == "Sequential: 2 parameters (export) | 2 GPUs = 2 stages x 1 replica, one node of 2"
+    assert lines[1] == "gpipe, 2 micro-batches of 2, batch 4 | fp32, adam | costs measured on cpu"
     header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
-    for column in ("ranks", "modules", "nodes", "params", "peak memory", "fwd ms", "bwd ms", "sends"):
+    for column in ("ranks", "modules", "params", "peak memory", "fwd ms", "bwd ms", "recomp", "sends"):
         assert column in lines[header]
     rows = lines[header + 2: header + 4]
     assert rows[0].split()[:5] == ["0", "0", "0", "…", "1"]
-    assert rows[1].split()[:4] == ["1", "1", "2", "1"]
+    assert rows[1].split()[:4] == ["1", "1", "2", "64"]
     assert "1.000" in rows[0] and "2.000" in rows[0] and "32 B" in rows[0] and "320 B" in rows[0]
     assert "predicted step 9.00 ms | bubble 33.3% | 444 samples/s" in text
+    assert "MFU" not in lines[header + 5]  # no FLOPs recorded: no MFU claimed
+    for topic in ("precision: fp32", "optimizer: adam, 2 state tensors per parameter: 16 bytes per parameter",
+                  "recomputation: none", "links: one node of 2; 1 GB/s, 60 µs per message inside a node",
+                  "across nodes: everything stays inside one node"):
+        assert topic in text
     assert "solver interval-dp: optimal, gap 0.0% to the lower bound, 3 blocks" in text
     assert "tied parameters" not in text
     chosen = [line for line in lines if line.lstrip().startswith("*")]
-    assert len(chosen) == 1 and chosen[0].split()[1:4] == ["2", "1", "9.00"]
+    assert len(chosen) == 1 and chosen[0].split()[1:7] == ["2", "1", "2", "gpipe", "-", "9.00"]
+    assert max(len(line) for line in lines) <= WIDTH
 
 
 def test_format_plan_tied_candidates_and_limit() -> None:
@@ -63,12 +69,34 @@ def test_format_plan_tied_candidates_and_limit() -> None:
     )
     text = format_plan(plan)
     assert "0.weight = 2.weight on stages 0, 1" in text
-    assert "(25%)" in text and "limit 1.25 KiB per GPU" in text
+    assert "(25%)" in text and "| 1.25 KiB per GPU" in text
     lines = text.splitlines()
-    skipped = next(line for line in lines if "skipped" in line)
-    assert not skipped.lstrip().startswith("*") and " - " in skipped and "does not split" in skipped
-    assert any("infeasible" in line and "no split fits in memory" in line for line in lines)
+    skipped = next(line for line in lines if "does not split" in line)
+    assert not skipped.lstrip().startswith("*") and " - " in skipped
+    assert any("no split fits in memory" in line for line in lines)
     assert sum(line.lstrip().startswith("*") for line in lines) == 1
+    # Ranked: chosen first, then what does not fit, then what cannot be planned.
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith("candidates:")) + 3:]
+    assert ["chosen" in rows[0], "no split fits" in rows[1], "does not split" in rows[2]] == [True] * 3
+
+
+def test_many_candidates_keep_the_best_of_each_shape() -> None:
+    chosen = Candidate(2, 1, 9e-3, "optimal", "chosen", 8e-3, microbatches=2, schedule="1f1b", recomputed_stages=1)
+    losers = [Candidate(2, 1, 9e-3 + k * 1e-3, "optimal", f"slower: +{10 * k}.0% (closed form)",
+                        microbatches=2 ** k, schedule="gpipe", recomputed_stages=0) for k in range(1, 15)]
+    pruned = Candidate(1, 2, None, "pruned", "slower: at least +50.0% (bound)", microbatches=1, schedule="gpipe")
+    plan = dataclasses.replace(example_plan(), candidates=(*losers, chosen, pruned))
+    lines = format_plan(plan).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("candidates:"))
+    table = lines[start + 1:]
+    assert table[0].split() == ["pp", "dp", "M", "sched", "recomp", "closed", "form", "simulated", "why", "not",
+                                "chosen"]
+    assert table[2].split()[:8] == ["*", "2", "1", "2", "1f1b", "1/2", "9.00", "ms"]
+    assert "slower: +10.0% (closed form)" in table[3] and table[3].split()[4] == "none"
+    assert [row.split()[2] for row in table[3:8]] == ["2", "4", "8", "16", "32"]  # the best six, chosen first
+    assert "slower: at least +50.0% (bound)" in table[-2]  # the best (only) row of shape 1 x 2 is kept
+    assert table[-1] == "  (+9 more combinations: report.md and plan.json list every one)"
+    assert max(len(line) for line in lines) <= WIDTH
 
 
 def test_format_plan_replicated_shows_allreduce() -> None:

@@ -388,8 +388,10 @@ def run_child(case: Case) -> dict[str, Any]:
     options = dict(OPTIONS, gpus_per_node=min(case.gpus_per_node, case.gpus))
     supported = _optional_kwargs(compile, options)
     notes = [f"planner lacks {k}" for k in options if k not in supported]
-    if "precision" not in supported:  # a planner before issue 8: fixed M and schedule
-        supported.update(LEGACY)
+    from partitioner import planner
+
+    if "precision" not in supported or getattr(planner, "AUTO", None) != "auto":
+        supported.update(LEGACY)  # a planner that cannot search M and the schedule
         notes.append("legacy: M = 8, gpipe")
     recorder = _Recorder()
     status: list[str] = []
@@ -513,9 +515,10 @@ def run_case(case: Case, *, timeout_s: float, quick: bool) -> dict[str, Any]:
 
 
 def _s(x: float | None) -> str:
+    """Seconds, 4 significant digits: ``12.35``, ``0.0001234``."""
     if x is None or not math.isfinite(x):
         return "-"
-    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+    return f"{x:.4g}"
 
 
 def _gb(x: float | None) -> str:

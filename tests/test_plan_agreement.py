@@ -1,0 +1,167 @@
+"""One plan for every rank (issue 10, item 5).
+
+In-process: the plan digest ignores what never changes a step (timings, predictions)
+and catches what does (a stage's nodes); the mismatch message groups ranks by plan.
+On two spawned CPU ranks (gloo): ranks holding different splits of the same model
+both stop in ``Pipeline(...)`` with that message, within seconds; ranks that each
+call ``compile(device="cpu")`` inside the process group get rank 0's plan even
+though their own measurements would split the model differently
+(``tests/models/skewed_mlp.py``), and their loss is the unpartitioned model's; an
+error in rank 0's compile is raised on both ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from partitioner.agree import plan_digest, plan_sections
+from partitioner.modelfile import load_model_file
+from partitioner.plan import Plan, example_plan
+from runtime.pipeline import _mismatch_message
+from runtime.verify import free_port
+
+MODELS = Path(__file__).parent / "models"
+MLP = str(MODELS / "mlp.py")
+SKEWED = str(MODELS / "skewed_mlp.py")
+LIMIT_S = 90.0  # the whole spawned run; a hang would instead wait out the 30 s Pipeline timeout
+STOP_S = 10.0  # a refused plan must stop every rank this soon after it started
+
+import agreement_workers
+from planning_helpers import make_plan
+
+# ---------------------------------------------------------------- in process
+
+
+def _moved_boundary(plan: Plan) -> Plan:
+    """The same model split one node later: stage 1's first node moves to stage 0."""
+    data = json.loads(plan.to_json())
+    first, second = data["stages"]
+    node = second["nodes"].pop(0)
+    first["nodes"].append(node)
+    first["compute_nodes"] += 1
+    second["compute_nodes"] -= 1
+    for boundary in (*first["outputs"], *second["inputs"]):
+        boundary["producer"] = node  # tanh keeps the linear layer's shape and dtype
+    return Plan.from_json(json.dumps(data))
+
+
+def test_digest_survives_the_json_round_trip_and_ignores_timings() -> None:
+    plan = example_plan()
+    assert plan_digest(Plan.from_json(plan.to_json())) == plan_digest(plan)
+    solver = dataclasses.replace(plan.solver, wall_s=plan.solver.wall_s + 1.0)
+    predicted = dataclasses.replace(plan.predicted, step_s=2 * plan.predicted.step_s)
+    assert plan_digest(dataclasses.replace(plan, solver=solver, predicted=predicted)) == plan_digest(plan)
+
+
+def test_digest_changes_with_what_runs() -> None:
+    plan = example_plan()
+    assert plan_digest(dataclasses.replace(plan, microbatches=plan.microbatches + 1)) != plan_digest(plan)
+    stage = dataclasses.replace(plan.stages[0], nodes=plan.stages[0].nodes[:-1])
+    changed = dataclasses.replace(plan, stages=(stage, *plan.stages[1:]))
+    assert plan_digest(changed) != plan_digest(plan)
+    assert {k for k, v in plan_sections(changed).items() if plan_sections(plan)[k] != v} == {"stages"}
+
+
+def test_mismatch_message_groups_ranks_and_says_what_to_do() -> None:
+    a, b = example_plan(), dataclasses.replace(example_plan(), microbatches=4)
+
+    def note(plan: Plan) -> dict[str, Any]:
+        return {"digest": plan_digest(plan), "sections": plan_sections(plan), "fingerprint": "f00",
+                "layout": "2 stages", "failure": None}
+
+    message = _mismatch_message([note(a), note(b), note(a)])
+    assert f"ranks 0, 2 hold plan {plan_digest(a)[:12]}" in message, message
+    assert f"rank 1 holds plan {plan_digest(b)[:12]}" in message, message
+    assert "they differ in microbatches" in message, message
+    assert "Plan.load" in message and "autopartition run" in message, message
+
+
+# ------------------------------------------------------------- spawned ranks
+
+
+def _spawn(fn: Any, args: tuple[Any, ...], out: Path, nprocs: int = 2) -> dict[int, dict[str, Any]]:
+    """Run ``fn(rank, *args)`` on ``nprocs`` ranks; what each reported (``agreement_workers``)."""
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    deadline = time.monotonic() + LIMIT_S
+    while time.monotonic() < deadline and any(p.is_alive() for p in context.processes):
+        time.sleep(0.1)
+    hung = [r for r, p in enumerate(context.processes) if p.is_alive()]
+    for p in context.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} still running after {LIMIT_S:g} s"
+
+    def read(name: str) -> str | None:
+        path = out / name
+        return path.read_text() if path.exists() else None
+
+    return {r: {key: read(f"rank{r}.{key}") for key in ("txt", "seconds", "loss", "json")} for r in range(nprocs)}
+
+
+@pytest.mark.slow  # spawns ranks
+def test_ranks_with_different_plans_stop_before_any_step(tmp_path: Path) -> None:
+    plan = make_plan(MLP, tmp_path / "a", pp=2, microbatches=2, schedule="1f1b")
+    other = _moved_boundary(plan)
+    other.save(tmp_path / "b")
+    out = tmp_path / "out"
+    out.mkdir()
+    seen = _spawn(agreement_workers.plan_file_worker,
+                  (2, free_port(), [str(tmp_path / "a"), str(tmp_path / "b")], MLP, str(out)), out)
+    for rank, got in seen.items():
+        message = got["txt"] or "<no report>"
+        assert message.startswith("PlanMismatchError: The ranks hold different plans"), message
+        assert f"rank 0 holds plan {plan_digest(plan)[:12]}" in message, message
+        assert f"rank 1 holds plan {plan_digest(other)[:12]}" in message, message
+        assert "compute nodes per stage [9, 8]" in message and "[10, 7]" in message, message
+        assert "they differ in stages" in message and "Plan.load" in message, message
+        assert got["loss"] is None, f"rank {rank} ran a step: loss {got['loss']}"
+        assert float(got["seconds"] or "inf") < STOP_S, f"rank {rank} took {got['seconds']} s to stop"
+
+
+def _one_process_loss(spec: str, plan: Plan) -> float:
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    model = model_file.build()
+    with torch.no_grad():
+        outputs = model(*model_file.example_inputs(plan.batch_size))
+    return float(model_file.loss_fn(outputs, model_file.example_target(plan.batch_size)))  # type: ignore[misc]
+
+
+@pytest.mark.slow  # spawns ranks
+def test_ranks_that_compile_inside_the_group_share_rank_0s_plan(tmp_path: Path) -> None:
+    # Rank 1 measures its first layers as slow: alone it would split the model elsewhere.
+    options = {"batch": 8, "gpus": 2, "pp": 2, "dp": 1, "microbatches": 2, "schedule": "1f1b", "device": "cpu"}
+    out = tmp_path / "out"
+    out.mkdir()
+    seen = _spawn(agreement_workers.compile_worker, (2, free_port(), SKEWED, str(out), options, 1), out)
+    assert [seen[r]["txt"] for r in (0, 1)] == ["ok", "ok"], seen
+    texts = [seen[r]["json"] or "" for r in (0, 1)]
+    plans = [Plan.from_json(t) for t in texts]
+    assert plans[0] == plans[1] and plan_digest(plans[0]) == plan_digest(plans[1])
+    assert json.loads(texts[0]) == json.loads(texts[1])  # rank 0's numbers and rank 1's copy of them
+    last = plans[0].stages[-1].ranks[0]
+    loss = float(seen[last]["loss"] or "nan")
+    assert abs(loss - _one_process_loss(SKEWED, plans[0])) <= 1e-5, loss
+
+
+@pytest.mark.slow  # spawns ranks
+def test_an_error_in_rank_0s_compile_is_raised_on_every_rank(tmp_path: Path) -> None:
+    # 3 micro-batches do not divide a batch of 8: rank 0's compile refuses; rank 1 never compiles.
+    options = {"batch": 8, "gpus": 2, "pp": 2, "dp": 1, "microbatches": 3, "schedule": "1f1b", "device": "cpu"}
+    out = tmp_path / "out"
+    out.mkdir()
+    seen = _spawn(agreement_workers.compile_worker, (2, free_port(), SKEWED, str(out), options, 1), out)
+    first, second = seen[0]["txt"] or "<no report>", seen[1]["txt"] or "<no report>"
+    assert first.split(":")[0] == second.split(":")[0] and "Error" in first, (first, second)
+    assert not first.startswith("InternalError"), first
+    assert "raised on rank 0" in second and "raised on rank 0" not in first, (first, second)
+    assert all(float(seen[r]["seconds"] or "inf") < STOP_S for r in (0, 1)), seen
