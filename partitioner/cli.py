@@ -136,7 +136,12 @@ def _positive_float(text: str) -> float:
 
 
 def _microbatches(text: str) -> int | str:
-    return _AUTO if text.lower() == _AUTO else _positive_int(text)
+    if text.lower() == _AUTO:
+        return _AUTO
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (or auto)") from None
 
 
 def _size(text: str) -> float:
@@ -207,8 +212,8 @@ def _show_parser() -> argparse.ArgumentParser:
 def _verify_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopartition verify",
-        description=_fill("Run the plan on CPU ranks and compare loss and gradients with the "
-        "unpartitioned model; print the largest difference."),
+        description=_fill("Run the plan on CPU ranks and compare loss, gradients and buffers, step by "
+        "step, with the unpartitioned model run on the same micro-batches; print each step and the verdict."),
         epilog="example:\n  autopartition verify plan/ --model examples/gpt.py --steps 3",
         formatter_class=_formatter,
     )
@@ -219,6 +224,8 @@ def _verify_parser() -> argparse.ArgumentParser:
                         help="training steps to compare (default 3)")
     parser.add_argument("--timeout", type=_positive_float, metavar="S",
                         help="give up after S seconds (default: the verifier's)")
+    parser.add_argument("--dtype", choices=("float32", "float64"),
+                        help="precision of both runs (default float32, tolerance 1e-5; float64: 1e-10)")
     return parser
 
 
@@ -312,9 +319,12 @@ def _verify(args: argparse.Namespace) -> int:
         from runtime.verify import verify_plan
     except ImportError as exc:
         return _runtime_missing("verify", "runtime.verify.verify_plan", exc)
-    if args.timeout is None:  # the verifier's own default
-        return verify_plan(args.plan, args.model, steps=args.steps)
-    return verify_plan(args.plan, args.model, steps=args.steps, timeout=args.timeout)
+    options: dict[str, Any] = {"steps": args.steps}
+    if args.timeout is not None:  # else the verifier's own default
+        options["timeout"] = args.timeout
+    if args.dtype is not None:
+        options["dtype"] = args.dtype
+    return verify_plan(args.plan, args.model, **options)
 
 
 def _run(args: list[str]) -> int:

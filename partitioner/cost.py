@@ -42,7 +42,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -125,16 +125,22 @@ def profile(
     device = device or torch.device("cpu")
     if has_meta(gm, inputs):
         return _measure_by_layer(gm, inputs, device=device, warmup=warmup, repeats=repeats, progress=progress)
-    if _has_mutation(gm):
+    mutates = _has_mutation(gm)
+    if mutates:
         gm = copy.deepcopy(gm)  # profiling repeats ops; keep the user's buffers untouched
     gm = gm.to(device)
     inputs = tuple(x.to(device) for x in inputs)
+    # Every pass starts from the state the real forward starts from: a pass that writes a
+    # buffer (a step counter, running statistics) or an input must not feed the next one.
+    start = _Snapshot(_state_tensors(gm, inputs) if mutates else [])
     with torch.no_grad():  # first calls of an op pay one-time set-up costs; keep them out of the timings
         gm(*inputs)
+    start.restore()
     runner = _CostInterpreter(gm, measure=True, device=device, warmup=warmup, repeats=repeats, progress=progress)
     with _rank_threads(device), torch.enable_grad():
         runner.run(*inputs)
-        forward, backward = _in_situ(gm, inputs, device=device, repeats=max(3, repeats))
+        forward, backward = _in_situ(gm, inputs, device=device, repeats=max(3, repeats), reset=start.restore)
+    start.restore()
     return _calibrated(runner.costs, forward, backward)
 
 
@@ -163,7 +169,12 @@ def _rank_threads(device: torch.device) -> Iterator[None]:
 
 
 def _in_situ(
-    gm: fx.GraphModule, inputs: tuple[Any, ...], *, device: torch.device, repeats: int
+    gm: fx.GraphModule,
+    inputs: tuple[Any, ...],
+    *,
+    device: torch.device,
+    repeats: int,
+    reset: Callable[[], None] = lambda: None,
 ) -> tuple[dict[str, float], float]:
     """Per-node forward seconds inside real whole-graph passes, and the whole backward's seconds.
 
@@ -177,6 +188,7 @@ def _in_situ(
     backward: list[float] = []
     params = [p for p in gm.parameters() if p.requires_grad]
     for _ in range(repeats + 1):
+        reset()
         timer = _NodeTimer(gm, sync)
         with torch.enable_grad():
             outputs = timer.run(*inputs)
@@ -271,6 +283,66 @@ def _time_loss_once(
 
 
 
+class _Snapshot:
+    """Copies of tensors' values, to put back in place (newest first, so overlapping views end right)."""
+
+    def __init__(self, tensors: list[torch.Tensor], saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.saved = saved if saved is not None else [(t, t.detach().clone()) for t in tensors]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for tensor, value in reversed(self.saved):
+                tensor.copy_(value)
+
+
+def _state_tensors(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> list[torch.Tensor]:
+    """What a pass may write and a later pass would read: buffers, tensor constants and the inputs."""
+    constants = (attribute(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr")
+    params = {id(p) for p in gm.parameters()}
+    found: dict[int, torch.Tensor] = {}
+    for t in (*gm.buffers(), *constants, *pytree.tree_leaves(inputs)):
+        if isinstance(t, torch.Tensor) and id(t) not in params:
+            found.setdefault(id(t), t)
+    return list(found.values())
+
+
+def _written_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an aten op writes in place (its schema's ``Tensor(a!)`` arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    found: list[torch.Tensor] = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        found.extend(t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+    return found
+
+
+class _Writes(TorchDispatchMode):
+    """Keeps a copy of every tensor (or view) an op writes in place, taken before its first write.
+
+    At the dispatch level every node kind (aten op, Python function, method, module)
+    is aten ops with schemas, so this sees ``add_``, ``index_put_`` and a module's
+    buffer updates alike.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.seen: set[tuple[Any, ...]] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for t in _written_arguments(func, args, kwargs):
+            key = (_storage(t), t.storage_offset(), tuple(t.shape), t.stride())
+            if key not in self.seen:
+                self.seen.add(key)
+                self.before.append((t, t.clone()))
+        return func(*args, **kwargs)
+
+
 def _has_mutation(gm: fx.GraphModule) -> bool:
     """Could running the graph change model state (in-place aten ops, modules with buffers)?"""
     for node in gm.graph.nodes:
@@ -280,6 +352,18 @@ def _has_mutation(gm: fx.GraphModule) -> bool:
         if node.op == "call_module" and any(True for _ in gm.get_submodule(str(node.target)).buffers()):
             return True  # e.g. BatchNorm's running statistics under symbolic tracing
     return False
+
+
+class _FirstCall(NamedTuple):
+    """A node's real call: what it ran on and produced, and what it wrote in place."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any
+    leaves: list[torch.Tensor]  # inputs that need a gradient, as fresh leaves
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (leaf, the copy the node ran on and may write)
+    forward_flops: float
+    written: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its value before the first write)
 
 
 class _CostInterpreter(StandIns):
@@ -347,27 +431,8 @@ class _CostInterpreter(StandIns):
         return value
 
     def _cost(self, n: fx.Node) -> tuple[Any, NodeCost]:
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        leaves: list[torch.Tensor] = []
-
-        def as_leaf(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.requires_grad and not isinstance(
-                value, torch.nn.Parameter
-            ):
-                value = value.detach().requires_grad_()
-                leaves.append(value)
-            return value
-
-        args, kwargs = pytree.tree_map(as_leaf, (args, kwargs))
+        raw = self.fetch_args_kwargs_from_env(n)
         params = self._parameters(n)
-        weight_bytes = sum(_nbytes(p) for p in params)
-        io_bytes = weight_bytes + sum(
-            _nbytes(v) for v in pytree.tree_leaves((args, kwargs)) if not isinstance(v, torch.nn.Parameter)
-        )
-
-        def call() -> Any:
-            return getattr(self, n.op)(n.target, args, kwargs)
-
         saved: list[int] = []
         saved_float32: list[int] = []  # what a bf16 precision halves (not integer indices or masks)
 
@@ -377,11 +442,57 @@ class _CostInterpreter(StandIns):
                 saved_float32.append(_nbytes(t) if t.dtype == torch.float32 else 0)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FlopCount() as counter:
-            out = call()
-        forward_flops = float(counter.total)
+        def first_call(writable: bool) -> _FirstCall:
+            """The real call, once: its output is what later nodes read."""
+            leaves: list[torch.Tensor] = []
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+            def as_leaf(value: Any) -> Any:
+                if isinstance(value, torch.Tensor) and value.requires_grad and not isinstance(
+                    value, torch.nn.Parameter
+                ):
+                    value = value.detach().requires_grad_()
+                    leaves.append(value)
+                    if writable:  # autograd refuses in-place writes to a leaf; its copy takes them
+                        copies.append((value, value.clone()))
+                        return copies[-1][1]
+                return value
+
+            args, kwargs = pytree.tree_map(as_leaf, raw)
+            saved.clear()
+            saved_float32.clear()
+            writes = _Writes()
+            try:
+                with writes, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FlopCount() as counter:
+                    out = getattr(self, n.op)(n.target, args, kwargs)
+            except Exception:
+                _Snapshot([], writes.before).restore()  # undo what it wrote before failing
+                raise
+            return _FirstCall(args, kwargs, out, leaves, copies, float(counter.total), writes.before)
+
+        try:
+            real = first_call(writable=False)
+        except RuntimeError as exc:
+            if "leaf Variable that requires grad" not in str(exc):
+                raise
+            real = first_call(writable=True)  # an in-place op on an activation: ReLU(inplace=True), `x += y`
+        args, kwargs, out, leaves = real.args, real.kwargs, real.out, real.leaves
+
+        def call() -> Any:
+            return getattr(self, n.op)(n.target, args, kwargs)
+
+        # Timing re-runs the node, and an in-place op re-run on its own result compounds
+        # (T5's `buckets += ...` then indexes past its embedding table): what the real call
+        # wrote is put back before each re-run and its result after the last.
+        before = _Snapshot([], real.written)
+        after = _Snapshot([t for t, _ in real.written] if self.measure else [])
+        weight_bytes = sum(_nbytes(p) for p in params)
+        io_bytes = weight_bytes + sum(
+            _nbytes(v) for v in pytree.tree_leaves((args, kwargs)) if not isinstance(v, torch.nn.Parameter)
+        )
+        forward_flops = real.forward_flops
         io_bytes += sum(_nbytes(v) for v in pytree.tree_leaves(out))
-        if _is_view(out, (args, kwargs)):
+        if not real.written and _is_view(out, (args, kwargs)):
             io_bytes = weight_bytes = 0  # a view launches no kernel and moves no bytes
         diff_out = [
             t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -401,7 +512,11 @@ class _CostInterpreter(StandIns):
             if self.measure:
                 backward_s = self._time(backward)
         if self.measure:
-            forward_s = self._time(call)
+            forward_s = self._time(call, reset=before.restore)
+            after.restore()  # the real call's result, whatever the re-runs left
+        with torch.no_grad():
+            for leaf, written_copy in real.copies:
+                leaf.copy_(written_copy)  # the input's own storage: later readers of it see the write
         dtype = next(
             (str(t.dtype).removeprefix("torch.") for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)),
             "float32",
@@ -427,12 +542,15 @@ class _CostInterpreter(StandIns):
                 found.append(param)
         return found
 
-    def _time(self, fn: Callable[[], Any]) -> float:
+    def _time(self, fn: Callable[[], Any], reset: Callable[[], None] = lambda: None) -> float:
+        """Median seconds of ``fn``; ``reset`` (untimed) runs before each call."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         for _ in range(self.warmup):
+            reset()
             fn()
         samples = []
         for _ in range(self.repeats):
+            reset()
             sync()
             start = time.perf_counter()
             fn()

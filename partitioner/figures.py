@@ -30,7 +30,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partitioner.commcost import message_seconds
 from partitioner.plan import Plan
 from partitioner.timeline import ALLREDUCE_KIND, TimelineEvent
 from partitioner.units import byte_unit
@@ -117,23 +116,26 @@ def timeline_png(
 
 
 def stage_bars_png(plan: Plan, path: str | Path, *, simulation: Simulation | None = None) -> Path:
-    """Per-stage time per micro-batch (forward, backward, transfers; stacked) and peak memory vs the GPU limit."""
+    """Per-stage time per micro-batch (forward, backward, recomputation, transfers; stacked) and peak memory.
+
+    Transfers are priced on the link each boundary crosses, and static memory at the
+    plan's precision, as the simulator does (:func:`partitioner.simulate.boundary_seconds`,
+    :func:`~partitioner.simulate.stage_static_bytes`).
+    """
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from partitioner.simulate import simulate
+    from partitioner.simulate import boundary_seconds, simulate, stage_static_bytes
 
     sim = simulation if simulation is not None else simulate(plan)
     stages = [st.index for st in plan.stages]
     fwd = [st.predicted.forward_s * 1e3 for st in plan.stages]
-    bwd = [st.predicted.backward_s * 1e3 for st in plan.stages]
+    redo = [st.predicted.recompute_s * 1e3 for st in plan.stages]
+    bwd = [st.predicted.backward_s * 1e3 - r for st, r in zip(plan.stages, redo)]
     cm = plan.cost_model
-    comm = [
-        2e3 * sum(message_seconds(b.nbytes, bandwidth=cm.link_bandwidth, latency=cm.link_latency)
-                  for b in st.inputs)
-        for st in plan.stages
-    ]
-    static = [st.predicted.parameter_bytes * (2 + cm.optimizer_states) for st in plan.stages]
+    seconds = boundary_seconds(plan)
+    comm = [2e3 * sum(seconds[src][st.index] for src in range(len(plan.stages))) for st in plan.stages]
+    static = stage_static_bytes(plan)
     activations = [max(0.0, peak - base) for peak, base in zip(sim.peak_memory_bytes, static)]
     predicted = list(plan.predicted.peak_memory_bytes)
     limit = cm.memory_limit
@@ -146,12 +148,17 @@ def stage_bars_png(plan: Plan, path: str | Path, *, simulation: Simulation | Non
     left, right = fig.subplots(1, 2)
     left.bar(stages, fwd, color=COLORS["F"], label="forward")
     left.bar(stages, bwd, bottom=fwd, color=COLORS["B"], label="backward")
+    below = [f + b for f, b in zip(fwd, bwd)]
+    if any(redo):
+        left.bar(stages, redo, bottom=below, color=COLORS["F"], alpha=0.45, hatch="..",
+                 label="recomputed forward")
+        below = [b + r for b, r in zip(below, redo)]
     if any(comm):
-        left.bar(stages, comm, bottom=[f + b for f, b in zip(fwd, bwd)], color="white",
+        left.bar(stages, comm, bottom=below, color="white",
                  edgecolor=COLORS["wait"], hatch="////", label="transfers in (fwd + bwd)")
     left.set_title(f"time per micro-batch ({plan.microbatches} micro-batches per step)", fontsize=10)
     left.set_ylabel("ms")
-    left.set_ylim(0, 1.3 * max([f + b + c for f, b, c in zip(fwd, bwd, comm)] + [1e-9]))
+    left.set_ylim(0, 1.3 * max([b + c for b, c in zip(below, comm)] + [1e-9]))
     left.legend(fontsize=8, frameon=False, loc="upper left", ncol=3)
 
     right.bar(stages, [s / div for s in static], color=COLORS["static"], label="parameters, grads, optimizer")

@@ -80,10 +80,14 @@ class _Frontiers:
 
 
 def _needs(problem: PartitionProblem, stages: int) -> tuple[bool, bool]:
-    """(some stage's inbound link is priced differently, some stage may recompute)."""
+    """(some stage's inbound link is priced differently, some stage may recompute).
+
+    ("auto" without a memory limit never recomputes: keeping always fits and is never slower.)
+    """
     inbound, _ = stage_links(problem, stages)
     slow = problem.transfer_slow_s is not None and any(inbound)
-    return slow, can_recompute(problem)
+    recompute = can_recompute(problem) and (problem.recompute == "full" or problem.memory_limit is not None)
+    return slow, recompute
 
 
 def interval_matrices(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

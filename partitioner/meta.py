@@ -176,10 +176,11 @@ def materialise(gm: fx.GraphModule, owner: str, device: torch.device) -> dict[st
     Keyed by graph name (``blocks.0.ln_1.weight``).  Meta tensors are replaced by
     a copy of the module (the model is left as it was) emptied onto ``device``
     and re-initialised by its ``reset_parameters()`` when it has one (every
-    ``torch.nn`` layer), else by :func:`placeholder`; real tensors are moved.
+    ``torch.nn`` layer); what that leaves unwritten, or a module without one,
+    gets :func:`placeholder` values; real tensors are moved.
     """
     module = gm.get_submodule(owner)
-    own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+    own = _own(module)
     prefix = f"{owner}." if owner else ""
     if not any(is_meta(t) for t in own.values()):
         return {prefix + name: _moved(t, device) for name, t in own.items()}
@@ -201,11 +202,22 @@ def _reset(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
     try:
         clone = copy.deepcopy(module)  # every parameter on meta: no weight is copied
         clone.to_empty(device=device, recurse=False)
+        empty = {name: (t, t._version) for name, t in _own(clone).items()}
         with torch.no_grad():
             clone.reset_parameters()  # type: ignore[operator]
     except Exception:  # noqa: BLE001 - an init that needs its children real, an uncopyable module: placeholders
         return {}
-    return dict(clone.named_parameters(recurse=False)) | dict(clone.named_buffers(recurse=False))
+    # Only what reset_parameters() wrote (in place, or a new tensor) holds values: the rest is
+    # to_empty's uninitialised memory, and an index buffer of it (an `arange` made in
+    # __init__) would index anywhere; those get placeholders.
+    return {
+        name: t for name, t in _own(clone).items()
+        if name not in empty or empty[name][0] is not t or t._version != empty[name][1]
+    }
+
+
+def _own(module: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

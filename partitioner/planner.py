@@ -177,10 +177,11 @@ class PlanOptions:
         """M of the micro-batch that is captured and costed (other sizes are scaled from it)."""
         if self.microbatches is not None:
             return self.microbatches
-        # Near compile()'s default of 8, keeping two samples or more where the batch allows
-        # (a graph exported at batch size 1 may specialise that dimension away).
-        fits = [m for m in range(1, min(8, self.batch) + 1) if self.batch % m == 0]
-        return max((m for m in fits if self.batch // m >= 2), default=fits[-1])
+        # The smallest micro-batch of two samples or more: small micro-batches are where large
+        # models end up, and the winner's graph is then the costed one, not captured again
+        # (a graph exported at one sample may specialise the batch dimension away).
+        size = next((k for k in range(2, self.batch + 1) if self.batch % k == 0), 1)
+        return self.batch // size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,20 +360,22 @@ def _choose(
     size.  One whose graph differs at that size is passed over for the next.
     """
     costed = _batch_size(micro)
-    failure: AutopartitionError | None = None
+    failures: dict[int, AutopartitionError] = {}  # micro-batch size -> why its graph cannot be used
     for best in sorted(ranked, key=lambda c: drafts[_key(c)].predicted.step_s):
         size = options.batch // (best.dp * best.microbatches)
         if size == costed:
             return best, drafts[_key(best)], captured
-        try:
-            recaptured, resized = _recapture(model, example_inputs, captured, size)
-        except AutopartitionError as exc:
-            failure = failure or exc
-            trials[_key(best)].status, trials[_key(best)].reason = "skipped", f"graph differs at {size} per micro-batch"
-            continue
-        return best, _build_plan(model, recaptured, resized, scaled.at(best.microbatches), best, options), recaptured
-    assert failure is not None
-    raise failure
+        if size not in failures:
+            try:
+                recaptured, resized = _recapture(model, example_inputs, captured, size)
+            except AutopartitionError as exc:
+                failures[size] = exc
+            else:
+                plan = _build_plan(model, recaptured, resized, scaled.at(best.microbatches), best, options)
+                return best, plan, recaptured
+        trial = trials[_key(best)]
+        trial.status, trial.reason = "skipped", f"graph differs at {size} sample{'s' if size > 1 else ''} per micro-batch"
+    raise next(iter(failures.values()))
 
 
 def _recapture(
@@ -427,7 +430,14 @@ class _ScaledCosts:
             costs = self.costs if factor == 1 else {k: _scaled(c, factor) for k, c in self.costs.items()}
             times = node_times(costs, o.spec, precision=o.precision, measure=o.measure)
             loss = (self.loss_s[0] * factor, self.loss_s[1] * factor)
-            self._graphs[microbatches] = graph_costs(self.captured, self.blocks, costs, times, loss_s=loss)
+            graph = graph_costs(self.captured, self.blocks, costs, times, loss_s=loss)
+            if factor != 1:  # values read across blocks (sent, kept for recomputation): at the captured size
+                graph = dataclasses.replace(
+                    graph,
+                    node_output_bytes={k: round(v * factor) for k, v in graph.node_output_bytes.items()},
+                    block_sends=tuple(round(b * factor) for b in graph.block_sends),
+                )
+            self._graphs[microbatches] = graph
         return self._graphs[microbatches]
 
     def problem(self, dp: int, microbatches: int, **changes: Any) -> PartitionProblem:
@@ -794,16 +804,19 @@ def _verdict(t: _Trial, chosen: _Trial, options: PlanOptions) -> str:
         what = f"{t.reason} " if t.reason else ""
         return f"does not fit: {what}needs {format_bytes(t.memory)} > {format_bytes(limit)}"
     best = _objective(chosen)
+    if t.pp == chosen.pp == 1 and (t.dp, t.microbatches) == (chosen.dp, chosen.microbatches) \
+            and _objective(t) == best:
+        return "same step: one stage runs either schedule alike"
     if t.status == "pruned":
         return f"slower: at least {_more(t.bound, best)} (bound)"
     if t.simulated_s is not None and chosen.simulated_s is not None:
         slower = f"slower: {_more(t.simulated_s, chosen.simulated_s)} (simulated)"
-        bubble, against = t.simulated_bubble, chosen.simulated_bubble
+        bubble = t.simulated_bubble
     else:
         slower = f"slower: {_more(_objective(t), best)} (closed form)"
-        bubble, against = t.bubble, chosen.bubble
-    if t.pp > 1 and bubble is not None and against is not None and bubble > against + 0.05:
-        slower += f", bubble {bubble:.0%}"  # a pipeline's idle share explains it
+        bubble = t.bubble
+    if t.pp > 1 and bubble is not None and bubble >= 0.1:
+        slower += f", bubble {bubble:.0%}"  # the pipeline's idle share, a likely reason
     return slower
 
 

@@ -113,8 +113,14 @@ def assumptions(plan: Plan) -> list[tuple[str, str]]:
     if plan.gpus_per_node is None or plan.gpus <= plan.gpus_per_node:
         carried = "everything stays inside one node"
     else:
-        carried = (f"boundaries {', '.join(boundaries)}" if boundaries else "no boundary") + " and " + (
-            f"all-reduces of stages {_ranges(allreduces)}" if allreduces else "no all-reduce") + " cross nodes"
+        sends = f"boundaries {', '.join(boundaries)} cross nodes" if boundaries else "no boundary crosses nodes"
+        if plan.dp == 1:
+            reduces = "no all-reduce (one replica per stage)"
+        elif allreduces:
+            reduces = f"the all-reduces of stages {_ranges(allreduces)} cross nodes"
+        else:
+            reduces = "every all-reduce stays inside a node"
+        carried = f"{sends}; {reduces}"
     peak = (f"model FLOPs of a step (forward + backward, recomputation not counted) / ({plan.gpus} GPUs x "
             f"{cm.peak_flops / 1e12:,.4g} TFLOP/s x step)") if cm.peak_flops else "not known (no peak FLOP/s)"
     return [

@@ -70,6 +70,7 @@ __all__ = [
     "RandomOp",
     "StepComparison",
     "VerifyResult",
+    "Worst",
     "free_port",
     "model_traits",
     "plan_in_dtype",
@@ -144,7 +145,9 @@ class ModelTraits:
         other = [str(r) for r in self.random_ops if not r.dropout]
         parts = []
         if dropout:
-            parts.append(f"{_plural(len(dropout), 'dropout op')} neutralised (p=0) in both runs: {', '.join(dropout)}")
+            parts.append(
+                f"{_plural(len(dropout), 'dropout op')} neutralised (p=0) in both runs: {', '.join(dropout)}"
+            )
         if other:
             parts.append(f"{_plural(len(other), 'other random op')} given the same draws in both runs "
                          f"(generator reseeded to one seed at every call): {', '.join(other)}")
@@ -161,6 +164,12 @@ class ModelTraits:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyResult:
+    """Every step's comparison, the largest differences over all steps, and what the runs had in common.
+
+    ``summary()`` is the verdict (one paragraph, ``OK: ...`` or ``MISMATCH: ...``);
+    ``report()`` adds one line per step before it.
+    """
+
     steps: int
     max_loss_diff: float
     max_grad_diff: float
@@ -216,8 +225,8 @@ class VerifyResult:
     def _calls(self) -> str:
         reference, pipeline = (sum(c.values()) for c in self.neutralised)
         if reference == pipeline:
-            return f" ({_plural(reference, 'call')} changed in each run)" if reference else ""
-        return f" (calls changed: {reference} in the reference, {pipeline} in the pipeline)"
+            return f"; {_plural(reference, 'random call')} changed in each run" if reference else ""
+        return f"; random calls changed: {reference} in the reference, {pipeline} in the pipeline"
 
     def _ok_verdict(self) -> str:
         match = max(self.max_loss_diff, self.max_grad_diff)
@@ -253,10 +262,12 @@ class VerifyResult:
             if s.largest() <= self.tolerance:
                 continue
             at = f"first at step {s.step} of {self.steps}"
-            grads = f"{s.grad.over} of {s.grad.total} gradients differ, the most {self._look(s.grad)} by {s.grad.value:.1e}"
+            grads = (f"{s.grad.over} of {s.grad.total} gradients differ, the most {self._look(s.grad)} "
+                     f"by {s.grad.value:.1e}")
             if s.loss_diff > self.tolerance:
-                return (f"{at}: the loss differs by {s.loss_diff:.1e} ({s.loss:.6f} in the reference) and {grads}; "
-                        f"look at the forward, from the stage that computes the loss (stage {self.pp - 1}) back")
+                return (f"{at}: the loss differs by {s.loss_diff:.1e} ({s.loss:.6f} in the reference) "
+                        f"and {grads}; look at the forward, from the stage that computes the loss "
+                        f"(stage {self.pp - 1}) back")
             if s.grad.value > self.tolerance:
                 return (f"{at}: the loss matches but {grads}; look at the backward of the stage holding "
                         f"{s.grad.name} and the gradients sent into it")
@@ -290,6 +301,7 @@ def _num(value: float, name: str = "") -> str:
 
 
 def free_port() -> int:
+    """A TCP port free on this host now (for the ranks' rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -326,7 +338,8 @@ def verify(
     model = _build(model_file, getattr(torch, dtype))
     captured, _ = recapture(plan, model)  # a plan for another model fails here, before any rank starts
     traits = model_traits(model, captured.graph_module)
-    say(f"verify: training {_plural(steps, 'step')} on {plan.gpus} CPU ranks ({plan.pp} x {plan.dp})")
+    say(f"verify: training {_plural(steps, 'step')} on {plan.gpus} CPU ranks "
+        f"({_plural(plan.pp, 'stage')} x {_plural(plan.dp, 'replica')})")
     with tempfile.TemporaryDirectory(prefix="autopartition-verify-") as out:
         port = free_port()
         try:
@@ -377,7 +390,7 @@ _DEFAULT_TRAINING_FLAG = (2, ("training", "train"))
 
 
 def _op_name(target: Any) -> str:
-    """``aten.dropout.default``, ``F.dropout``, ``Tensor.bernoulli_`` -> ``dropout``, ``dropout``, ``bernoulli``."""
+    """An op's bare name: ``aten.dropout.default``, ``F.dropout`` -> ``dropout``; ``bernoulli_`` -> ``bernoulli``."""
     if isinstance(target, torch._ops.OpOverload):
         name = target.overloadpacket.__name__
     else:
@@ -489,9 +502,12 @@ class _SameDraws(TorchDispatchMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if torch.Tag.nondeterministic_seeded not in func.tags:
+        name = _op_name(func)
+        if torch.Tag.nondeterministic_seeded not in func.tags or (
+            name in _DROP_PROBABILITY and _drops(name, args, kwargs) == 0  # already set to p=0
+        ):
             return func(*args, **kwargs)
-        self.counts[_op_name(func)] += 1
+        self.counts[name] += 1
         if kwargs.get("generator") is not None:
             kwargs["generator"] = torch.Generator(kwargs["generator"].device).manual_seed(_SEED)
             return func(*args, **kwargs)
@@ -608,7 +624,9 @@ def _rank_main(
             loss = pipe.step(inputs, target)
         if loss is not None:
             record["losses"].append(loss.item())
-        record["grads"].append({n: q.grad.detach().clone() for n, q in pipe.named_parameters() if q.grad is not None})
+        record["grads"].append(
+            {n: q.grad.detach().clone() for n, q in pipe.named_parameters() if q.grad is not None}
+        )
         opt.step()
     p, b = snapshot()
     record["params"].append(p)
@@ -631,7 +649,9 @@ def _rank_exit_message(out: Path, plan: Plan, exc: mp.ProcessExitedException) ->
 # ----------------------------------------------------------------- reference
 
 
-def reference_microbatches(plan: Plan, inputs: tuple[Any, ...], target: Any, replica: int) -> list[tuple[Any, Any]]:
+def reference_microbatches(
+    plan: Plan, inputs: tuple[Any, ...], target: Any, replica: int
+) -> list[tuple[Any, Any]]:
     """Replica ``replica``'s micro-batches, sliced as :meth:`Pipeline.step` slices them."""
     per_replica = plan.batch_size // plan.dp
     size = plan.microbatch_size
@@ -800,8 +820,8 @@ def _result(
     buffer_diff, worst_buffer = worst_of("buffer")
     if orphans:  # a parameter no stage holds would never train
         param_diff, worst_param = float("inf"), f"{orphans[0]} is held by no rank"
-        per_step = [dataclasses.replace(s, param=Worst(float("inf"), worst_param, f"{orphans[0]} (held by no rank)",
-                                                       -1, 1, 1)) if s.step == 1 else s for s in per_step]
+        orphan = Worst(float("inf"), worst_param, f"{orphans[0]} (held by no rank)", -1, 1, 1)
+        per_step = [dataclasses.replace(s, param=orphan) if s.step == 1 else s for s in per_step]
     layout = (f"{_plural(plan.dp, 'replica')} x {_plural(plan.microbatches, 'micro-batch', 'micro-batches')} "
               f"of {plan.microbatch_size}")
     return VerifyResult(

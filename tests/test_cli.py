@@ -214,6 +214,61 @@ def test_batch_not_divisible(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "multiple of 4" in _error_of(capsys)
 
 
+def test_issue_8_options_reach_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan"
+    code = main([_model(tmp_path, layers=4), "--gpus", "4", "--batch-size", "16", "--device", "h100",
+                 "--precision", "bf16-mixed", "--optimizer", "sgd", "--recompute", "full", "--gpus-per-node", "2",
+                 "--out", str(out), "--quiet"])
+    text = capsys.readouterr().out
+    assert code == 0
+    plan = Plan.load(out)
+    assert (plan.precision, plan.optimizer, plan.gpus_per_node) == ("bf16-mixed", "sgd", 2)
+    assert plan.cost_model.optimizer_states == 1 and {s.recompute for s in plan.stages} == {"full"}
+    # microbatches and schedule default to auto: several of each were tried
+    assert len({c.microbatches for c in plan.candidates}) > 1 and len({c.schedule for c in plan.candidates}) == 2
+    assert "bf16-mixed, sgd" in text and "MFU" in text and "2 nodes of 2" in text
+    assert format_plan(plan) in text and all(len(line) <= 100 for line in format_plan(plan).splitlines())
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--precision", "fp16"], ["argument --precision: invalid choice: 'fp16'", "fp32", "bf16-mixed", "bf16"]),
+        (["--optimizer", "lion"], ["argument --optimizer: invalid choice: 'lion'", "adam", "sgd"]),
+        (["--recompute", "half"], ["argument --recompute: invalid choice: 'half'", "auto", "none", "full"]),
+        (["--schedule", "zb"], ["argument --schedule: invalid choice: 'zb'", "auto", "gpipe", "1f1b"]),
+        (["--microbatches", "many"], ["argument --microbatches: expected a whole number, got 'many' (or auto)"]),
+        (["--gpus-per-node", "0"], ["argument --gpus-per-node: must be at least 1, got 0"]),
+    ],
+)
+def test_bad_issue_8_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+                           expected: list[str]) -> None:
+    assert main([_model(tmp_path), "--gpus", "8", *flags]) == 2
+    err = capsys.readouterr().err
+    assert all(text in err for text in expected), err
+
+
+def test_gpus_per_node_must_divide(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([_model(tmp_path), "--gpus", "8", "--gpus-per-node", "3", "--device", "h100",
+                 "--out", str(tmp_path / "plan")])
+    assert code == 2
+    message = _error_of(capsys)
+    assert "--gpus-per-node 3 does not divide --gpus 8" in message and "1, 2, 4, 8" in message
+    assert not (tmp_path / "plan").exists()
+
+
+def test_fits_nowhere_says_how_many_gpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([_model(tmp_path, layers=4), "--gpus", "2", "--batch-size", "8", "--device", "h100",
+                 "--precision", "bf16", "--memory-per-gpu", "20KiB", "--out", str(tmp_path / "plan")])
+    assert code == 2
+    message = _error_of(capsys)
+    assert "over 2 GPUs fits in 20.0 KiB per GPU" in message
+    assert "bf16 with adam, 8 bytes per parameter; recomputation where it helps" in message
+    # 4 x (64 x 64 + 64) parameters x 8 bytes = 130 KiB: at least 7 GPUs' worth, but one layer (32.5 KiB)
+    # does not fit one GPU: no number of stages does.
+    assert "Even 4 stages" in message and "130 KiB, at least 7 GPUs' worth" in message
+
+
 # ----------------------------------------------------------------- failures
 
 

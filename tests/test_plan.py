@@ -197,6 +197,18 @@ def test_missing_field(tmp_path: Path) -> None:
     assert "corrupt" in str(info.value)
 
 
+@pytest.mark.parametrize("field", ["precision", "optimizer", "gpus_per_node"])
+def test_version_2_fields_are_required(tmp_path: Path, field: str) -> None:
+    directory, data = _saved(example_plan(), tmp_path)
+    del data[field]  # only a version-1 plan may lack them (it loads with their defaults)
+    _write(directory, data)
+    with pytest.raises(PlanFormatError, match=field):
+        Plan.load(directory)
+    data["format_version"] = 1
+    _write(directory, data)
+    assert getattr(Plan.load(directory), field) == getattr(example_plan(), field)
+
+
 def test_missing_top_level_field(tmp_path: Path) -> None:
     directory, data = _saved(example_plan(), tmp_path)
     del data["microbatches"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu_check.sh: predicted vs measured on one GPU, for a session that is lent a GPU machine.
 #
-# What it does (under 8 minutes on one H200; each model's part has its own time limit):
+# What it does (under 8 minutes on one H200: GPU_CHECK_BUDGET, 450 s, bounds every step's limit):
 #   for a ~1.3B GPT (GPT-3 XL shape, examples/gpt3.py: 24 layers, d 2048, seq 2048) and a
 #   ~1.5B Llama (Llama 3.2 1B shape, examples/llama.py: 16 layers, hidden 2048, FFN 8192,
 #   32/8 heads, vocab 128256, untied head; seq 2048):
@@ -76,10 +76,12 @@ if [ "$DRY" = 1 ]; then
   MODE=cpu
   MODELS=${GPU_CHECK_MODELS:-gpt,llama}
   LIMIT=240
+  TRAIN_LIMIT=120
 else
   MODE=gpu
   MODELS=${GPU_CHECK_MODELS:-gpt,llama}
-  LIMIT=200
+  LIMIT=180
+  TRAIN_LIMIT=90
   command -v nvidia-smi >/dev/null && nvidia-smi -L || true
 fi
 "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, \
@@ -440,14 +442,28 @@ PYTHON
 
 # ------------------------------------------------------------------ the checks
 export GPU_CHECK_ROOT=$ROOT
+# Whole-script budget (seconds from the start): every step's time limit is cut to what is left,
+# so the script ends within it even when a step hangs (default 450 s: under 8 minutes in all).
+BUDGET=${GPU_CHECK_BUDGET:-450}
+limit() {  # LIMIT -> min(LIMIT, seconds left in the budget less 15 for the summary)
+  local left=$(( BUDGET - ($(date +%s) - START) - 15 ))
+  (( left < $1 )) && echo "$left" || echo "$1"
+}
 status=0
 IFS=',' read -r -a names <<< "$MODELS"
 for name in "${names[@]}"; do
-  say "$name: plan (measured on ${MODE/gpu/cuda} and h200 roofline), per-block times"
-  if timeout "$LIMIT" "$PY" "$WORK/gpu_check.py" check "$name" --mode "$MODE" --out "$RESULTS" \
+  rm -f "$RESULTS/$name.json" "$RESULTS/$name.train.json" "$RESULTS/$name.log"  # no stale results
+done
+for name in "${names[@]}"; do
+  t=$(limit "$LIMIT")
+  if (( t < 30 )); then say "$name: skipped, the time budget is spent"; status=1; continue; fi
+  say "$name: plan (measured on ${MODE/gpu/cuda} and h200 roofline), per-block times (limit $t s)"
+  if timeout "$t" "$PY" "$WORK/gpu_check.py" check "$name" --mode "$MODE" --out "$RESULTS" \
       --plans "$WORK" 2>&1 | tee "$RESULTS/$name.log"; then
-    say "$name: one training step of the one-stage plan (autopartition run, 1 rank)"
-    timeout "$LIMIT" "$PY" -m partitioner run "$WORK/plan-$name" --nproc-per-node 1 -- \
+    t=$(limit "$TRAIN_LIMIT")
+    if (( t < 20 )); then say "$name: training skipped, the time budget is spent"; status=1; continue; fi
+    say "$name: training steps of the one-stage plan (autopartition run, 1 rank; limit $t s)"
+    timeout "$t" "$PY" -m partitioner run "$WORK/plan-$name" --nproc-per-node 1 -- \
         "$WORK/gpu_check.py" train "$name" --mode "$MODE" --out "$RESULTS" --plans "$WORK" \
         2>&1 | tee -a "$RESULTS/$name.log" || { say "$name: training failed"; status=1; }
   else
