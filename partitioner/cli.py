@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shlex
 import sys
@@ -26,7 +27,8 @@ from typing import Any, cast
 from partitioner.defaults import SCHEDULES
 from partitioner.errors import AutopartitionError
 from partitioner.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
-from partitioner.units import parse_size
+from partitioner.progress import Reporter, hide_library_output
+from partitioner.units import SIZE_HELP, parse_size, plural
 
 __all__ = ["main", "parse_size"]  # parse_size lives in partitioner.units
 
@@ -36,6 +38,7 @@ _DEFAULT_BATCH = 32
 _AUTO = "auto"
 _RECOMPUTE = ("auto", "none", "full")
 _WIDTH = 100
+_EXAMPLES = Path(__file__).resolve().parent.parent / "examples"  # in a checkout (pip install -e .)
 
 _EPILOG = """\
 examples:
@@ -162,10 +165,11 @@ def _plan_parser() -> argparse.ArgumentParser:
         formatter_class=_formatter,
         allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"autopartition {_version()}")
     parser.add_argument("model", metavar="MODEL.py[:FACTORY]",
                         help="model file; :FACTORY picks a factory other than build_model")
-    parser.add_argument("--gpus", type=_positive_int, required=True, metavar="N",
-                        help="number of GPUs (pipeline stages x replicas)")
+    parser.add_argument("--gpus", type=_positive_int, metavar="N",
+                        help="number of GPUs (pipeline stages x replicas) (default: the GPUs on this machine)")
     parser.add_argument("--batch-size", type=_positive_int, metavar="B",
                         help=f"mini-batch size (default: the model file's fixed batch, else {_DEFAULT_BATCH})")
     parser.add_argument("--microbatches", type=_microbatches, default=_AUTO, metavar="auto|M",
@@ -177,7 +181,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=_DEVICES, default="auto", type=str.lower,
                         help="auto/cpu/cuda measure here; a100/h100/h200 predict for that GPU (default auto)")
     parser.add_argument("--memory-per-gpu", type=_size, metavar="SIZE",
-                        help="memory cap per GPU, e.g. 80GiB, 40GB, 512MiB (default: the device's)")
+                        help=f"memory cap per GPU: {SIZE_HELP} (default: the device's)")
     parser.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION, type=str.lower,
                         help="fp32; bf16-mixed: bf16 compute and activations, fp32 weights, gradients and "
                         f"optimizer state; bf16: everything bf16 (default {DEFAULT_PRECISION})")
@@ -192,9 +196,13 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--capture", choices=_CAPTURE, default="auto",
                         help="how to capture the graph (default auto: export, then symbolic_trace)")
     parser.add_argument("--out", default="plan", metavar="DIR", help="plan directory to write (default plan/)")
+    parser.add_argument("--force", action="store_true",
+                        help="write --out even if it holds a plan for another model, or other files")
     parser.add_argument("--time-limit", type=_positive_float, default=10.0, metavar="S",
                         help="time limit of each ILP solve, seconds (default 10)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="let torch's own warnings, logs and graph dumps through (hidden by default)")
     return parser
 
 
@@ -254,47 +262,110 @@ def _plan(args: argparse.Namespace) -> int:
     from partitioner.modelfile import load_model_file
     from partitioner.table import format_plan
 
-    say = _status(quiet=args.quiet)
+    say = Reporter(quiet=args.quiet)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise AutopartitionError(f"--out {args.out} is a file; choose a directory for the plan.")
-    say(f"loading {args.model}")
-    model_file = load_model_file(args.model)
-    batch = args.batch_size or model_file.default_batch_size or _DEFAULT_BATCH
-    model = model_file.build()
-    inputs = model_file.example_inputs(batch)
-    plan = planner.compile(
-        model,
-        inputs,
-        gpus=args.gpus,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        device=args.device,
-        memory_per_gpu=args.memory_per_gpu,
-        pp=args.pp,
-        dp=args.dp,
-        capture_method=cast(Any, args.capture),
-        time_limit=args.time_limit,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        recompute=args.recompute,
-        gpus_per_node=args.gpus_per_node,
-        loss_fn=model_file.loss_fn,
-        target=model_file.example_target(batch) if model_file.example_target else None,
-        status=say,
-    )
-    saved = plan.save(out)
+    gpus = _gpus(args, say)
+    # torch's warnings, logs and partial-graph dumps would bury our one-paragraph errors.
+    with hide_library_output(verbose=args.verbose):
+        say(f"loading {args.model}")
+        model_file = load_model_file(args.model)
+        batch = args.batch_size or model_file.default_batch_size or _DEFAULT_BATCH
+        model = model_file.build()
+        _check_out(out, type(model).__name__, force=args.force, say=say)
+        inputs = model_file.example_inputs(batch)
+        plan = planner.compile(
+            model,
+            inputs,
+            gpus=gpus,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            device=args.device,
+            memory_per_gpu=args.memory_per_gpu,
+            pp=args.pp,
+            dp=args.dp,
+            capture_method=cast(Any, args.capture),
+            time_limit=args.time_limit,
+            precision=args.precision,
+            optimizer=args.optimizer,
+            recompute=args.recompute,
+            gpus_per_node=args.gpus_per_node,
+            loss_fn=model_file.loss_fn,
+            target=model_file.example_target(batch) if model_file.example_target else None,
+            status=say,
+        )
+        saved = plan.save(out)
+        report = _write_report(plan, saved, say=say)
     print(format_plan(plan))
     print()
-    report = _write_report(plan, saved)
     if report is not None:
         print(f"report: {report}")
     quoted = shlex.quote(str(saved))
     stages = "stage_0.py" if plan.pp == 1 else f"stage_0.py … stage_{plan.pp - 1}.py"
     print(f"plan saved to {saved}{os.sep} (plan.json, {stages}); next:")
     print(f"  autopartition verify {quoted} --model {shlex.quote(args.model)}")
-    print(f"  autopartition run {quoted} -- train.py")
+    print(f"  autopartition run {quoted} -- {_training_script(args.model)}")
     return 0
+
+
+def _gpus(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    """--gpus, else the local GPU count (said); with neither, bad input.  Also warns about CPU timings."""
+    local = _local_gpus()
+    if args.gpus is None and local == 0:
+        raise AutopartitionError(
+            "No --gpus given and this machine has no GPU to count. Say how many GPUs to plan for, "
+            "and for which: e.g. `--gpus 4 --device h100` (costs predicted for H100s; also a100, h200)."
+        )
+    gpus = args.gpus if args.gpus is not None else local
+    if args.gpus is None:
+        say(f"planning for {plural(gpus, 'GPU')} (the GPUs on this machine; --gpus N to change)")
+    if args.device == "auto" and local == 0:
+        say("no GPU here: planning with CPU timings; for GPU costs try --device h100 (a100, h200)")
+    return gpus
+
+
+def _local_gpus() -> int:
+    """GPUs visible here (0 without CUDA); a function so tests can pretend."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _check_out(out: Path, model_name: str, *, force: bool, say: Callable[[str], None]) -> None:
+    """Refuse to overwrite another model's plan (or a directory of other files) unless ``force``."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    existing = out / "plan.json"
+    if not existing.is_file():
+        if force:
+            return
+        raise AutopartitionError(
+            f"--out {out} already holds files but no plan.json; writing a plan there would mix them "
+            "(and remove any stage_*.py). Choose another --out, or add --force."
+        )
+    try:
+        previous = json.loads(existing.read_text())["model"]["class_name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        previous = None  # unreadable: nothing worth keeping is lost by replacing it
+    if previous is not None and previous != model_name and not force:
+        raise AutopartitionError(
+            f"--out {out} holds a plan for {previous}, not {model_name}; not overwriting it. "
+            "Choose another --out, or add --force to replace it."
+        )
+    what = f"the plan for {previous}" if previous is not None else "an unreadable plan.json"
+    say(f"replacing {what} in {out}{os.sep}")
+
+
+def _training_script(model: str) -> str:
+    """A training script that exists: the example GPT's trainer (the one to copy for another model)."""
+    script = _EXAMPLES / "train_gpt.py"
+    if not script.is_file():
+        return "your_training_script.py  # see examples/train_gpt.py in autopartition's repository"
+    relative = os.path.relpath(script)
+    shown = shlex.quote(str(script) if relative.startswith("..") else relative)
+    model_path = Path(model.split(":", 1)[0]).resolve()
+    return shown if model_path == _EXAMPLES / "gpt.py" else f"{shown}  # trains examples/gpt.py: copy it for your model"
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -314,11 +385,14 @@ def _show(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from partitioner.plan import Plan
 
-    Plan.load(args.plan)  # a missing or corrupt plan is bad input (exit 2), found before any rank starts
+    plan = Plan.load(args.plan)  # a missing or corrupt plan is bad input (exit 2), found before any rank starts
     try:
         from runtime.verify import verify_plan
     except ImportError as exc:
         return _runtime_missing("verify", "runtime.verify.verify_plan", exc)
+    print(f"[autopartition] verify: starting {plural(plan.gpus, 'CPU rank')} ({plural(plan.pp, 'stage')} x "
+          f"{plural(plan.dp, 'replica')}) for {plural(args.steps, 'step')} against the unpartitioned "
+          f"{plan.model.class_name}; each rank builds and captures the model first", file=sys.stderr, flush=True)
     options: dict[str, Any] = {"steps": args.steps}
     if args.timeout is not None:  # else the verifier's own default
         options["timeout"] = args.timeout
@@ -361,12 +435,8 @@ def _run(args: list[str]) -> int:
 # ----------------------------------------------------------------- helpers
 
 
-def _status(*, quiet: bool) -> Callable[[str], None]:
-    def say(message: str) -> None:
-        if not quiet:
-            print(f"[autopartition] {message}", file=sys.stderr, flush=True)
-
-    return say
+def _stderr(message: str) -> None:
+    print(f"[autopartition] {message}", file=sys.stderr, flush=True)
 
 
 def _error(message: str) -> None:
@@ -388,13 +458,22 @@ def _runtime_missing(command: str, name: str, exc: ImportError) -> int:
     return 1
 
 
-def _write_report(plan: Any, directory: Path) -> Path | None:
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autopartition")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _write_report(plan: Any, directory: Path, *, say: Callable[[str], None] | None = None) -> Path | None:
     """Call ``partitioner.report.write_report`` when that module exists; return where it wrote."""
     try:
         report = importlib.import_module("partitioner.report")
     except ImportError as exc:
         if getattr(exc, "name", None) != "partitioner.report":
-            print(f"[autopartition] no report written: {type(exc).__name__}: {exc}", file=sys.stderr)
+            (say or _stderr)(f"no report written: {type(exc).__name__}: {exc}")
         return None
     written = report.write_report(plan, directory)
     return Path(written) if written is not None else None

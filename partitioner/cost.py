@@ -10,6 +10,11 @@ compute node it
 * times forward and backward (``torch.autograd.grad`` on that node alone),
   warmed up, median of repeats, when ``measure=True``.
 
+Every node runs on the values the real forward gives it: its output comes from one
+real call, and what a node writes in place (an index built by ``+=`` on an
+``arange``, a counter buffer, ``ReLU(inplace=True)``) is put back before each timing
+re-run (:class:`_Writes`), as is model state before each whole-graph pass.
+
 Counting alone (``measure=False``, used for ``--device a100|h100|h200``) runs on
 fake tensors (:mod:`partitioner.meta`): every parameter, buffer and input is
 replaced by a ``FakeTensor`` of its shape and dtype, so nothing is computed or
@@ -50,7 +55,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from partitioner.capture import CapturedModel
 from partitioner.devices import DeviceSpec
@@ -728,6 +733,24 @@ _METADATA_OPS = frozenset({
 })
 
 
+def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+
+def _cpu_sdpa_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+
+
+# torch's registry covers the CUDA attention kernels but not the CPU flash kernel that
+# ``scaled_dot_product_attention`` picks for CPU (and CPU-device fake) tensors, so the
+# attention matmuls of a Hugging Face model would count as 0 FLOPs; same formulas.
+_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    **flop_registry,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+}
+
+
 class _FlopCount(TorchDispatchMode):
     """FLOPs of the ops run under it, by ``torch.utils.flop_counter``'s formulas.
 
@@ -744,14 +767,14 @@ class _FlopCount(TorchDispatchMode):
         if func in _METADATA_OPS:
             return NotImplemented  # fake tensors ask for sizes and strides through dispatch: no FLOPs
         packet = func._overloadpacket
-        if (packet not in flop_registry and not isinstance(func, torch._ops.HigherOrderOperator)
+        if (packet not in _FLOP_FORMULAS and not isinstance(func, torch._ops.HigherOrderOperator)
                 and func is not torch.ops.prim.device.default):
             with self:
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:
                 return decomposed
         out = func(*args, **kwargs)
-        formula = flop_registry.get(packet)
+        formula = _FLOP_FORMULAS.get(packet)
         if formula is not None:
             self.total += formula(*args, **kwargs, out_val=out)
         return out

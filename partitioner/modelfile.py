@@ -4,9 +4,14 @@ The file is imported by path and must define (see DESIGN.md):
 
 * ``build_model()`` returning an ``nn.Module``, or a module-level ``model``;
   ``model.py:NAME`` picks the factory ``NAME`` instead;
-* ``example_inputs(batch_size)`` returning the tuple of positional input tensors of
-  one mini-batch (batch in dimension 0), or a module-level tuple ``example_inputs``;
-* optionally ``loss_fn(outputs, target)`` and ``example_target(batch_size)``.
+* ``example_inputs(batch_size)`` returning one mini-batch's inputs (batch in
+  dimension 0 of every tensor): a tuple of positional arguments, a dict of keyword
+  arguments, or ``(args, kwargs)``; ``None``, bools, numbers and strings are baked
+  into the graph.  Or a module-level value ``example_inputs``;
+* optionally ``loss_fn(outputs, target)`` and ``example_target(batch_size)``;
+* or, for a model that computes its own loss (Hugging Face ``labels=``),
+  ``example_target(batch_size)`` and ``target_keyword = "labels"``, the keyword
+  the target is passed as (no ``loss_fn``).
 
 Everything that can go wrong raises :class:`~partitioner.errors.ModelFileError`
 with a message that says what is wrong and how to fix it.
@@ -37,7 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioner.errors import ModelFileError
+from partitioner.capture import CallSpec, split_call
+from partitioner.errors import CaptureError, ModelFileError
 
 __all__ = ["ModelFile", "load_model_file", "split_spec"]
 
@@ -49,17 +55,20 @@ class ModelFile:
     """What a model file provides, as checked callables.
 
     ``build()`` returns the model (checked to be an ``nn.Module``);
-    ``example_inputs(batch_size)`` returns a tuple of tensors (a single tensor is
-    wrapped); ``default_batch_size`` is set when the file fixes the inputs as a
-    module-level tuple (then no other batch size is possible).
+    ``example_inputs(batch_size)`` returns the inputs as the file gives them: a
+    tuple (a single tensor is wrapped), a dict of keywords, or ``(args, kwargs)``;
+    with ``target_keyword`` the target is already among them, as that keyword
+    (the model computes its own loss).  ``default_batch_size`` is set when the
+    file fixes the inputs at module level (then no other batch size is possible).
     """
 
     path: Path
     build: Callable[[], nn.Module]
-    example_inputs: Callable[[int], tuple[torch.Tensor, ...]]
+    example_inputs: Callable[[int], Any]
     loss_fn: Callable[..., Any] | None
     example_target: Callable[[int], Any] | None
     default_batch_size: int | None
+    target_keyword: str | None = None
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:
@@ -103,6 +112,19 @@ def load_model_file(spec: str) -> ModelFile:
             "Define `def loss_fn(outputs, target):` returning a scalar mean loss, or remove the name."
         )
     target = _example_target(module, path)
+    keyword = getattr(module, "target_keyword", None)
+    if keyword is not None:
+        if not isinstance(keyword, str) or not keyword.isidentifier():
+            raise ModelFileError(
+                f"{path.name} sets target_keyword to {keyword!r}; it must name the model's keyword "
+                "argument that takes the target, e.g. `target_keyword = \"labels\"`."
+            )
+        if target is None or loss_fn is not None:
+            raise ModelFileError(
+                f"{path.name} sets target_keyword, so the model computes its own loss from the target: "
+                "define example_target(batch_size) and no loss_fn (or drop target_keyword)."
+            )
+        inputs = _with_target(inputs, target, keyword)
     return ModelFile(
         path=path,
         build=build,
@@ -110,6 +132,7 @@ def load_model_file(spec: str) -> ModelFile:
         loss_fn=_wrap_call(loss_fn, path, "loss_fn") if loss_fn is not None else None,
         example_target=target,
         default_batch_size=default_batch,
+        target_keyword=keyword,
     )
 
 
@@ -280,22 +303,23 @@ def _wrap_call(function: Callable[..., Any], path: Path, name: str) -> Callable[
 
 def _example_inputs(
     module: types.ModuleType, path: Path
-) -> tuple[Callable[[int], tuple[torch.Tensor, ...]], int | None]:
+) -> tuple[Callable[[int], Any], int | None]:
     if not hasattr(module, "example_inputs"):
         raise ModelFileError(
             f"{path.name} has no example_inputs. Add `def example_inputs(batch_size): return "
-            "(torch.randn(batch_size, ...),)` returning the positional input tensors of one "
-            "mini-batch (batch in dimension 0), or a module-level tuple `example_inputs = (...)`."
+            "(torch.randn(batch_size, ...),)` returning the inputs of one mini-batch (batch in "
+            "dimension 0): a tuple of positional arguments, a dict of keyword arguments, or "
+            "(args, kwargs); or bind such a value to a module-level `example_inputs`."
         )
     value = module.example_inputs
-    if isinstance(value, (tuple, list, torch.Tensor)):
-        fixed = _as_tensors(value, path, "example_inputs")
-        batch = _fixed_batch(fixed, path, "example_inputs")
+    if isinstance(value, (tuple, list, dict, torch.Tensor)):
+        fixed = _checked_inputs(value, path, "example_inputs")
+        batch = _fixed_batch(_tensors(fixed), path, "example_inputs")
 
-        def fixed_inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
+        def fixed_inputs(batch_size: int) -> Any:
             if batch_size != batch:
                 raise ModelFileError(
-                    f"{path.name} fixes example_inputs as a tuple with batch size {batch}, so "
+                    f"{path.name} fixes example_inputs with batch size {batch}, so "
                     f"batch size {batch_size} is not possible. Use --batch-size {batch}, or define "
                     "`def example_inputs(batch_size):` to allow any batch size."
                 )
@@ -305,23 +329,37 @@ def _example_inputs(
     if not callable(value):
         raise ModelFileError(
             f"{path.name} defines example_inputs as a {type(value).__name__}. Define "
-            "`def example_inputs(batch_size):` returning a tuple of tensors, or bind a tuple of tensors."
+            "`def example_inputs(batch_size):` returning a tuple of tensors (or a dict of keyword "
+            "arguments), or bind such a value."
         )
     _check_takes_batch_size(value, path, "example_inputs")
     call = _wrap_call(value, path, "example_inputs")
 
-    def inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
-        tensors = _as_tensors(call(batch_size), path, f"example_inputs({batch_size})")
-        wrong = [i for i, t in enumerate(tensors) if t.dim() > 0 and t.shape[0] != batch_size]
+    def inputs(batch_size: int) -> Any:
+        given = _checked_inputs(call(batch_size), path, f"example_inputs({batch_size})")
+        tensors = _tensors(given)
+        wrong = [(n, t) for n, t in tensors.items() if t.dim() > 0 and t.shape[0] != batch_size]
         if wrong:
-            shapes = ", ".join(f"input {i}: {tuple(tensors[i].shape)}" for i in wrong)
+            shapes = ", ".join(f"{n}: {tuple(t.shape)}" for n, t in wrong)
             raise ModelFileError(
                 f"{path.name}:example_inputs({batch_size}) returned tensors whose dimension 0 is "
                 f"not the batch size {batch_size} ({shapes}). Put the batch in dimension 0 of every input."
             )
-        return tensors
+        return given
 
     return inputs, None
+
+
+def _with_target(
+    inputs: Callable[[int], Any], target: Callable[[int], Any], keyword: str
+) -> Callable[[int], Any]:
+    """``example_inputs`` with the target added as the model's keyword ``keyword`` (HF ``labels``)."""
+
+    def merged(batch_size: int) -> Any:
+        args, kwargs = split_call(inputs(batch_size))
+        return (args, {**kwargs, keyword: target(batch_size)})
+
+    return merged
 
 
 def _example_target(module: types.ModuleType, path: Path) -> Callable[[int], Any] | None:
@@ -362,30 +400,35 @@ def _check_takes_batch_size(function: Callable[..., Any], path: Path, name: str)
         pass
 
 
-def _as_tensors(value: Any, path: Path, what: str) -> tuple[torch.Tensor, ...]:
+def _checked_inputs(value: Any, path: Path, what: str) -> Any:
+    """``value`` if it is a valid input structure (a single tensor becomes a 1-tuple)."""
     if isinstance(value, torch.Tensor):
         return (value,)
-    if not isinstance(value, (tuple, list)):
+    if not isinstance(value, (tuple, list, dict)):
         raise ModelFileError(
-            f"{path.name}:{what} gave a {type(value).__name__}; it must be a tuple of tensors "
-            "(the model's positional inputs). Return `(x,)` for one input, `(x, y)` for two."
+            f"{path.name}:{what} gave a {type(value).__name__}; it must be a tuple of the model's "
+            "positional inputs, a dict of its keyword inputs, or (args, kwargs). Return `(x,)` for one input."
         )
     if not value:
         raise ModelFileError(
             f"{path.name}:{what} gave an empty {type(value).__name__}; return the model's "
-            "positional input tensors, e.g. `(torch.randn(batch_size, 16),)`."
+            "input tensors, e.g. `(torch.randn(batch_size, 16),)`."
         )
-    bad = [f"item {i} is a {type(v).__name__}" for i, v in enumerate(value) if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise ModelFileError(
-            f"{path.name}:{what} must give a tuple of tensors, but {'; '.join(bad)}. Pass "
-            "non-tensor settings to the model's constructor instead, or turn them into tensors."
-        )
-    return tuple(value)
+    try:
+        CallSpec.of(value)
+    except CaptureError as exc:
+        raise ModelFileError(f"{path.name}:{what}: {exc}") from None
+    return tuple(value) if isinstance(value, list) else value
 
 
-def _fixed_batch(tensors: tuple[torch.Tensor, ...], path: Path, what: str) -> int:
-    sizes = sorted({t.shape[0] for t in tensors if t.dim() > 0})
+def _tensors(value: Any) -> dict[str, torch.Tensor]:
+    """Every input tensor by its place (``args[0]``, ``attention_mask``)."""
+    spec, flat = CallSpec.of(value)
+    return dict(zip(spec.names, flat))
+
+
+def _fixed_batch(tensors: dict[str, torch.Tensor], path: Path, what: str) -> int:
+    sizes = sorted({t.shape[0] for t in tensors.values() if t.dim() > 0})
     if len(sizes) != 1:
         raise ModelFileError(
             f"{path.name}:{what} needs one batch size in dimension 0 of its tensors; found "

@@ -9,7 +9,9 @@ Format versions: 2 (issue 8) added the training precision, the optimizer, GPUs
 per node, per-stage recomputation and links, per-boundary links, the predicted
 MFU and model FLOPs, and each candidate's micro-batch count and schedule.  A
 version-1 plan still loads, read as fp32, Adam (or SGD for one optimizer state),
-one node of all its GPUs, no recomputation (:func:`upgrade_v1`).
+one node of all its GPUs, no recomputation (:func:`upgrade_v1`).  Fields added
+within version 2 (marked ``ADDED_IN_VERSION``: ``solver.refinement``) may be
+absent from a version-2 plan and take their defaults.
 
 Example::
 
@@ -46,6 +48,7 @@ __all__ = [
     "CostModelInfo",
     "ModelInfo",
     "Plan",
+    "Refinement",
     "SolverInfo",
     "StagePlan",
     "StagePrediction",
@@ -127,6 +130,31 @@ class StepPrediction:
     mfu: float | None = None  # model_flops / (gpus x peak FLOP/s of the compute dtype x step_s)
 
 
+# Field metadata: a field added within the current format version, which a plan saved before it
+# may lack (it loads with the field's default).
+ADDED_IN_VERSION = "added_in_version"
+
+
+@dataclasses.dataclass(frozen=True)
+class Refinement:
+    """The simulation-guided refinement of the solver's split (:mod:`partitioner.refine`).
+
+    ``before_s``: the simulated step of the solver's split; ``after_s``: of the
+    split kept (never more); ``moves``: boundary moves accepted.
+    """
+
+    before_s: float
+    after_s: float
+    moves: int
+    simulations: int
+    wall_s: float
+
+    @property
+    def gain(self) -> float:
+        """Share of the solver's simulated step the refinement saved."""
+        return 1 - self.after_s / self.before_s if self.before_s > 0 else 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class SolverInfo:
     name: str
@@ -135,6 +163,7 @@ class SolverInfo:
     lower_bound: float
     wall_s: float
     blocks: int
+    refinement: Refinement | None = dataclasses.field(default=None, metadata={ADDED_IN_VERSION: 2})
 
     @property
     def gap(self) -> float:
@@ -181,6 +210,9 @@ class ModelInfo:
     outputs: tuple[str, ...]
     parameters: int
     parameter_bytes: int
+    # How the flat inputs become the model's call (capture.CallSpec as JSON): keywords, baked
+    # constants.  "": a plain tuple of positional tensors.
+    call: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,8 +425,9 @@ def _decode(kind: Any, value: Any, where: str, *, strict: bool = False) -> Any:
         unknown = set(value) - fields
         if unknown:
             raise ValueError(f"{where} has unknown fields {sorted(unknown)}")
-        optional = set() if strict else {
-            f.name for f in dataclasses.fields(kind) if f.default is not dataclasses.MISSING}
+        optional = {  # strict: only fields added within this version may be missing
+            f.name for f in dataclasses.fields(kind) if f.default is not dataclasses.MISSING
+            and (not strict or ADDED_IN_VERSION in f.metadata)}
         missing = fields - set(value) - optional
         if missing:
             raise KeyError(f"{where} lacks fields {sorted(missing)}")

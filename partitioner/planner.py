@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 
 from partitioner.agree import solved_on_rank0
 from partitioner.blockgraph import block_graph
-from partitioner.capture import CapturedModel, CaptureMethod, capture
+from partitioner.capture import CallSpec, CapturedModel, CaptureMethod, capture
 from partitioner.coarsen import coarsen
 from partitioner.commcost import allreduce_crosses_nodes, p2p_crosses_nodes
 from partitioner.cost import NodeCost, profile, time_loss
@@ -73,6 +73,7 @@ from partitioner.plan import (
     CostModelInfo,
     ModelInfo,
     Plan,
+    Refinement,
     SolverInfo,
     StagePlan,
     StagePrediction,
@@ -103,11 +104,13 @@ from partitioner.problem import (
     stage_costs,
     stage_memory,
 )
+from partitioner.progress import report_progress
+from partitioner.refine import REFINE_SIMULATIONS, StepModel, refine_split
 from partitioner.schedule import compute_order, lower, validate
 from partitioner.simulate import simulate
 from partitioner.solve import is_chain, solve
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
-from partitioner.units import format_bytes
+from partitioner.units import format_bytes, plural
 from partitioner.values import propagate_values
 
 __all__ = [
@@ -158,6 +161,7 @@ class PlanOptions:
     gpus_per_node: int  # divides gpus
     bucket_cap_mb: float
     time_limit: float  # solver seconds per ILP
+    refine_simulations: int = REFINE_SIMULATIONS  # simulated steps of local search per candidate (0: none)
 
     @property
     def device_name(self) -> str:
@@ -252,6 +256,7 @@ def compile(
     optimizer_states: int | None = None,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     time_limit: float = 10.0,
+    refine_simulations: int = REFINE_SIMULATIONS,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
     status: Status | None = None,
@@ -271,7 +276,8 @@ def compile(
     targets) the loss's cost is charged to the last stage, which computes it.
     """
     say = status or (lambda _msg: None)
-    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    # A tuple, a dict of keywords or (args, kwargs): from here on, the flat tuple of its tensors.
+    call, example_inputs = CallSpec.of(example_inputs)
     batch = _batch_size(example_inputs)
     spec, measure, local = _device(device)
     options = _options(
@@ -280,18 +286,21 @@ def compile(
         gpus_per_node=gpus_per_node, spec=spec, measure=measure, local=local,
         memory_limit=memory_per_gpu if memory_per_gpu is not None else _default_memory(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
+        refine_simulations=refine_simulations,
     )
 
     reference = options.reference_microbatches
     micro = microbatch_inputs(example_inputs, batch // reference)
     say(f"capturing {type(model).__name__} ({capture_method})")
-    captured = capture(model, micro, method=capture_method)
+    captured = capture(model, micro, method=capture_method, call=call)
     propagate_values(captured.graph_module, micro)
-    say(f"captured {len(compute_nodes(captured.graph_module))} compute nodes with {captured.method}")
+    nodes = len(compute_nodes(captured.graph_module))
+    say(f"captured {nodes} compute nodes with {captured.method}")
 
     def progress(done: int, total: int) -> None:
-        if done == total or done % max(1, total // 10) == 0:
-            say(f"{'measuring' if measure else 'counting'} costs: node {done}/{total}")
+        # The interpreter ticks every graph node (inputs, parameters too): shown out of the nodes announced.
+        phase = f"{'measuring' if measure else 'counting'} costs"
+        report_progress(say, phase, nodes if done >= total else nodes * done // total, nodes, unit="nodes")
 
     costs = _profile(captured, micro, measure=measure, device=local, progress=progress)
     times = node_times(costs, spec, precision=options.precision, measure=measure)
@@ -310,15 +319,18 @@ def compile(
     ranked = _best(trials)
     drafts = {_key(c): _build_plan(model, captured, micro, scaled.at(c.microbatches), c, options) for c in ranked}
     by_key = {t.key: t for t in trials}
+    ranked, refined = _refine_in_simulation(model, captured, micro, scaled, ranked, drafts, by_key, options, say=say)
     for key, draft in drafts.items():
         by_key[key].simulated(draft)
     best, plan, captured = _choose(model, example_inputs, captured, micro, scaled, ranked, drafts, by_key, options)
-    say(f"chose {best.pp} stages x {best.dp} replicas, {best.microbatches} micro-batches, {best.schedule}")
+    say(f"chose {plural(best.pp, 'stage')} x {plural(best.dp, 'replica')}, "
+        f"{plural(best.microbatches, 'micro-batch', 'micro-batches')}, {best.schedule}")
     # Stage code is for people to read: generated once, for the chosen plan only.
     graph = scaled.at(best.microbatches)
     return dataclasses.replace(
         plan,
         candidates=_candidates(trials, by_key[_key(best)], options),
+        solver=dataclasses.replace(plan.solver, refinement=refined.get(_key(best))),
         stage_code=_stage_codes(captured, plan),
         block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
     )
@@ -340,6 +352,81 @@ def _best(trials: list[_Trial]) -> list[_Solved]:
 
 def _key(solved: _Solved) -> tuple[int, int, int | None, str | None]:
     return (solved.pp, solved.dp, solved.microbatches, solved.schedule)
+
+
+def _refine_in_simulation(
+    model: torch.nn.Module,
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    scaled: _ScaledCosts,
+    ranked: list[_Solved],
+    drafts: dict[tuple[int, int, int | None, str | None], Plan],
+    trials: dict[tuple[int, int, int | None, str | None], _Trial],
+    options: PlanOptions,
+    *,
+    say: Status,
+) -> tuple[list[_Solved], dict[tuple[int, int, int | None, str | None], Refinement]]:
+    """Each simulated candidate's split improved by local search in simulation (:mod:`partitioner.refine`).
+
+    The closed form charges received transfers on every micro-batch while the
+    simulator overlaps them with compute, so the solver's optimum is not always
+    the fastest split in simulation.  Each candidate of two stages or more is
+    refined for ``options.refine_simulations`` simulated steps; a changed split is built into a
+    plan and kept only if that plan simulates faster than the solver's draft
+    (so refinement never makes a candidate worse).  ``drafts`` and the trials'
+    partitions are updated in place; returns the candidates and what each
+    refinement did.
+    """
+    out: list[_Solved] = []
+    done: dict[tuple[int, int, int | None, str | None], Refinement] = {}
+    for c in ranked:
+        key = _key(c)
+        if c.pp < 2 or options.refine_simulations <= 0:
+            out.append(c)
+            continue
+        graph = scaled.at(c.microbatches)
+        # A second start: the closed form's optimum with transfers left out of the stage times, which
+        # the simulator mostly overlaps with compute (they delay the fill and the drain once).
+        free = dataclasses.replace(c.problem, transfer_s=(0.0,) * c.problem.size,
+                                   transfer_slow_s=None if c.problem.transfer_slow_s is None else (0.0,) * c.problem.size)
+        other = solve(free, stages=c.pp, microbatches=c.microbatches, schedule=c.schedule,
+                      time_limit=options.time_limit, use_ilp=False)
+        found = refine_split(c.problem, c.partition.stage_of, c.pp, microbatches=c.microbatches, schedule=c.schedule,
+                             model=_step_model(graph, c.problem, c.dp, options), budget=options.refine_simulations,
+                             alternatives=() if other is None else (other.stage_of,))
+        before = drafts[key].predicted.step_s
+        after, moves = before, 0
+        if found.stage_of != c.partition.stage_of:
+            partition = dataclasses.replace(
+                c.partition, stage_of=found.stage_of, recompute=found.recompute, objective=found.objective,
+                status="feasible", wall_s=c.partition.wall_s + found.wall_s)
+            better = dataclasses.replace(c, partition=partition)
+            draft = _build_plan(model, captured, micro, graph, better, options)
+            if draft.predicted.step_s < before:
+                c, after, moves = better, draft.predicted.step_s, found.moves
+                drafts[key] = draft
+                trials[key].partition, trials[key].status = partition, partition.status
+        done[key] = Refinement(before, after, moves, found.simulations, found.wall_s)
+        if moves:
+            say(f"refined {c.pp} stages x {c.dp} replicas, M {c.microbatches}, {c.schedule} in simulation: "
+                f"{_more(after, before)} in {moves} moves")
+        out.append(c)
+    return out, done
+
+
+def _step_model(graph: GraphCosts, problem: PartitionProblem, dp: int, options: PlanOptions) -> StepModel:
+    """Per-block forward seconds and parameter bytes (for DDP buckets), as :func:`_stages` prices a stage."""
+    last = len(graph.blocks) - 1
+    forward = tuple(
+        (sum(graph.node_forward_s[n] for n in members) + (graph.loss_s[0] if b == last else 0.0)) / dp
+        for b, members in enumerate(graph.blocks)
+    )
+    readers: dict[str, list[int]] = {}
+    for b, names in enumerate(graph.block_parameters):
+        for name in names:
+            readers.setdefault(name, []).append(b)
+    parameters = tuple((float(graph.parameter_bytes[name]), tuple(blocks)) for name, blocks in readers.items())
+    return StepModel(forward, parameters, options.bucket_cap_mb)
 
 
 def _choose(
@@ -390,7 +477,8 @@ def _recapture(
     graph is shape-generic (propagate again); an exported one is specialised (recapture).
     """
     micro = microbatch_inputs(example_inputs, size)
-    recaptured = capture(model, micro, method=captured.method) if captured.method == "export" else captured
+    recaptured = (capture(model, micro, method=captured.method, call=captured.call)
+                  if captured.method == "export" else captured)
     if graph_fingerprint(recaptured.graph_module) != graph_fingerprint(captured.graph_module):
         raise AutopartitionError(
             f"{type(model).__name__} captures to a different graph at micro-batch size "
@@ -714,7 +802,7 @@ def _screen(pending: list[_Trial], options: PlanOptions, *, say: Status) -> None
             continue
         if (t.pp, t.dp) not in announced:
             announced.add((t.pp, t.dp))
-            say(f"solving {t.pp} stages x {t.dp} replicas")
+            say(f"solving {plural(t.pp, 'stage')} x {plural(t.dp, 'replica')}")
         assert t.problem is not None and t.microbatches is not None and t.schedule is not None
         part = solve(t.problem, stages=t.pp, microbatches=t.microbatches, schedule=t.schedule,
                      time_limit=options.time_limit, use_ilp=False)
@@ -957,6 +1045,7 @@ def _model_info(model: torch.nn.Module, captured: CapturedModel, micro: tuple[to
         inputs=tuple(TensorSpec(name, tuple(x.shape), str(x.dtype).removeprefix("torch."))
                      for name, x in zip(captured.input_names, micro)),
         outputs=tuple(captured.output_nodes),
+        call=captured.call.to_json(),
         parameters=sum(p.numel() for p in model.parameters()),
         parameter_bytes=sum(p.nbytes for p in model.parameters()),
     )

@@ -101,7 +101,8 @@ def solve(
         member = down_sets(problem, limit=DOWN_SET_LIMIT)
         if member is not None:  # few enough orders to enumerate: exact without the ILP
             exact = solve_down_sets(problem, member, stages=stages, microbatches=microbatches, schedule=schedule)
-            return None if exact is None else _with(exact, wall_s=time.perf_counter() - start)
+            # Exact: the optimum is its own lower bound (the DP's pruning bound is weaker: no "optimal, gap 3%").
+            return None if exact is None else _with(exact, lower_bound=exact.objective, wall_s=time.perf_counter() - start)
     exact_already = is_chain(problem) and not replicated
     if use_ilp is None:
         use_ilp = not exact_already and problem.size * stages <= ILP_SIZE_LIMIT
@@ -110,6 +111,8 @@ def solve(
             return None
         if not exact_already:
             interval = _with(interval, status="feasible", lower_bound=_simple_bound(problem, stages, microbatches))
+        else:  # exact, as above
+            interval = _with(interval, lower_bound=interval.objective)
         return _with(interval, wall_s=time.perf_counter() - start)
     ilp = solve_ilp(
         problem,
@@ -133,7 +136,7 @@ def solve(
     return _with(
         best,
         status=ilp.status,
-        lower_bound=min(ilp.lower_bound, best.objective),
+        lower_bound=best.objective if ilp.status == "optimal" else min(ilp.lower_bound, best.objective),
         solver=ilp.solver if best is ilp else f"{interval.solver if interval else ''}+{ilp.solver}",
         wall_s=time.perf_counter() - start,
     )
@@ -287,7 +290,8 @@ def solve_ilp(
         stage_of=stage_of,
         stages=P,
         objective=value,
-        lower_bound=min(value, bound if bound is not None else value),
+        # Proven optimal: the objective is its own lower bound (HiGHS's bound can trail by its tolerance).
+        lower_bound=value if status == "optimal" or bound is None else min(value, bound),
         status="optimal" if status == "optimal" else "feasible",
         solver=name,
         wall_s=time.perf_counter() - start,

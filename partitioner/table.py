@@ -19,7 +19,7 @@ import textwrap
 from collections.abc import Sequence
 
 from partitioner.plan import Candidate, Plan, StagePlan
-from partitioner.units import format_bytes, format_count, format_seconds
+from partitioner.units import format_bytes, format_count, format_seconds, plural
 
 __all__ = [
     "WIDTH",
@@ -121,7 +121,7 @@ def assumptions(plan: Plan) -> list[tuple[str, str]]:
         else:
             reduces = "every all-reduce stays inside a node"
         carried = f"{sends}; {reduces}"
-    peak = (f"model FLOPs of a step (forward + backward, recomputation not counted) / ({plan.gpus} GPUs x "
+    peak = (f"model FLOPs of a step (forward + backward, recomputation not counted) / ({plural(plan.gpus, 'GPU')} x "
             f"{cm.peak_flops / 1e12:,.4g} TFLOP/s x step)") if cm.peak_flops else "not known (no peak FLOP/s)"
     return [
         ("precision", f"{plan.precision}: {kind}"),
@@ -163,14 +163,14 @@ def is_chosen(candidate: Candidate, plan: Plan) -> bool:
 
 def _header(plan: Plan) -> list[str]:
     model = plan.model
-    replicas = "replica" if plan.dp == 1 else "replicas"
-    stages = "stage" if plan.pp == 1 else "stages"
-    micro = "micro-batch" if plan.microbatches == 1 else "micro-batches"
+    micro = plural(plan.microbatches, "micro-batch", "micro-batches")
     memory = plan.cost_model.memory_limit
     limit = f" | {format_bytes(memory)} per GPU" if memory is not None else ""
-    first = (f"{model.class_name}: {format_count(model.parameters)} parameters ({model.capture})"
-             f" | {plan.gpus} GPUs = {plan.pp} {stages} x {plan.dp} {replicas}, {_node_layout(plan)}")
-    second = (f"{plan.schedule}, {plan.microbatches} {micro} of {plan.microbatch_size}, batch {plan.batch_size}"
+    parameters = "parameter" if model.parameters == 1 else "parameters"
+    first = (f"{model.class_name}: {format_count(model.parameters)} {parameters} ({model.capture})"
+             f" | {plural(plan.gpus, 'GPU')} = {plural(plan.pp, 'stage')} x {plural(plan.dp, 'replica')},"
+             f" {_node_layout(plan)}")
+    second = (f"{plan.schedule}, {micro} of {plan.microbatch_size}, batch {plan.batch_size}"
               f" | {plan.precision}, {plan.optimizer} | costs {plan.cost_model.source}{limit}")
     return _wrap(first) + _wrap(second)
 
@@ -222,10 +222,10 @@ def _summary(plan: Plan) -> list[str]:
         f"predicted step {format_seconds(step.step_s)} | bubble {100 * step.bubble_fraction:.1f}%"
         f" | {step.samples_per_s:,.0f} samples/s{mfu} | peak memory {format_bytes(peak)} per GPU"
     )
-    solved = (
-        f"solver {solver.name}: {solver.status}, gap {100 * solver.gap:.1f}% to the lower bound,"
-        f" {solver.blocks} blocks, {format_seconds(solver.wall_s)}"
-    )
+    # Proven optimal has no gap (plans saved before exact solvers reported their own bound may say otherwise).
+    gap = 0.0 if solver.status == "optimal" else solver.gap
+    solved = (f"solver {solver.name}: {solver.status}, gap {100 * gap:.1f}% to the lower bound,"
+              f" {solver.blocks} blocks, {format_seconds(solver.wall_s)}")
     lines = _wrap(prediction)
     lines.append("assumptions:")
     for topic, text in assumptions(plan):
@@ -285,16 +285,30 @@ def _render(
     ``indent`` stay within :data:`WIDTH`."""
     cells = [list(r) for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    over = sum(widths) + 2 * (len(widths) - 1) + indent - WIDTH
-    if shrink is not None and over > 0:
-        room = max(len(headers[shrink]), widths[shrink] - over, 8)
+    gap = 2
+
+    def over() -> int:
+        return sum(widths) + gap * (len(widths) - 1) + indent - WIDTH
+
+    def cut(least: int) -> None:
+        assert shrink is not None
+        room = max(len(headers[shrink]), widths[shrink] - over(), least)
         for r in cells:
             r[shrink] = _shorten(r[shrink], room)
         widths[shrink] = max([len(headers[shrink])] + [len(r[shrink]) for r in cells])
 
+    # Wide tables (many stages: 4-digit ranks; replicas: one more column) give up, in turn,
+    # the shrinkable column's last readable characters and the double spaces between columns.
+    if shrink is not None and over() > 0:
+        cut(8)
+    if over() > 0:
+        gap = 1
+    if shrink is not None and over() > 0:
+        cut(1)
+
     def line(row: Sequence[str]) -> str:
         parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        return "  ".join(parts).rstrip()
+        return (" " * gap).join(parts).rstrip()
 
     rule = ["-" * w if h else " " * w for h, w in zip(headers, widths)]
     return [line(headers), line(rule)] + [line(r) for r in cells]

@@ -20,12 +20,14 @@ import re
 __all__ = [
     "GIB",
     "MIB",
+    "SIZE_HELP",
     "byte_unit",
     "format_bytes",
     "format_count",
     "format_ms",
     "format_seconds",
     "parse_size",
+    "plural",
 ]
 
 MIB = 2**20
@@ -34,44 +36,56 @@ GIB = 2**30
 # Binary units, smallest first: the ladder format_bytes and byte_unit climb.
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
-# What parse_size accepts after the number (lower case); decimal units are SI, binary IEC.
+# What parse_size accepts after the number (lower case): SI for "GB", IEC for "GiB", and a
+# lone letter ("80G") as binary, as nvidia-smi, torch.cuda and most people mean it.
 _SIZE_UNITS = {
-    "": 1,
     "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+    **{f"{p}b": 10 ** (3 * i) for i, p in enumerate("kmgt", start=1)},
+    **{f"{p}ib": 2 ** (10 * i) for i, p in enumerate("kmgt", start=1)},
+    **{p: 2 ** (10 * i) for i, p in enumerate("kmgt", start=1)},
 }
+SIZE_HELP = "80G or 80GiB = 80 x 2^30 bytes, 80GB = 80 x 10^9; also K, M, T (a bare number is refused)"
+
 # (below, multiplier, unit): a duration under ``below`` seconds is shown as seconds x multiplier.
 _TIME_UNITS = ((1e-6, 1e9, "ns"), (1e-3, 1e6, "µs"), (1.0, 1e3, "ms"), (60.0, 1.0, "s"))
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(text: str) -> float:
-    """A memory size in bytes: ``80GiB``, ``40GB``, ``512MiB``, ``1.5e9`` (bytes).
+    """A memory size in bytes: ``80G`` / ``80GiB`` (binary), ``40GB`` (decimal), ``512M``, ``1024B``.
 
-    A bare letter (``80G``) is refused rather than guessed: it could mean GB or GiB,
-    7% apart, which matters for a memory limit.
+    A lone unit letter is binary (``G`` = GiB), as ``nvidia-smi`` and most people mean it;
+    ``GB`` is 10^9.  A bare number is refused rather than read as bytes: ``80`` almost
+    certainly meant 80 GiB, and a cap of 80 bytes fits nothing.
 
-    >>> parse_size("80GiB") == 80 * 1024**3, parse_size("40GB"), parse_size("1.5e9")
-    (True, 40000000000.0, 1500000000.0)
+    >>> parse_size("80G") == parse_size("80GiB") == 80 * 1024**3, parse_size("40GB"), parse_size("1.5KiB")
+    (True, 40000000000.0, 1536.0)
     """
     match = _SIZE.match(text)
     unit = match.group(2).lower() if match else ""
+    if match is not None and unit == "":
+        raise ValueError(
+            f"{text.strip()!r} has no unit; write {match.group(1)}G (GiB, 2^30 bytes), "
+            f"{match.group(1)}GB (10^9 bytes), {match.group(1)}M or {match.group(1)}B"
+        )
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(
             f"cannot read {text!r} as a memory size; write a number with a unit such as "
-            "80GiB, 40GB, 512MiB, or plain bytes such as 1.5e9"
+            "80G (= 80GiB), 40GB, 512MiB or 1024B"
         )
     value = float(match.group(1)) * _SIZE_UNITS[unit]
     if value <= 0:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return value
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``n`` and ``word``, in the plural unless ``n`` is 1.
+
+    >>> plural(1, "stage"), plural(4, "replica"), plural(2, "micro-batch", "micro-batches")
+    ('1 stage', '4 replicas', '2 micro-batches')
+    """
+    return f"{n} {word if n == 1 else many or word + 's'}"
 
 
 def byte_unit(largest: float) -> tuple[float, str]:

@@ -53,10 +53,15 @@ def propagate_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, V
             fakes = [fake_like(x, home) if isinstance(x, torch.Tensor) else x for x in inputs]
         propagator.propagate_dont_convert_inputs(*fakes)
     except Exception as exc:
-        raise CaptureError(
-            f"Shape propagation failed on the captured graph: {str(exc).splitlines()[0]}. "
-            "The example inputs must have the shapes the model was captured with."
-        ) from exc
+        first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+        expected = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        advice = "The example inputs must have the shapes the model was captured with."
+        if len(inputs) != expected:
+            advice = f"The graph takes {expected} input tensor(s) but got {len(inputs)}."
+        if gm.meta.get("autopartition_capture") == "symbolic_trace":
+            # Symbolic tracing can record a branch the real call does not take: export runs the call.
+            advice += " If forward branches on its arguments, capture with --capture export."
+        raise CaptureError(f"Shape propagation failed on the captured graph: {first}. {advice}") from exc
     infos: dict[str, ValueInfo] = {}
     for node in gm.graph.nodes:
         info = _info(node.meta.get("val"))

@@ -23,6 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
+from partitioner.capture import model_loss
 from partitioner.plan import Boundary, Plan
 from partitioner.schedule import Action
 from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
@@ -157,8 +158,16 @@ class StepRunner:
         if self.stage.is_last:
             model_out = self.stage.captured.unflatten_outputs(outputs[len(sig.sent) :])
             if self.loss_fn is None:
-                raise StepFailure("the last stage needs a loss_fn: pass Pipeline(plan, model, loss_fn)")
-            loss = self.loss_fn(model_out, batch.target)
+                # The model computes its own loss (HF `labels=`): the graph's scalar output.
+                loss = model_loss(model_out)
+                if loss is None:
+                    raise StepFailure(
+                        "the model's output carries no loss (no scalar `loss` key or attribute, and it is "
+                        "not a scalar): pass Pipeline(plan, model, loss_fn), or plan the model with its "
+                        "target as an input (e.g. `labels`) so that it returns its loss"
+                    )
+            else:
+                loss = self.loss_fn(model_out, batch.target)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise StepFailure(f"loss_fn must return a scalar tensor (the batch mean), got {loss!r:.80}")
             # Mean over the mini-batch = mean of the equal micro-batch means.

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from partitioner.errors import AutopartitionError
 from partitioner.plan import Plan
+from partitioner.units import plural
 
 __all__ = ["PLAN_ENV", "plan_from_env", "run_plan", "torchrun_command"]
 
@@ -52,7 +54,7 @@ def torchrun_command(plan: Plan, torchrun_args: Sequence[str], script: Sequence[
         args = ["--nproc-per-node", str(plan.gpus)] + args
     elif nnodes in (None, "1") and nproc.isdigit() and int(nproc) != plan.gpus:
         raise AutopartitionError(
-            f"The plan needs {plan.gpus} ranks ({plan.pp} stages x {plan.dp} replicas) but "
+            f"The plan needs {plural(plan.gpus, 'rank')} ({plural(plan.pp, 'stage')} x {plural(plan.dp, 'replica')}) but "
             f"--nproc-per-node is {nproc} on one node. Use --nproc-per-node {plan.gpus}, or add --nnodes."
         )
     return [sys.executable, "-m", "torch.distributed.run", *args, *script]
@@ -67,7 +69,14 @@ def run_plan(plan_dir: str, torchrun_args: Sequence[str], script: Sequence[str])
         raise AutopartitionError(f"The training script {script[0]} does not exist (cwd {os.getcwd()}).")
     command = torchrun_command(plan, torchrun_args, script)
     env = dict(os.environ, **{PLAN_ENV: str(Path(plan_dir).resolve())})
-    print("[autopartition] " + " ".join(command), file=sys.stderr, flush=True)
+    # torchrun sets 1 itself when unset, with a multi-line banner; one thread per rank is what
+    # CPU ranks are costed with too.  A value the user set is kept.
+    threads = env.setdefault("OMP_NUM_THREADS", "1")
+    nproc = _option(command, "--nproc-per-node", "--nproc_per_node")
+    print(f"[autopartition] run: starting {nproc} ranks per node with torchrun for {plural(plan.pp, 'stage')} x "
+          f"{plural(plan.dp, 'replica')} (OMP_NUM_THREADS={threads}); each rank builds and captures the model "
+          "before its first step", file=sys.stderr, flush=True)
+    print("[autopartition] " + " ".join(shlex.quote(c) for c in command), file=sys.stderr, flush=True)
     return subprocess.run(command, env=env, check=False).returncode
 
 

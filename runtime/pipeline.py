@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from partitioner import errors
 from partitioner.agree import plan_digest, plan_sections
+from partitioner.capture import split_call
 from partitioner.errors import AutopartitionError, PlanMismatchError
 from partitioner.plan import Plan
 from partitioner.schedule import Action, validate
@@ -44,6 +45,15 @@ class Pipeline:
     ``loss_fn(outputs, target)`` must return the mean loss over its batch (the
     default reduction of torch's losses): the pipeline averages it over
     micro-batches and replicas, which equals the unpartitioned model's loss.
+
+    Without ``loss_fn`` the model's own loss is used (a scalar output, or a
+    ``loss`` key/attribute, as Hugging Face models return with ``labels=``);
+    ``step(inputs, target)`` then passes ``target`` as the keyword
+    ``target_keyword`` (default: the one planned keyword input that ``inputs``
+    lacks), so the target is one more graph input, read by the stage computing
+    the loss.  A model's mean over tokens, averaged over micro-batches, is the
+    mini-batch mean only when every micro-batch holds as many counted tokens
+    (no ``-100`` padding, or the same amount in each).
     """
 
     def __init__(
@@ -55,8 +65,11 @@ class Pipeline:
         device: torch.device | None = None,
         timeout: float = 300.0,
         trace: bool = False,
+        target_keyword: str | None = None,
     ) -> None:
         self.plan = plan
+        self._loss_fn = loss_fn
+        self._target_keyword = target_keyword
         self.device = device or pick_device()
         self.timeout = timeout
         self.trace = trace
@@ -104,15 +117,17 @@ class Pipeline:
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return self._stage.module.named_parameters()
 
-    def step(self, inputs: tuple[torch.Tensor, ...] | torch.Tensor, target: Any = None) -> torch.Tensor | None:
+    def step(self, inputs: Any, target: Any = None) -> torch.Tensor | None:
         """Forward and backward one mini-batch; gradients end up in ``.grad``.
 
-        Every rank passes the same mini-batch (only the stages that read an input
-        use it, and only the last stage uses ``target``).  Returns the mini-batch
-        mean loss on the last stage's ranks, None on the others.
+        ``inputs`` has the structure the plan was made with: a tensor, a tuple, a
+        dict of keywords, or ``(args, kwargs)``.  Every rank passes the same
+        mini-batch (only the stages that read an input use it, and only the last
+        stage uses ``target``).  Returns the mini-batch mean loss on the last
+        stage's ranks, None on the others.
         """
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        micro = self._split(inputs, target)
+        flat, target = self._flatten(inputs, target)
+        micro = self._split(flat, target)
         loss = self._runner.run(micro, record=self.trace)
         sum_tied_grads(self._stage.module, self._groups)
         if loss is not None and self._groups.stage is not None:
@@ -198,6 +213,24 @@ class Pipeline:
         return write_chrome_trace(Path(path), events, title="measured", pid=1, track_name="rank")
 
     # --------------------------------------------------------------- helpers
+
+    def _flatten(self, inputs: Any, target: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """The plan's flat input tensors; without a loss_fn the target joins them as its keyword."""
+        call = self._stage.captured.call
+        if self._loss_fn is not None or target is None:
+            return call.flatten(inputs), target
+        keyword = self._target_keyword
+        if keyword is None:
+            given = split_call(inputs)[1]
+            missing = [k for k in call.kwargs if k not in given]
+            if len(missing) != 1:
+                raise AutopartitionError(
+                    "step() got a target but the Pipeline has no loss_fn, and the keyword to pass it as is "
+                    f"unclear (planned keywords missing from the inputs: {missing or 'none'}). Pass "
+                    "Pipeline(..., target_keyword='labels'), or put the target into the inputs."
+                )
+            keyword = missing[0]
+        return call.flatten(inputs, extra={keyword: target}), None
 
     def _split(self, inputs: tuple[torch.Tensor, ...], target: Any) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
         plan = self.plan

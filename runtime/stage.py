@@ -18,14 +18,14 @@ import dataclasses
 import torch
 from torch import fx
 
-from partitioner.capture import CapturedModel, capture
+from partitioner.capture import CallSpec, CapturedModel, capture
 from partitioner.errors import PlanMismatchError
 from partitioner.ir import ValueInfo, dtype_from_name, graph_fingerprint
 from partitioner.plan import Plan, StagePlan
 from partitioner.stagegraph import StageSignature, build_stage, stage_signature
 from partitioner.values import propagate_values
 
-__all__ = ["LocalStage", "build_local_stage", "example_microbatch", "recapture"]
+__all__ = ["LocalStage", "build_local_stage", "call_spec", "example_microbatch", "recapture"]
 
 
 @dataclasses.dataclass
@@ -42,6 +42,13 @@ def example_microbatch(plan: Plan) -> tuple[torch.Tensor, ...]:
     return tuple(torch.zeros(t.shape, dtype=dtype_from_name(t.dtype)) for t in plan.model.inputs)
 
 
+def call_spec(plan: Plan) -> CallSpec:
+    """How the plan's flat inputs become the model's call (keywords, baked constants)."""
+    if not plan.model.call:  # plans made before call specs: positional tensors
+        return CallSpec.positional_of(len(plan.model.inputs), [t.name for t in plan.model.inputs])
+    return CallSpec.from_json(plan.model.call)
+
+
 def recapture(plan: Plan, model: torch.nn.Module) -> tuple[CapturedModel, dict[str, ValueInfo]]:
     """Capture ``model`` as the plan did and check it is the same graph with the same boundary shapes."""
     if type(model).__name__ != plan.model.class_name:
@@ -50,7 +57,7 @@ def recapture(plan: Plan, model: torch.nn.Module) -> tuple[CapturedModel, dict[s
             "Pass the model the plan was made for, or plan this one."
         )
     micro = example_microbatch(plan)
-    captured = capture(model, micro, method=plan.model.capture)  # type: ignore[arg-type]
+    captured = capture(model, micro, method=plan.model.capture, call=call_spec(plan))  # type: ignore[arg-type]
     fingerprint = graph_fingerprint(captured.graph_module)
     if fingerprint != plan.model.fingerprint:
         raise PlanMismatchError(

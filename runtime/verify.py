@@ -58,10 +58,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from partitioner.capture import CallSpec, model_loss
 from partitioner.errors import AutopartitionError
 from partitioner.ir import dtype_name
 from partitioner.plan import Plan
-from runtime.stage import recapture
+from runtime.stage import call_spec, recapture
 
 __all__ = [
     "DTYPES",
@@ -331,9 +332,10 @@ def verify(
     say = progress or (lambda _: None)
     plan = plan_in_dtype(Plan.load(plan_dir), getattr(torch, dtype))
     model_file = load_model_file(model_spec)
-    if model_file.loss_fn is None or model_file.example_target is None:
+    if model_file.loss_fn is not None and model_file.example_target is None:
         raise AutopartitionError(
-            f"{model_spec} needs loss_fn(outputs, target) and example_target(batch_size) for verification."
+            f"{model_spec} needs example_target(batch_size) next to loss_fn for verification (or no "
+            "loss_fn, for a model that returns its own loss)."
         )
     model = _build(model_file, getattr(torch, dtype))
     captured, _ = recapture(plan, model)  # a plan for another model fails here, before any rank starts
@@ -602,9 +604,7 @@ def _rank_main(
     except AutopartitionError as exc:  # a user error: one paragraph in the verifying process, no traceback
         (Path(out) / f"rank{rank}.error").write_text(str(exc))
         sys.exit(2)
-    assert model_file.example_target is not None  # checked by verify() before spawning
-    inputs = _cast(model_file.example_inputs(plan.batch_size), dtype)
-    target = _cast(model_file.example_target(plan.batch_size), dtype)
+    inputs, target = _batch(model_file, plan, dtype)
     opt = torch.optim.SGD(pipe.parameters(), lr=lr, momentum=0.9)
     params = {n for n, _ in pipe.named_parameters()}
 
@@ -646,7 +646,34 @@ def _rank_exit_message(out: Path, plan: Plan, exc: mp.ProcessExitedException) ->
     return f"Rank {rank} (stage {stage}, replica {replica}) stopped: {errors[0].read_text().strip()}"
 
 
+def _batch(model_file: Any, plan: Plan, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The model file's mini-batch; without a loss_fn the model computes its loss (target among the inputs)."""
+    inputs = _cast(model_file.example_inputs(plan.batch_size), dtype)
+    if model_file.loss_fn is None:
+        return inputs, None
+    return inputs, _cast(model_file.example_target(plan.batch_size), dtype)
+
+
 # ----------------------------------------------------------------- reference
+
+
+def _reference_loss(
+    model: nn.Module, call: CallSpec, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    flat: tuple[torch.Tensor, ...], target: Any,
+) -> torch.Tensor:
+    """One micro-batch's loss from the whole model, called as planned (keywords, constants)."""
+    args, kwargs = call.rebuild(flat)
+    outputs = model(*args, **kwargs)
+    if loss_fn is not None:
+        return loss_fn(outputs, target)
+    loss = model_loss(outputs)
+    if loss is None:
+        raise AutopartitionError(
+            "The model file has no loss_fn and the model's output carries no loss (a scalar, or a `loss` "
+            "key or attribute). Define loss_fn(outputs, target), or give the target as the model's keyword "
+            "(`target_keyword = \"labels\"` with example_target)."
+        )
+    return loss
 
 
 def reference_microbatches(
@@ -701,8 +728,9 @@ def _compare_steps(
     torch_dtype = getattr(torch, dtype)
     aliases = {name: set(t.aliases) for t in plan.tied for name in t.aliases}
     model = _build(model_file, torch_dtype)
-    inputs = _cast(model_file.example_inputs(plan.batch_size), torch_dtype)
-    target = _cast(model_file.example_target(plan.batch_size), torch_dtype)
+    inputs, target = _batch(model_file, plan, torch_dtype)
+    call = call_spec(plan)
+    inputs = call.flatten(inputs)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     places = tuple(f"stage {r['stage']}, replica {r['replica']}" for r in ranks)
@@ -725,7 +753,7 @@ def _compare_steps(
                     p.grad = None
                 mb_losses = []
                 for x, y in reference_microbatches(plan, inputs, target, replica):
-                    mb_loss = model_file.loss_fn(model(*x), y) / plan.microbatches
+                    mb_loss = _reference_loss(model, call, model_file.loss_fn, x, y) / plan.microbatches
                     mb_loss.backward()
                     mb_losses.append(mb_loss.detach())
                 replica_losses.append(torch.stack(mb_losses).sum())  # as StepRunner.run, then averaged as Pipeline

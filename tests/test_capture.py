@@ -376,14 +376,20 @@ def test_untraceable_model_names_file_line_and_source(
         assert "export:" in message and "symbolic_trace:" in message
 
 
-@pytest.mark.parametrize("bad", [3, "text", None, [torch.randn(2, 4)]])
-def test_non_tensor_example_input(bad: Any) -> None:
+@pytest.mark.parametrize("bad", [object(), torch.float32, 1j])
+def test_unsupported_example_input(bad: Any) -> None:
     with pytest.raises(CaptureError) as info:
         capture(_mlp(), (torch.randn(2, 8), bad))
     message = str(info.value)
-    assert "Example input 1" in message
+    assert "Example input args[1]" in message
     assert type(bad).__name__ in message
-    assert "tensor" in message
+    assert "None, bool, int, float or str" in message
+
+
+@pytest.mark.parametrize("extra", [3, "text", None])
+def test_constant_that_forward_does_not_take(extra: Any) -> None:
+    with pytest.raises(CaptureError, match=r"do not fit forward\(input\)"):
+        capture(_mlp(), (torch.randn(2, 8), extra))
 
 
 def test_not_a_module() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -68,8 +69,9 @@ def test_plan_show_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     plan = Plan.load(plan_dir)
     assert format_plan(plan) in out
     assert "plan saved to plan/" in out
-    assert f"autopartition verify plan --model {GPT}" in out and "autopartition run plan -- train.py" in out
-    assert "[autopartition] capturing GPT" in err and "[autopartition] chose 2 stages x 1 replicas" in err
+    assert f"autopartition verify plan --model {GPT}" in out
+    assert f"autopartition run plan -- {ROOT / 'examples' / 'train_gpt.py'}" in out  # a file that exists
+    assert "[autopartition] capturing GPT" in err and "[autopartition] chose 2 stages x 1 replica," in err
     for banner in ("Running HiGHS", "Copyright (c)", "HiGHS run time"):
         assert banner not in out and banner not in err
 
@@ -139,12 +141,15 @@ def test_gpus_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "argument --gpus: must be at least 1, got 0" in capsys.readouterr().err
 
 
-def test_gpus_required(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["model.py"]) == 2
-    assert "--gpus" in capsys.readouterr().err
+def test_no_gpus_and_no_gpu_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli, "_local_gpus", lambda: 0)
+    assert main([_model(tmp_path)]) == 2
+    message = _error_of(capsys)
+    assert "No --gpus given and this machine has no GPU" in message and "`--gpus 4 --device h100`" in message
 
 
-@pytest.mark.parametrize("value", ["80 potatoes", "lots", "-1GiB", "0", "80G"])
+@pytest.mark.parametrize("value", ["80 potatoes", "lots", "-1GiB", "0", "80"])
 def test_bad_memory_per_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str) -> None:
     assert main([_model(tmp_path), "--gpus", "2", f"--memory-per-gpu={value}"]) == 2
     assert "argument --memory-per-gpu" in capsys.readouterr().err
@@ -152,8 +157,8 @@ def test_bad_memory_per_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
 
 @pytest.mark.parametrize(
     ("text", "size"),
-    [("80GiB", 80 * 2**30), ("40GB", 40e9), ("512MiB", 512 * 2**20), ("1.5e9", 1.5e9),
-     ("1KiB", 1024), ("2 tb", 2e12), ("100", 100)],
+    [("80GiB", 80 * 2**30), ("40GB", 40e9), ("512MiB", 512 * 2**20), ("1.5e9B", 1.5e9),
+     ("1KiB", 1024), ("2 tb", 2e12), ("80G", 80 * 2**30), ("80g", 80 * 2**30)],
 )
 def test_parse_size(text: str, size: float) -> None:
     assert parse_size(text) == size
@@ -374,3 +379,144 @@ def test_run_without_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 def test_cli_module_exports() -> None:
     assert sorted(cli.__all__) == ["main", "parse_size"]
+
+
+# ----------------------------------------------------------------- issue 10: CLI and output
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("autopartition ")
+
+
+def test_gpus_default_to_the_local_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli, "_local_gpus", lambda: 2)
+    assert main([_model(tmp_path), "--device", "h100", "--out", str(tmp_path / "plan")]) == 0
+    err = capsys.readouterr().err
+    assert "[autopartition] planning for 2 GPUs (the GPUs on this machine" in err
+    assert Plan.load(tmp_path / "plan").gpus == 2 and "CPU timings" not in err
+
+
+def test_progress_is_one_line_per_phase_out_of_the_nodes_announced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not a terminal: one line for costing, its total the node count announced; auto without a GPU says so."""
+    monkeypatch.setattr(cli, "_local_gpus", lambda: 0)
+    assert main([_model(tmp_path, layers=12), "--gpus", "2", "--pp", "1", "--batch-size", "8",
+                 "--microbatches", "2", "--out", str(tmp_path / "plan")]) == 0
+    err = capsys.readouterr().err
+    assert "no GPU here: planning with CPU timings" in err and "--device h100" in err
+    announced = next(line for line in err.splitlines() if " compute nodes with " in line).split()[2]
+    costs = [line for line in err.splitlines() if "ing costs: " in line]
+    assert len(costs) == 1 and f"measuring costs: {announced}/{announced} nodes in " in costs[0]
+    assert "chose 1 stage x 2 replicas" in err and "\r" not in err
+
+
+def _capture_failure(tmp_path: Path) -> str:
+    return _model(tmp_path, text="""
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(16, 16)
+
+            def forward(self, x):
+                h = self.a(x)
+                if h.sum() > 0:
+                    h = h * 2
+                return h
+
+        def build_model():
+            return Net()
+
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 16),)
+    """)
+
+
+@pytest.mark.slow
+def test_capture_failure_prints_only_our_paragraph(tmp_path: Path) -> None:
+    """Issue 10: torch's symbolic_shapes warning and a 25-line graph dump came before our message."""
+    command = [sys.executable, "-m", "partitioner", _capture_failure(tmp_path), "--gpus", "2", "--device", "h100",
+               "--out", str(tmp_path / "plan")]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("autopartition: error:"))
+    assert all(line.startswith("[autopartition] ") for line in lines[:first]), done.stderr
+    assert "Could not capture Net" in done.stderr and "def forward" not in done.stderr
+    assert "symbolic_shapes" not in done.stderr and len(lines) - first <= 10
+    verbose = subprocess.run([*command, "--verbose"], check=False, capture_output=True, text=True, cwd=ROOT,
+                             timeout=300)
+    assert verbose.returncode == 2 and "def forward" in verbose.stderr  # what was hidden, on request
+
+
+def test_out_keeps_another_models_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = dataclasses.replace(example_plan(), model=dataclasses.replace(example_plan().model, class_name="GPT"))
+    other.save(tmp_path / "plan")
+    args = [_model(tmp_path), "--gpus", "1", "--device", "h100", "--out", str(tmp_path / "plan")]
+    assert main(args) == 2
+    message = _error_of(capsys)
+    assert "holds a plan for GPT, not Sequential" in message and "--force" in message
+    assert Plan.load(tmp_path / "plan").model.class_name == "GPT"
+    assert main([*args, "--force"]) == 0
+    assert Plan.load(tmp_path / "plan").model.class_name == "Sequential"
+    capsys.readouterr()
+    assert main(args) == 0  # the same model again: replaced, and said
+    assert f"replacing the plan for Sequential in {tmp_path / 'plan'}" in capsys.readouterr().err
+
+
+def test_out_refuses_a_directory_of_other_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "stage_1.py").write_text("# mine")
+    assert main([_model(tmp_path), "--gpus", "1", "--device", "h100", "--out", str(tmp_path / "src")]) == 2
+    assert "already holds files but no plan.json" in _error_of(capsys)
+    assert (tmp_path / "src" / "stage_1.py").read_text() == "# mine"
+
+
+def test_next_step_hints_name_files_that_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    model = _model(tmp_path)
+    assert main([model, "--gpus", "1", "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    verify = next(line for line in out.splitlines() if "autopartition verify" in line)
+    run = next(line for line in out.splitlines() if "autopartition run" in line)
+    assert verify.split("--model ")[1] == model and Path(model).is_file()
+    script = run.split(" -- ")[1].split("  #")[0]
+    assert Path(script).is_file() and script.endswith("train_gpt.py") and "copy it for your model" in run
+
+
+def test_verify_says_what_is_starting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    _fake(monkeypatch, "runtime.verify", "verify_plan", 0)
+    assert main(["verify", str(_saved_plan(tmp_path)), "--model", "m.py", "--steps", "1"]) == 0
+    assert ("[autopartition] verify: starting 2 CPU ranks (2 stages x 1 replica) for 1 step"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "1"), ("4", "4")])
+def test_run_sets_omp_threads_and_says_what_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str], preset: str | None,
+                                                   expected: str) -> None:
+    """torchrun prints its OMP_NUM_THREADS banner only when the variable is unset: set it (1) for the ranks."""
+    from runtime import launch
+
+    seen: list[dict[str, str]] = []
+
+    def fake_run(command: list[str], *, env: dict[str, str], check: bool) -> Any:
+        seen.append(env)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    if preset is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", preset)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert main(["run", str(_saved_plan(tmp_path)), "--", str(script)]) == 0
+    assert seen[0]["OMP_NUM_THREADS"] == expected
+    err = capsys.readouterr().err
+    assert f"run: starting 2 ranks per node with torchrun for 2 stages x 1 replica (OMP_NUM_THREADS={expected})" in err

@@ -209,3 +209,18 @@ def test_profiling_keeps_existing_gradients() -> None:
     for name, p in model.named_parameters():
         assert p.grad is not None, f"profiling dropped {name}.grad"
         assert torch.equal(p.grad, torch.full_like(p, 0.5)), name
+
+
+def test_cpu_flash_attention_counts_its_matmuls() -> None:
+    # scaled_dot_product_attention on CPU (and CPU fake) tensors runs a kernel torch's
+    # FLOP registry does not list; its two matmuls must still be counted, fwd and bwd.
+    from partitioner.cost import _FlopCount
+
+    b, h, t, d = 2, 4, 16, 8
+    q = torch.randn(b, h, t, d, requires_grad=True)
+    with _FlopCount() as forward:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert forward.total == 2 * (2 * b * h * t * t * d)  # QK^T and (softmax)V
+    with _FlopCount() as backward:
+        out.sum().backward()
+    assert backward.total == 5 * (b * h * t * t * d) * 2  # 5 matmuls of the same size

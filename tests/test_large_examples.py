@@ -173,3 +173,26 @@ def test_bench_large_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             if "error" not in b and b["fits"]:
                 assert r["step_s"] <= b["step_s"] * (1 + 1e-9)
     assert code == 0, text
+
+
+def test_gpt3_xl_plans_on_meta_in_seconds_with_bf16_mixed() -> None:
+    """Issue 8: the 1.3B GPT plans with bf16-mixed for 8 H100s in seconds, and fits."""
+    from partitioner.planner import compile
+
+    model_file = load_model_file(f"{GPT3}:gpt3_xl")
+    model = model_file.build()
+    start = time.perf_counter()
+    plan = compile(
+        model,
+        model_file.example_inputs(32),
+        gpus=8,
+        device="h100",
+        precision="bf16-mixed",
+        microbatches="auto",
+        schedule="auto",
+    )
+    assert time.perf_counter() - start < 30.0
+    assert plan.precision == "bf16-mixed" and plan.pp * plan.dp == 8
+    limit = plan.cost_model.memory_limit
+    assert limit is not None and max(s.predicted.memory_bytes for s in plan.stages) <= limit
+    assert all(p.is_meta for p in model.parameters())  # planning allocated no weights

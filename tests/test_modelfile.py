@@ -233,8 +233,9 @@ def test_no_example_inputs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ("return [1, 2]", "item 0 is a int"),
-        ("return {'x': torch.randn(batch_size, 4)}", "gave a dict; it must be a tuple of tensors"),
+        ("return [1, 2]", "hold no tensor"),
+        ("return (torch.randn(batch_size, 4), object())", "args[1] is a object"),
+        ("return 3", "gave a int; it must be a tuple"),
         ("return ()", "gave an empty tuple"),
         ("return (torch.randn(2, 4),)", "dimension 0 is not the batch size 4"),
     ],
@@ -262,5 +263,5 @@ def test_example_inputs_without_batch_size(tmp_path: Path) -> None:
 def test_bad_module_level_values(tmp_path: Path) -> None:
     path = _write(tmp_path, "import torch\nmodel = 3\nexample_inputs = (torch.randn(2, 4),)\n")
     assert "defines `model` as a int, not an nn.Module" in _error(path)
-    path = _write(tmp_path, "import torch\nmodel = torch.nn.Linear(4, 2)\nexample_inputs = (torch.randn(2, 4), 'x')\n")
-    assert "item 1 is a str" in _error(path)
+    path = _write(tmp_path, "import torch\nmodel = torch.nn.Linear(4, 2)\nexample_inputs = (torch.randn(2, 4), {1})\n")
+    assert "args[1] is a set" in _error(path)

@@ -6,7 +6,15 @@ import dataclasses
 
 import pytest
 
-from partitioner.plan import Candidate, CostModelInfo, TiedParameter, example_plan
+from partitioner.plan import (
+    Candidate,
+    CostModelInfo,
+    Plan,
+    SolverInfo,
+    StagePrediction,
+    TiedParameter,
+    example_plan,
+)
 from partitioner.table import WIDTH, format_bytes, format_plan, format_seconds
 
 
@@ -107,3 +115,65 @@ def test_format_plan_replicated_shows_allreduce() -> None:
     text = format_plan(plan)
     assert "allreduce ms" in text and "2 stages x 2 replicas" in text
     assert "costs predicted for h100" in text and "(<0.1%)" in text
+
+
+# ----------------------------------------------------------------- issue 10: rough edges
+
+
+def _replicated(pp: int, dp: int) -> Plan:
+    """example_plan's first stage repeated ``pp`` times, each on ``dp`` replicas, on H100s."""
+    base = example_plan()
+    pred = StagePrediction(1.6e-5, 1.6e-5, 74_752.0, 16_640, 32.0, 2048, 6.0e-5)
+    stages = tuple(dataclasses.replace(base.stages[0], index=s, ranks=tuple(range(s * dp, (s + 1) * dp)),
+                                       modules=(f"encoder.layers.{s}.attention", f"encoder.layers.{s}.mlp"),
+                                       predicted=pred)
+                   for s in range(pp))
+    return dataclasses.replace(base, gpus=pp * dp, pp=pp, dp=dp, stages=stages,
+                               cost_model=CostModelInfo("predicted for h100", 4.5e11, 1e-5, 80e9, 2))
+
+
+def test_one_stage_and_one_gpu_are_singular() -> None:
+    """Issue 10: "1 stages x 4 replicas"."""
+    assert "| 4 GPUs = 1 stage x 4 replicas," in format_plan(_replicated(1, 4))
+    single = _replicated(1, 1)
+    one = format_plan(dataclasses.replace(single, cost_model=dataclasses.replace(single.cost_model, peak_flops=1e15)))
+    assert "| 1 GPU = 1 stage x 1 replica," in one and "(1 GPU x" in " ".join(one.split())
+
+
+def test_exact_solver_reports_gap_0() -> None:
+    """Issue 10: an exact DP reported "optimal, gap 3.4%" (its pruning bound, not its optimum)."""
+    base = example_plan()
+    optimal = dataclasses.replace(base, solver=SolverInfo("interval-dp", "optimal", 10e-3, 9.66e-3, 0.01, 3))
+    assert "solver interval-dp: optimal, gap 0.0% to the lower bound" in format_plan(optimal)
+    feasible = dataclasses.replace(optimal, solver=dataclasses.replace(optimal.solver, status="feasible"))
+    assert "solver interval-dp: feasible, gap 3.4% to the lower bound" in format_plan(feasible)
+
+
+@pytest.mark.parametrize(("pp", "dp"), [(16, 4), (300, 4), (1200, 4), (2000, 8)])
+def test_many_stages_fit_100_columns(pp: int, dp: int) -> None:
+    """Issue 10: tables fit 100 columns, also with 4-digit ranks and the all-reduce column."""
+    lines = format_plan(_replicated(pp, dp)).splitlines()
+    assert max(len(line) for line in lines) <= WIDTH
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
+    last = lines[header + 1 + pp].split()
+    assert last[:2] == [str(pp - 1), f"{(pp - 1) * dp}-{pp * dp - 1}"] and last[-1] == "0.060"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_exact_dp_lower_bound_is_its_objective(seed: int) -> None:
+    """The exact interval DP reported the bound it pruned with, below its own optimum (gap > 0)."""
+    import random
+
+    from partitioner.problem import PartitionProblem
+    from partitioner.solve import solve
+
+    rng = random.Random(seed)
+    n = 12
+    problem = PartitionProblem(
+        time_s=tuple(rng.uniform(0.1, 3) for _ in range(n)), static_bytes=(0.0,) * n,
+        activation_bytes=(0.0,) * n, allreduce_s=(0.0,) * n,
+        transfer_s=tuple(rng.uniform(0, 0.5) for _ in range(n)), edges=tuple((i, i + 1) for i in range(n - 1)),
+    )
+    part = solve(problem, stages=3, microbatches=4)
+    assert part is not None and part.status == "optimal"
+    assert part.lower_bound == part.objective and part.gap == 0.0

@@ -26,19 +26,44 @@ from partitioner.units import (
     ("text", "size"),
     [("80GiB", 80 * 2**30), ("80 GiB", 80 * 2**30), ("80gib", 80 * 2**30), ("80GB", 80e9),
      ("512MiB", 512 * 2**20), ("1.5KiB", 1536), ("2TiB", 2 * 2**40), ("1TB", 1e12), ("3kB", 3000),
-     ("1.5e9", 1.5e9), ("100", 100), ("7B", 7), (" 4 MB ", 4e6), (".5GiB", 2**29)],
+     ("1.5e9B", 1.5e9), ("7B", 7), (" 4 MB ", 4e6), (".5GiB", 2**29),
+     # A lone letter is binary, as nvidia-smi and torch.cuda mean it (issue 10: "80G" was refused).
+     ("80G", 80 * 2**30), ("80g", 80 * 2**30), ("512M", 512 * 2**20), ("4K", 4096), ("1T", 2**40),
+     ("1.5 G", 1.5 * 2**30)],
 )
 def test_parse_size(text: str, size: float) -> None:
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["80G", "80 potatoes", "lots", "", "GiB", "-1GiB", "1,5GiB", "80GiBs"])
+def test_g_gb_and_gib() -> None:
+    """G and GiB are the same (2^30); GB is 10^9, about 7% less."""
+    assert parse_size("80G") == parse_size("80GiB") == 80 * GIB
+    assert parse_size("80GB") == 80e9 < parse_size("80G")
+    assert "80G or 80GiB = 80 x 2^30 bytes, 80GB = 80 x 10^9" in units.SIZE_HELP
+
+
+@pytest.mark.parametrize("text", ["80 potatoes", "lots", "", "GiB", "-1GiB", "1,5GiB", "80GiBs", "80Gi"])
 def test_parse_size_refuses_what_it_cannot_read(text: str) -> None:
     with pytest.raises(ValueError, match="cannot read .* as a memory size; write a number with a unit"):
         parse_size(text)
 
 
-@pytest.mark.parametrize("text", ["0", "0GiB", "0.0MB"])
+@pytest.mark.parametrize("text", ["80", "100", "1.5e9", " 40 ", "0"])
+def test_parse_size_refuses_a_bare_number(text: str) -> None:
+    """A bare 80 silently meant 80 bytes (issue 10): now it asks for a unit, naming the choices."""
+    number = text.strip()
+    with pytest.raises(ValueError, match=f"'{number}' has no unit; write {number}G \\(GiB, 2\\^30 bytes\\), "
+                       f"{number}GB \\(10\\^9 bytes\\)"):
+        parse_size(text)
+
+
+def test_plural() -> None:
+    assert [units.plural(n, "stage") for n in (0, 1, 2)] == ["0 stages", "1 stage", "2 stages"]
+    assert units.plural(1, "micro-batch", "micro-batches") == "1 micro-batch"
+    assert units.plural(3, "micro-batch", "micro-batches") == "3 micro-batches"
+
+
+@pytest.mark.parametrize("text", ["0GiB", "0.0MB", "0G"])
 def test_parse_size_refuses_zero(text: str) -> None:
     with pytest.raises(ValueError, match="memory size must be positive"):
         parse_size(text)

@@ -336,6 +336,7 @@ def _evaluate_split(
         "peak_bytes": max(memory),
         "fits": limit is None or max(memory) <= limit * (1 + 1e-9),
         "recompute": summarize_recompute(_stage_recompute(built)),
+        "stage_compute_s": _stage_compute(built),
     }
 
 
@@ -361,6 +362,11 @@ def _stage_recompute(plan: Any) -> list[str]:
             return []
         out.append(value if isinstance(value, str) else ("full" if value else "none"))
     return out
+
+
+def _stage_compute(plan: Any) -> list[float]:
+    """Forward + backward seconds of each stage per micro-batch (recomputation included)."""
+    return [s.predicted.forward_s + s.predicted.backward_s for s in plan.stages]
 
 
 def _n_layers(model: Any) -> int:
@@ -456,6 +462,7 @@ def run_child(case: Case) -> dict[str, Any]:
         "solver": f"{plan.solver.name} ({plan.solver.status}, {plan.solver.blocks} blocks)",
         "candidates": len(plan.candidates),
         "ours_split": _ours_split(plan),
+        "stage_compute_s": _stage_compute(plan),
         "baselines": baselines,
         "notes": notes,
     }
@@ -510,6 +517,7 @@ def run_case(case: Case, *, timeout_s: float, quick: bool) -> dict[str, Any]:
                 + (f" (killed after {timeout_s:.0f} s)" if elapsed >= timeout_s else ""),
             }
     result["process_s"] = elapsed
+    result["load"] = os.getloadavg()[0]  # other work on the machine inflates wall times
     result["process_rss_bytes"] = usage.ru_maxrss * 1024
     return result
 
@@ -639,18 +647,19 @@ def print_results(results: list[dict[str, Any]], cases: dict[str, Case]) -> bool
         if "error" not in r:
             extra.append(
                 f"ours: {r['ours_split']} [{r['solver']}, {r['candidates']} candidates; "
-                f"closed form {_s(r['closed_s'])} s; peak {_gb(r['peak_bytes'])} GB of "
-                f"{_gb(r['memory_limit'])} GB]"
+                f"closed form {_s(r['closed_s'])} s; slowest stage {_s(max(r['stage_compute_s']))} s; "
+                f"peak {_gb(r['peak_bytes'])} GB of {_gb(r['memory_limit'])} GB]"
             )
             for name, b in r["baselines"].items():
                 if "error" not in b:
                     extra.append(
                         f"{name}: recompute {b['recompute']}, closed form {_s(b['closed_s'])} s, "
-                        f"peak {_gb(b['peak_bytes'])} GB"
+                        f"slowest stage {_s(max(b['stage_compute_s']))} s, peak {_gb(b['peak_bytes'])} GB"
                     )
         extra.append(
             f"whole child process: {_s(r.get('process_s'))} s, peak RSS "
-            f"{_gb(r.get('process_rss_bytes'))} GB"
+            f"{_gb(r.get('process_rss_bytes'))} GB; 1-min load average after it "
+            f"{r.get('load', 0):.1f} on {os.cpu_count()} cores"
         )
         if r.get("notes"):
             extra.append("notes: " + "; ".join(r["notes"]))

@@ -1,0 +1,5 @@
+"""Zoo entry qwen2 (see hf_zoo.py)."""
+
+from hf_zoo import model_file
+
+globals().update(model_file("qwen2"))

@@ -1,0 +1,184 @@
+"""Simulation-guided refinement (:mod:`partitioner.refine`) and its use by the planner.
+
+* the fast replay gives the step :func:`~partitioner.simulate.simulate_schedule`
+  gives, on random schedules, topologies and times;
+* refinement never makes a split worse in simulation, keeps it valid
+  (:func:`~partitioner.problem.check_assignment`) and within memory, on random
+  problems (chains and DAGs, replicas, nodes, recomputation);
+* on a chain with a heavy cross-node transfer, where the closed form mis-ranks
+  splits, the refined split simulates faster than the solver's;
+* the planner records the refinement in the plan, and an older version-2 plan
+  without that record still loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import _brute
+import pytest
+
+from partitioner.plan import Plan, Refinement, example_plan
+from partitioner.problem import (
+    PartitionProblem,
+    check_assignment,
+    stage_memory,
+    step_time,
+    within_limit,
+)
+from partitioner.refine import SplitSimulator, StepModel, _replay, refine_split, shift_boundary
+from partitioner.schedule import compute_order, lower
+from partitioner.simulate import simulate_schedule
+from partitioner.solve import solve
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _rows(schedule: object) -> list[list[tuple[int, int]]]:
+    from partitioner.refine import _CODES
+
+    return [[(_CODES[a.kind], a.microbatch) for a in row] for row in schedule.actions]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_replay_matches_the_simulator(seed: int) -> None:
+    rng = random.Random(seed)
+    stages, microbatches, kind = rng.randint(1, 6), rng.randint(1, 7), rng.choice(SCHEDULES)
+    sends = [{s + 1} if s + 1 < stages else set() for s in range(stages)]
+    for s in range(stages - 2):
+        if rng.random() < 0.4:
+            sends[s].add(rng.randint(s + 2, stages - 1))  # a skip connection
+    sends_to = tuple(tuple(sorted(x)) for x in sends)
+    receives_from = tuple(tuple(a for a in range(stages) if b in sends_to[a]) for b in range(stages))
+    schedule = lower(compute_order(kind, stages=stages, microbatches=microbatches),
+                     sends_to=sends_to, receives_from=receives_from, kind=kind)
+    forward = [rng.uniform(0.0, 2.0) for _ in range(stages)]
+    backward = [rng.uniform(0.0, 4.0) for _ in range(stages)]
+    seconds = [[rng.uniform(0.0, 3.0) for _ in range(stages)] for _ in range(stages)]
+    allreduce = [rng.choice([0.0, rng.uniform(0.0, 5.0)]) for _ in range(stages)]
+    buckets = [rng.randint(1, 4) for _ in range(stages)]
+    expected = simulate_schedule(schedule, forward_s=forward, backward_s=backward, sends_to=sends_to,
+                                 receives_from=receives_from, transfer_s=seconds, allreduce_s=allreduce,
+                                 buckets=buckets).step_s
+    got = _replay(_rows(schedule), forward, backward, sends_to, receives_from, seconds, allreduce, buckets,
+                  microbatches)
+    assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def _case(seed: int) -> tuple[PartitionProblem, int, int, str]:
+    rng = random.Random(seed)
+    n = rng.randint(3, 9)
+    kind = rng.choice(["chain", "chain", "skip", "dag"])
+    problem = _brute.random_problem(rng, n, kind=kind, shared=rng.random() < 0.3, replicas=rng.random() < 0.5)
+    if rng.random() < 0.5:
+        problem = _brute.with_recompute(problem, rng)
+    if rng.random() < 0.6:
+        problem = _brute.with_topology(problem, rng)
+    stages = rng.randint(2, min(4, n))
+    microbatches = rng.randint(1, 8)
+    schedule = rng.choice(SCHEDULES)
+    if rng.random() < 0.5:
+        problem = _brute.with_limit(problem, rng, stages=stages, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
+                                   intervals=False)
+    return problem, stages, microbatches, schedule
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_refinement_never_worse_valid_and_fits(seed: int) -> None:
+    problem, stages, microbatches, schedule = _case(seed)
+    start = solve(problem, stages=stages, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
+    if start is None:
+        pytest.skip("no split fits")
+    found = refine_split(problem, start.stage_of, stages, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
+    sim = SplitSimulator(problem, stages, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
+    assert found.after_s <= found.before_s
+    assert found.before_s == pytest.approx(sim.step(start.stage_of, start.recompute or None))
+    assert found.after_s == pytest.approx(sim.step(found.stage_of, found.recompute))
+    assert check_assignment(problem, found.stage_of, stages) is None
+    memory = stage_memory(problem, found.stage_of, stages, microbatches=microbatches,
+                          schedule=schedule, recompute=found.recompute)  # type: ignore[arg-type]
+    assert all(within_limit(m, problem.memory_limit) for m in memory)
+    assert found.recompute == sim.recompute(found.stage_of)
+    assert (found.moves == 0) == (found.stage_of == tuple(start.stage_of))
+    closed, _ = step_time(problem, found.stage_of, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
+                          recompute=found.recompute)
+    assert found.objective == pytest.approx(closed)
+
+
+def _cross_node_chain() -> PartitionProblem:
+    """Eight equal layers on two nodes (one GPU each), one layer sending a large activation."""
+    n = 8
+    transfer = tuple(4.0 if v == 3 else 0.05 for v in range(n))  # both ways: 2 s each, a layer is 3 s
+    return PartitionProblem(
+        time_s=(3.0,) * n, static_bytes=(0.0,) * n, activation_bytes=(0.0,) * n, allreduce_s=(0.0,) * n,
+        transfer_s=tuple(t / 8 for t in transfer), transfer_slow_s=transfer,
+        edges=tuple((v, v + 1) for v in range(n - 1)), gpus_per_node=1,
+    )
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_refined_split_beats_the_closed_form_optimum_on_a_heavy_cross_node_transfer(schedule: str) -> None:
+    problem, stages, microbatches = _cross_node_chain(), 2, 16
+    best = solve(problem, stages=stages, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
+    assert best is not None and best.status == "optimal"
+    assert best.stage_of != (0, 0, 0, 0, 1, 1, 1, 1)  # the closed form avoids the heavy boundary...
+    found = refine_split(problem, best.stage_of, stages, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
+    assert found.after_s < found.before_s and found.moves >= 1  # ...which the simulator overlaps
+    assert found.stage_of == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert found.objective > best.objective  # the closed form still ranks it worse
+
+
+def test_refinement_respects_the_budget() -> None:
+    problem, stages = _cross_node_chain(), 2
+    found = refine_split(problem, (0, 1, 1, 1, 1, 1, 1, 1), stages, microbatches=4, schedule="1f1b", budget=1)
+    assert found.moves == 0 and found.simulations == 1 and found.stage_of == (0, 1, 1, 1, 1, 1, 1, 1)
+
+
+def test_moves_that_break_an_edge_are_not_taken() -> None:
+    # Block 0 feeds block 3 directly: block 3 may not move before... block 0's stage; every move is checked.
+    problem = dataclasses.replace(_cross_node_chain(), edges=((0, 1), (1, 2), (2, 3), (0, 3), (3, 4), (4, 5),
+                                                             (5, 6), (6, 7)))
+    found = refine_split(problem, (0, 0, 0, 1, 1, 1, 1, 1), 2, microbatches=8, schedule="gpipe")
+    assert check_assignment(problem, found.stage_of, 2) is None
+    assert shift_boundary((0, 0, 1, 1), 0, -2) is None
+
+
+def test_step_model_defaults() -> None:
+    problem = _cross_node_chain()
+    assert StepModel.default(problem).forward_s == (1.0,) * 8  # a third of the time
+    with pytest.raises(ValueError, match="forward_s"):
+        SplitSimulator(problem, 2, microbatches=2, schedule="1f1b", model=StepModel((1.0,)))
+    with pytest.raises(ValueError, match="invalid split"):
+        refine_split(problem, (1, 0, 0, 0, 0, 0, 0, 1), 2, microbatches=2, schedule="1f1b")
+
+
+def test_plan_records_refinement_and_loads_without_it(tmp_path: object) -> None:
+    plan = example_plan()
+    refined = dataclasses.replace(plan, solver=dataclasses.replace(plan.solver,
+                                                                   refinement=Refinement(2.0, 1.5, 3, 40, 0.1)))
+    assert Plan.from_json(refined.to_json()) == refined
+    assert refined.solver.refinement is not None and refined.solver.refinement.gain == pytest.approx(0.25)
+    data = json.loads(plan.to_json())
+    data["solver"].pop("refinement", None)  # saved before the field existed (same format version)
+    assert Plan.from_json(json.dumps(data)).solver.refinement is None
+    del data["solver"]["blocks"]  # other fields are still required
+    with pytest.raises(Exception, match="blocks"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_planner_refines_and_never_loses() -> None:
+    torch = pytest.importorskip("torch")
+    from partitioner.planner import compile
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    x = torch.randn(32, 64)
+    kwargs = {"gpus": 4, "microbatches": 8, "schedule": "1f1b", "device": "h100", "pp": 4, "gpus_per_node": 1}
+    plain = compile(model, (x,), refine_simulations=0, **kwargs)  # type: ignore[arg-type]
+    refined = compile(model, (x,), **kwargs)  # type: ignore[arg-type]
+    assert plain.solver.refinement is None
+    info = refined.solver.refinement
+    assert info is not None and info.after_s <= info.before_s
+    assert refined.predicted.step_s <= plain.predicted.step_s * (1 + 1e-12)
+    assert info.before_s == pytest.approx(plain.predicted.step_s)
