@@ -10,7 +10,7 @@ per node, per-stage recomputation and links, per-boundary links, the predicted
 MFU and model FLOPs, and each candidate's micro-batch count and schedule.  A
 version-1 plan still loads, read as fp32, Adam (or SGD for one optimizer state),
 one node of all its GPUs, no recomputation (:func:`upgrade_v1`).  Fields added
-within version 2 (marked ``ADDED_IN_VERSION``: ``solver.refinement``) may be
+within version 2 (marked ``ADDED_IN_VERSION``: ``solver.refinement``, ``model.call``) may be
 absent from a version-2 plan and take their defaults.
 
 Example::
@@ -212,7 +212,7 @@ class ModelInfo:
     parameter_bytes: int
     # How the flat inputs become the model's call (capture.CallSpec as JSON): keywords, baked
     # constants.  "": a plain tuple of positional tensors.
-    call: str = ""
+    call: str = dataclasses.field(default="", metadata={ADDED_IN_VERSION: 2})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,7 @@ from partitioner.ir import (
     module_path,
     node_parameters,
 )
+from partitioner.meta import layer_of
 from partitioner.plan import (
     FORMAT_VERSION,
     Boundary,
@@ -105,7 +106,7 @@ from partitioner.problem import (
     stage_memory,
 )
 from partitioner.progress import report_progress
-from partitioner.refine import REFINE_SIMULATIONS, StepModel, refine_split
+from partitioner.refine import REFINE_SIMULATIONS, StepModel, layer_starts, refine_split
 from partitioner.schedule import compute_order, lower, validate
 from partitioner.simulate import simulate
 from partitioner.solve import is_chain, solve
@@ -391,9 +392,10 @@ def _refine_in_simulation(
                                    transfer_slow_s=None if c.problem.transfer_slow_s is None else (0.0,) * c.problem.size)
         other = solve(free, stages=c.pp, microbatches=c.microbatches, schedule=c.schedule,
                       time_limit=options.time_limit, use_ilp=False)
+        starts = [*([] if other is None else [other.stage_of]), *layer_starts(_block_layers(captured, graph), c.pp)]
         found = refine_split(c.problem, c.partition.stage_of, c.pp, microbatches=c.microbatches, schedule=c.schedule,
                              model=_step_model(graph, c.problem, c.dp, options), budget=options.refine_simulations,
-                             alternatives=() if other is None else (other.stage_of,))
+                             alternatives=starts)
         before = drafts[key].predicted.step_s
         after, moves = before, 0
         if found.stage_of != c.partition.stage_of:
@@ -412,6 +414,22 @@ def _refine_in_simulation(
                 f"{_more(after, before)} in {moves} moves")
         out.append(c)
     return out, done
+
+
+def _block_layers(captured: CapturedModel, graph: GraphCosts) -> list[int | None]:
+    """Per block, the index of the repeated layer it belongs to (the largest ``ModuleList``), else None."""
+    nodes = {n.name: n for n in captured.graph_module.graph.nodes}
+    paths = [layer_of(module_path(nodes[members[0]])) if members else "" for members in graph.blocks]
+    containers: dict[str, set[str]] = {}
+    for path in paths:
+        head, _, index = path.rpartition(".")
+        if index.isdigit():
+            containers.setdefault(head, set()).add(path)
+    if not containers:
+        return [None] * len(paths)
+    head = max(containers, key=lambda k: len(containers[k]))
+    order = {path: i for i, path in enumerate(sorted(containers[head], key=lambda p: int(p.rpartition(".")[2])))}
+    return [order.get(path) for path in paths]
 
 
 def _step_model(graph: GraphCosts, problem: PartitionProblem, dp: int, options: PlanOptions) -> StepModel:

@@ -74,6 +74,7 @@ __all__ = [
     "RefinedSplit",
     "SplitSimulator",
     "StepModel",
+    "layer_starts",
     "move_block",
     "refine_split",
     "shift_boundary",
@@ -313,6 +314,48 @@ def _replay(
         spans = allreduce_buckets(start, stop, allreduce_s=allreduce[s], buckets=buckets[s])
         end = max(end, clock[s], *(e for _, e in spans))
     return end
+
+
+def layer_starts(block_layer: Sequence[int | None], stages: int) -> list[tuple[int, ...]]:
+    """Splits people make by hand over a model's repeated layers, as starts for :func:`refine_split`.
+
+    ``block_layer[v]``: the index of the repeated layer (transformer block) block v
+    belongs to, or None for blocks outside the layers (embeddings, final norm, head),
+    which go with the nearest layer before them (or the first stage).  Returns the
+    splits that exist for ``stages``: equal layers per stage, extras first
+    (Megatron-LM, DeepSpeed ``partition_uniform``), and equal parts of the layers plus
+    one unit each for the input and output ends (torchtitan's first and last stages
+    one layer lighter).  Starting the local search from them too means the chosen
+    split is never slower in simulation than these hand-made ones.
+
+    >>> layer_starts([None, 0, 0, 1, 1, 2, 2, 3, 3, None], 2)
+    [(0, 0, 0, 0, 0, 1, 1, 1, 1, 1), (0, 0, 0, 0, 0, 1, 1, 1, 1, 1)]
+    >>> layer_starts([None, 0, 1, None], 3)  # too few layers to split equally; ends as units
+    [(0, 0, 1, 2)]
+    >>> layer_starts([None, 0, None], 4)
+    []
+    """
+    layers = sorted({layer for layer in block_layer if layer is not None})
+    starts: list[tuple[int, ...]] = []
+    for ends in (0, 1):  # 1: the input and output ends count as one layer each
+        units = len(layers) + 2 * ends
+        if units < stages or not layers:
+            continue
+        size, extra = divmod(units, stages)
+        unit_stage = [s for s in range(stages) for _ in range(size + (1 if s < extra else 0))]
+        stage_of_layer = {layer: unit_stage[i + ends] for i, layer in enumerate(layers)}
+        last_layer_block = max(v for v, layer in enumerate(block_layer) if layer is not None)
+        current = unit_stage[0]  # blocks before the first layer: the input end
+        split: list[int] = []
+        for v, layer in enumerate(block_layer):
+            if layer is not None:
+                current = stage_of_layer[layer]
+            elif v > last_layer_block:
+                current = unit_stage[-1]  # blocks after the last layer: the output end
+            split.append(current)
+        if sorted(set(split)) == list(range(stages)):
+            starts.append(tuple(split))
+    return starts
 
 
 def move_block(stage_of: Sequence[int], source: int, target: int) -> tuple[int, ...] | None:
