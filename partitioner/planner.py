@@ -466,10 +466,12 @@ def _choose(
     """
     costed = _batch_size(micro)
     failures: dict[int, AutopartitionError] = {}  # micro-batch size -> why its graph cannot be used
+    chosen: tuple[_Solved, Plan, CapturedModel] | None = None
     for best in sorted(ranked, key=lambda c: drafts[_key(c)].predicted.step_s):
         size = options.batch // (best.dp * best.microbatches)
         if size == costed:
-            return best, drafts[_key(best)], captured
+            chosen = best, drafts[_key(best)], captured
+            break
         if size not in failures:
             try:
                 recaptured, resized = _recapture(model, example_inputs, captured, size)
@@ -477,10 +479,16 @@ def _choose(
                 failures[size] = exc
             else:
                 plan = _build_plan(model, recaptured, resized, scaled.at(best.microbatches), best, options)
-                return best, plan, recaptured
-        trial = trials[_key(best)]
-        trial.status, trial.reason = "skipped", f"graph differs at {size} sample{'s' if size > 1 else ''} per micro-batch"
-    raise next(iter(failures.values()))
+                chosen = best, plan, recaptured
+                break
+    # Every combination at a micro-batch size whose graph differs is unusable, simulated or not.
+    for (_, dp, microbatches, _), trial in trials.items():
+        size = options.batch // (dp * (microbatches or 1))
+        if size in failures and (chosen is None or trial is not trials[_key(chosen[0])]):
+            trial.status, trial.reason = "skipped", f"graph differs at {plural(size, 'sample')} per micro-batch"
+    if chosen is None:
+        raise next(iter(failures.values()))
+    return chosen
 
 
 def _recapture(

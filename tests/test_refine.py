@@ -182,3 +182,26 @@ def test_planner_refines_and_never_loses() -> None:
     assert info is not None and info.after_s <= info.before_s
     assert refined.predicted.step_s <= plain.predicted.step_s * (1 + 1e-12)
     assert info.before_s == pytest.approx(plain.predicted.step_s)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_layer_starts_make_refinement_never_slower_than_hand_splits(stages: int) -> None:
+    # Embedding, 8 equal layers of 2 blocks, head; the head is heavy, so the solver's
+    # closed form and the hand-made splits disagree. Whatever the solver found, the
+    # refined split must simulate no slower than equal layers or first/last lighter.
+    from partitioner.refine import layer_starts
+
+    block_layer: list[int | None] = [None, *[i for i in range(8) for _ in range(2)], None]
+    n = len(block_layer)
+    times = tuple(3.0 if v == n - 1 else 1.0 for v in range(n))
+    problem = PartitionProblem(time_s=times, static_bytes=(0.0,) * n, activation_bytes=(0.0,) * n,
+                               allreduce_s=(0.0,) * n, transfer_s=(0.2,) * n,
+                               edges=tuple((v, v + 1) for v in range(n - 1)))
+    starts = layer_starts(block_layer, stages)
+    assert starts and all(check_assignment(problem, s, stages) is None for s in starts)
+    sim = SplitSimulator(problem, stages, microbatches=8, schedule="1f1b")
+    solved = solve(problem, stages=stages, microbatches=8, schedule="1f1b")
+    assert solved is not None
+    found = refine_split(problem, solved.stage_of, stages, microbatches=8, schedule="1f1b", alternatives=starts)
+    for start in starts:
+        assert found.after_s <= sim.step(start, sim.recompute(start)) + 1e-12
