@@ -351,7 +351,11 @@ def _best(trials: list[_Trial]) -> list[_Solved]:
     return [t.solved() for t in kept[:SIMULATED_CANDIDATES]]
 
 
-def _key(solved: _Solved) -> tuple[int, int, int | None, str | None]:
+# A combination: (pp, dp, micro-batches, schedule).
+_Key = tuple[int, int, int | None, str | None]
+
+
+def _key(solved: _Solved) -> _Key:
     return (solved.pp, solved.dp, solved.microbatches, solved.schedule)
 
 
@@ -361,12 +365,12 @@ def _refine_in_simulation(
     micro: tuple[torch.Tensor, ...],
     scaled: _ScaledCosts,
     ranked: list[_Solved],
-    drafts: dict[tuple[int, int, int | None, str | None], Plan],
-    trials: dict[tuple[int, int, int | None, str | None], _Trial],
+    drafts: dict[_Key, Plan],
+    trials: dict[_Key, _Trial],
     options: PlanOptions,
     *,
     say: Status,
-) -> tuple[list[_Solved], dict[tuple[int, int, int | None, str | None], Refinement]]:
+) -> tuple[list[_Solved], dict[_Key, Refinement]]:
     """Each simulated candidate's split improved by local search in simulation (:mod:`partitioner.refine`).
 
     The closed form charges received transfers on every micro-batch while the
@@ -379,7 +383,7 @@ def _refine_in_simulation(
     refinement did.
     """
     out: list[_Solved] = []
-    done: dict[tuple[int, int, int | None, str | None], Refinement] = {}
+    done: dict[_Key, Refinement] = {}
     for c in ranked:
         key = _key(c)
         if c.pp < 2 or options.refine_simulations <= 0:
@@ -454,8 +458,8 @@ def _choose(
     micro: tuple[torch.Tensor, ...],
     scaled: _ScaledCosts,
     ranked: list[_Solved],
-    drafts: dict[tuple[int, int, int | None, str | None], Plan],
-    trials: dict[tuple[int, int, int | None, str | None], _Trial],
+    drafts: dict[_Key, Plan],
+    trials: dict[_Key, _Trial],
     options: PlanOptions,
 ) -> tuple[_Solved, Plan, CapturedModel]:
     """The fastest simulated combination whose graph captures at its micro-batch size, built for real.
@@ -743,7 +747,7 @@ class _Trial:
     simulated_bubble: float | None = None
 
     @property
-    def key(self) -> tuple[int, int, int | None, str | None]:
+    def key(self) -> _Key:
         return (self.pp, self.dp, self.microbatches, self.schedule)
 
     def solved(self) -> _Solved:
