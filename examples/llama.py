@@ -52,11 +52,13 @@ factory.  Inputs are CPU ``int64`` token ids of shape ``(B, seq_len)``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import importlib.util
+import sys
+import types
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
@@ -120,6 +122,22 @@ SEQ_LENS: dict[str, int] = {
     "llama_tiny": TINY.seq_len,
     **{name: shape.seq_len for name, shape in LLAMA3_SHAPES.items()},
 }
+
+
+def _hf_gpt2() -> types.ModuleType:
+    """``examples/hf_gpt2.py``, imported by path once per process, as ``examples/gpt3.py`` does."""
+    key = "_autopartition_example_hf_gpt2"  # the key tests/_examples.py uses: one module for all
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name("hf_gpt2.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+# Mean next-token cross-entropy over B * (T - 1) positions; target is (B, T), the input ids
+# (shifted inside).  ``outputs`` is a ``ModelOutput``, a mapping with ``"logits"`` or a tuple.
+loss_fn = _hf_gpt2().loss_fn
 
 # The shape of the model built last in this process (see the module docstring).
 _built: list[LlamaShape] = [TINY]
@@ -212,22 +230,3 @@ def example_inputs(batch_size: int = 8) -> tuple[Tensor]:
 def example_target(batch_size: int = 8) -> Tensor:
     """Labels (B, T), int64: the input ids themselves (shifted inside ``loss_fn``)."""
     return _tokens(batch_size)  # (B, T)
-
-
-def loss_fn(outputs: Any, target: Tensor) -> Tensor:
-    """Mean next-token cross-entropy over B * (T - 1) positions (a scalar).
-
-    ``outputs`` is the model's ``ModelOutput`` (or a mapping with ``"logits"``, or a
-    tuple whose first element is the logits).
-    """
-    if isinstance(outputs, Mapping):
-        logits = outputs["logits"]  # (B, T, V)
-    elif isinstance(outputs, (tuple, list)):
-        logits = outputs[0]  # (B, T, V)
-    else:
-        logits = outputs  # (B, T, V)
-    shift_logits = logits[:, :-1, :]  # (B, T-1, V): predictions for positions 1..T-1
-    shift_labels = target[:, 1:]  # (B, T-1)
-    return F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1)
-    )

@@ -520,3 +520,17 @@ def test_run_sets_omp_threads_and_says_what_starts(tmp_path: Path, monkeypatch: 
     assert seen[0]["OMP_NUM_THREADS"] == expected
     err = capsys.readouterr().err
     assert f"run: starting 2 ranks per node with torchrun for 2 stages x 1 replica (OMP_NUM_THREADS={expected})" in err
+
+
+@pytest.mark.slow  # captures a Hugging Face model at several micro-batch sizes (~10 s)
+def test_hugging_face_example_command_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The example's own command used to stop after solving every shape: GPT-2 exported at one
+    # sample per micro-batch is another graph. Such shapes are now skipped with their reason.
+    pytest.importorskip("transformers")
+    code = main([str(ROOT / "examples" / "hf_gpt2.py"), "--gpus", "4", "--batch-size", "16",
+                 "--microbatches", "4", "--out", str(tmp_path / "plan"), "--quiet"])
+    assert code == 0
+    plan = Plan.load(tmp_path / "plan")
+    assert plan.microbatch_size > 1
+    skipped = [c for c in plan.candidates if c.status == "skipped"]
+    assert skipped and all(c.note == "graph differs at 1 sample per micro-batch" for c in skipped)

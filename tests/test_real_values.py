@@ -76,32 +76,30 @@ class _InPlaceReLU(nn.Module):
         return self.out(h)
 
 
-class _Values(cost._CostInterpreter):
+class _Recording(fx.Interpreter):
+    """Records a detached copy of every node's output in ``values`` (a mixin for interpreters)."""
+
+    def __init__(self, gm: fx.GraphModule, **kwargs: Any) -> None:
+        super().__init__(gm, **kwargs)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.values[n.name] = pytree.tree_map(
+            lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, result
+        )
+        return result
+
+
+class _Values(_Recording, cost._CostInterpreter):
     """The cost interpreter, recording every node's output."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm, measure=True, device=torch.device("cpu"), warmup=2, repeats=3, progress=None)
-        self.values: dict[str, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
-        self.values[n.name] = pytree.tree_map(
-            lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, result
-        )
-        return result
 
 
-class _Reference(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.values: dict[str, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
-        self.values[n.name] = pytree.tree_map(
-            lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, result
-        )
-        return result
+class _Reference(_Recording):
+    """The plain interpreter, recording every node's output."""
 
 
 def _assert_same_values(model: nn.Module, inputs: tuple[torch.Tensor, ...], method: str) -> None:

@@ -6,10 +6,8 @@ both runs (dropout at p=0, the noise drawn from one fixed seed).
 
 import torch
 import torch.nn.functional as F
+from mlp import NUM_CLASSES, WIDTH, example_inputs, example_target, loss_fn  # noqa: F401 - the model file's API
 from torch import Tensor, nn
-
-WIDTH = 16
-NUM_CLASSES = 4
 
 
 class DropoutMLP(nn.Module):
@@ -33,17 +31,3 @@ class DropoutMLP(nn.Module):
 def build_model() -> DropoutMLP:
     torch.manual_seed(0)
     return DropoutMLP()
-
-
-def example_inputs(batch_size: int = 8) -> tuple[Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(batch_size, WIDTH, generator=g),)
-
-
-def example_target(batch_size: int = 8) -> Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, NUM_CLASSES, (batch_size,), generator=g)
-
-
-def loss_fn(outputs: Tensor, target: Tensor) -> Tensor:
-    return F.cross_entropy(outputs, target)

@@ -40,9 +40,11 @@ class _Arrival:
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(seconds=_TIMEOUT)) -> bool:
         try:
-            self._buffer.copy_(self._channel.get(timeout=timeout.total_seconds()))
+            got = self._channel.get(timeout=timeout.total_seconds())
         except queue.Empty:
             return False
+        assert got.shape == self._buffer.shape and got.dtype == self._buffer.dtype, (got, self._buffer)
+        self._buffer.copy_(got)
         return True
 
 
@@ -74,8 +76,14 @@ def run_stages(
     inputs: Any,
     target: Any = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    *,
+    every_parameter: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One training step of every stage (dp = 1): (mini-batch loss, gradient by parameter name)."""
+    """One training step of every stage (dp = 1): (mini-batch loss, gradient by parameter name).
+
+    Only the last stage returns the loss and every sent tensor is received.  With
+    ``every_parameter``, each parameter is held by one stage only and gets a gradient.
+    """
     flat = call_spec(plan).flatten(inputs)
     size = plan.microbatch_size
     micro = [
@@ -95,7 +103,17 @@ def run_stages(
         ))
     with ThreadPoolExecutor(max_workers=plan.pp) as pool:
         results = [f.result() for f in [pool.submit(r.run, micro, record=False) for r in runners]]
-    grads = {n: p.grad for r in runners for n, p in r.stage.module.named_parameters() if p.grad is not None}
+    for index, result in enumerate(results):
+        assert (result is None) == (index != plan.pp - 1), "only the last stage returns the loss"
+    assert all(q.empty() for q in channels.values()), "a tensor was sent but never received"
+    grads: dict[str, torch.Tensor] = {}
+    for runner in runners:
+        for name, p in runner.stage.module.named_parameters():
+            if every_parameter:
+                assert name not in grads, f"{name} is held by two stages"
+                assert p.grad is not None, f"{name} got no gradient"
+            if p.grad is not None:
+                grads[name] = p.grad
     loss = results[-1]
     assert loss is not None
     return loss, grads
