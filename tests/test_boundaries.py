@@ -45,6 +45,9 @@ RUNTIME_IMPORTERS = {"partitioner.cli"}
 # What the runtime must not import: the passes that solve, and the names that lead to them.
 SOLVING_PASSES = (
     "partitioner.planner",
+    "partitioner.search",
+    "partitioner.scaledcosts",
+    "partitioner.assemble",
     "partitioner.solve",
     "partitioner.interval",
     "partitioner.formulate",

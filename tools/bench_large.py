@@ -42,8 +42,8 @@ model on the meta device and runs ``partitioner.compile``; it reports
   get one layer fewer, as in the Llama 3 405B run, paper section 3.3.2).
 
 How a hand-made split is evaluated: ``compile`` builds a plan for each of its best
-shapes with ``partitioner.planner._build_plan(..., solved, ...)``.  This tool records
-those calls and, for the chosen shape, calls ``_build_plan`` again with the solver's
+shapes with ``partitioner.assemble.build_plan(..., solved, ...)``.  This tool records
+those calls and, for the chosen shape, calls ``build_plan`` again with the solver's
 ``Partition`` replaced by the hand-made one (stages of the solver blocks: each block
 belongs to the embeddings, a transformer layer, or the head by its module path).
 The resulting plan is simulated exactly as ours is.  (The recorder keeps the
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import json
 import math
@@ -71,6 +72,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,13 +245,20 @@ def _repair(stage_of: list[int], edges: Sequence[tuple[int, int]]) -> list[int]:
 
 
 class _Recorder:
-    """Wraps ``partitioner.planner._build_plan``: remembers the last call per (pp, dp, M, schedule)."""
+    """Wraps ``partitioner.assemble.build_plan``: remembers the last call per (pp, dp, M, schedule).
+
+    The planner calls it as ``assemble.build_plan``, so patching the module attribute takes
+    effect (a planner from before the split: ``partitioner.planner._build_plan``).
+    """
 
     def __init__(self) -> None:
-        from partitioner import planner
-
-        self.planner = planner
-        self.original = planner._build_plan
+        module: ModuleType
+        try:
+            module, name = importlib.import_module("partitioner.assemble"), "build_plan"
+        except ImportError:  # a planner from before partitioner.assemble
+            module, name = importlib.import_module("partitioner.planner"), "_build_plan"
+        self.module, self.name = module, name
+        self.original = getattr(module, name)
         self.calls: dict[tuple[Any, ...], tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -257,10 +266,10 @@ class _Recorder:
             self.calls[_shape(plan)] = (args, kwargs)
             return plan
 
-        planner._build_plan = recorded  # type: ignore[assignment]
+        setattr(module, name, recorded)
 
     def restore(self) -> None:
-        self.planner._build_plan = self.original  # type: ignore[assignment]
+        setattr(self.module, self.name, self.original)
 
 
 def _shape(plan: Any) -> tuple[Any, ...]:
@@ -288,7 +297,7 @@ def _evaluate_split(
 
     args, kwargs = recorder.calls[_shape(plan)]
     values = list(args) + list(kwargs.values())
-    index, solved = _find(values, lambda v: type(v).__name__ == "_Solved")
+    index, solved = _find(values, lambda v: type(v).__name__ in ("Solved", "_Solved"))
     _, graph = _find(values, lambda v: hasattr(v, "blocks") and hasattr(v, "node_time_s"))
     _, captured = _find(values, lambda v: hasattr(v, "graph_module") and hasattr(v, "nodes"))
     problem, stages = solved.problem, solved.pp
