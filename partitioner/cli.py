@@ -194,7 +194,7 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="GPUs per node, a divisor of N: links between nodes are slower "
                         "(default: the largest divisor of N up to 8)")
     parser.add_argument("--capture", choices=_CAPTURE, default="auto",
-                        help="how to capture the graph (default auto: export, then symbolic_trace)")
+                        help="how to capture the graph (default auto: symbolic_trace, then export)")
     parser.add_argument("--out", default="plan", metavar="DIR", help="plan directory to write (default plan/)")
     parser.add_argument("--force", action="store_true",
                         help="write --out even if it holds a plan for another model, or other files")
