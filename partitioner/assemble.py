@@ -181,6 +181,7 @@ def _stages(
             kept = [problem.recompute_bytes[b] for b in blocks_of[s]]
         stages.append(StagePlan(
             index=s,
+            rank=s,
             ranks=layout[s],
             nodes=tuple(names),
             compute_nodes=len(compute),

@@ -7,11 +7,16 @@ format version; it only parses JSON.
 
 Format versions: 2 (issue 8) added the training precision, the optimizer, GPUs
 per node, per-stage recomputation and links, per-boundary links, the predicted
-MFU and model FLOPs, and each candidate's micro-batch count and schedule.  A
-version-1 plan still loads, read as fp32, Adam (or SGD for one optimizer state),
-one node of all its GPUs, no recomputation (:func:`upgrade_v1`).  Fields added
-within version 2 (marked ``ADDED_IN_VERSION``: ``solver.refinement``, ``model.call``) may be
-absent from a version-2 plan and take their defaults.
+MFU and model FLOPs, and each candidate's micro-batch count and schedule.
+Version 3 (issue 11) lets a pipeline rank hold several stages: ``chunks``
+(stages per rank), each stage's pipeline ``rank``, action rows per pipeline
+rank (each action names its stage), and each stage's weight-gradient seconds
+``weight_s`` (the W part of a split backward).  Older plans still load
+(:func:`upgrade`): version 1 is read as fp32, Adam (or SGD for one optimizer
+state), one node of all its GPUs, no recomputation; versions 1 and 2 as one
+stage per rank, stage s on rank s.  Fields added within version 2 (marked
+``ADDED_IN_VERSION``: ``solver.refinement``, ``model.call``) may be absent from
+a version-2 plan and take their defaults.
 
 Example::
 
@@ -57,10 +62,11 @@ __all__ = [
     "TiedParameter",
     "example_plan",
     "stage_topology",
+    "upgrade",
     "upgrade_v1",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 LINKS = ("intra", "inter")  # a message or all-reduce inside one node, or between nodes
 STAGE_RECOMPUTE = ("none", "full")  # keep activations, or recompute each block's forward in backward
 
@@ -101,12 +107,13 @@ class StagePrediction:
     allreduce_s: float  # once per step, on the stage's all-reduce link, latency included
     recompute_s: float = 0.0  # recomputation forward, part of backward_s (recomputing stages)
     recompute_peak_bytes: float = 0.0  # one block's activations, live again during each backward
+    weight_s: float = 0.0  # the weight-gradient (W) share of backward_s, for schedules that split it
 
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     index: int
-    ranks: tuple[int, ...]
+    ranks: tuple[int, ...]  # global rank of each replica: rank * dp + replica
     nodes: tuple[str, ...]  # everything the stage computes, graph order
     compute_nodes: int
     parameters: tuple[str, ...]  # graph (original model) names
@@ -117,6 +124,7 @@ class StagePlan:
     predicted: StagePrediction
     recompute: str = "none"  # "full": activations dropped after forward, remade in backward
     allreduce_link: str = "intra"  # the link its replicas' gradient all-reduce crosses
+    rank: int = 0  # the pipeline rank (0 .. pp - 1) holding this stage; several with chunks > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,14 +242,14 @@ class Plan:
     format_version: int
     model: ModelInfo
     gpus: int
-    pp: int
+    pp: int  # pipeline ranks per replica (stages = pp x chunks)
     dp: int
     microbatches: int
     schedule: str
     batch_size: int
     device: str
     stages: tuple[StagePlan, ...]
-    actions: tuple[tuple[str, ...], ...]  # per stage, lowered schedule
+    actions: tuple[tuple[str, ...], ...]  # per pipeline rank, lowered schedule
     tied: tuple[TiedParameter, ...]
     predicted: StepPrediction
     solver: SolverInfo
@@ -254,14 +262,30 @@ class Plan:
     precision: str = "fp32"  # partitioner.precision.PRECISIONS
     optimizer: str = "adam"  # partitioner.precision.OPTIMIZERS; its states: cost_model.optimizer_states
     gpus_per_node: int | None = None  # node of rank r: r // gpus_per_node; None: one node
+    chunks: int = 1  # stages per pipeline rank (interleaved-1f1b: v; zbv: 2)
 
     @property
     def microbatch_size(self) -> int:
         return self.batch_size // (self.dp * self.microbatches)
 
     def rank_layout(self) -> dict[int, tuple[int, int]]:
-        """Global rank -> (stage, replica).  Stage-major: a stage's replicas are consecutive ranks."""
-        return {r: (s.index, i) for s in self.stages for i, r in enumerate(s.ranks)}
+        """Global rank -> (pipeline rank, replica).  Rank-major: a pipeline rank's replicas are consecutive.
+
+        With one stage per rank (``chunks == 1``) the pipeline rank is the stage index.
+        """
+        return {r: (s.rank, i) for s in self.stages for i, r in enumerate(s.ranks)}
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank ``rank`` holds, ascending.
+
+        >>> example_plan().stages_of(1)
+        (1,)
+        """
+        return tuple(s.index for s in self.stages if s.rank == rank)
+
+    def stage_ranks(self) -> tuple[int, ...]:
+        """Pipeline rank of every stage, by stage index."""
+        return tuple(s.rank for s in self.stages)
 
     def simulate(self) -> Simulation:
         """Discrete-event simulation of one step (see :mod:`partitioner.simulate`)."""
@@ -303,14 +327,14 @@ class Plan:
         if not isinstance(data, dict) or "format_version" not in data:
             raise PlanFormatError(f"{origin} has no format_version: it is not an autopartition plan.")
         version = data["format_version"]
-        if isinstance(version, bool) or version not in (1, FORMAT_VERSION):
+        if isinstance(version, bool) or version not in (1, 2, FORMAT_VERSION):
             raise PlanFormatError(
                 f"{origin} has format version {version!r}; this autopartition reads version "
-                f"{FORMAT_VERSION} (and version 1). Re-plan the model with this version."
+                f"{FORMAT_VERSION} (and versions 1 and 2). Re-plan the model with this version."
             )
         try:
             # The current version has every field; a version-1 plan takes the defaults of those it lacks.
-            plan: Plan = _decode(Plan, upgrade_v1(data) if version == 1 else data, "plan", strict=version != 1)
+            plan: Plan = _decode(Plan, upgrade(data), "plan", strict=version != 1)
             _check_names(plan)
             return plan
         except (TypeError, ValueError, KeyError) as exc:
@@ -361,6 +385,42 @@ def stage_topology(
 # ---------------------------------------------------------------- decoding
 
 
+def upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A plan's JSON object of any readable version in the current layout.
+
+    Versions 1 and 2 held one stage per pipeline rank: stage s on rank s, one
+    chunk, no split backward.
+
+    >>> old = json.loads(example_plan().to_json())
+    >>> old["format_version"] = 2
+    >>> del old["chunks"]
+    >>> for st in old["stages"]:
+    ...     del st["rank"], st["predicted"]["weight_s"]
+    >>> new = upgrade(old)
+    >>> new["format_version"], new["chunks"], [st["rank"] for st in new["stages"]]
+    (3, 1, [0, 1])
+    """
+    version = data.get("format_version")
+    if version == FORMAT_VERSION:
+        return data
+    out = upgrade_v1(data) if version == 1 else dict(data)
+    out["format_version"] = FORMAT_VERSION
+    out.setdefault("chunks", 1)
+    stages = out.get("stages")
+    if isinstance(stages, list):
+        upgraded = []
+        for st in stages:
+            if isinstance(st, dict):
+                st = dict(st)
+                st.setdefault("rank", st.get("index"))
+                if isinstance(st.get("predicted"), dict):
+                    st["predicted"] = dict(st["predicted"])
+                    st["predicted"].setdefault("weight_s", 0.0)
+            upgraded.append(st)
+        out["stages"] = upgraded
+    return out
+
+
 def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     """A format-version-1 plan's JSON object in the current layout, with the defaults it implies.
 
@@ -376,7 +436,7 @@ def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     >>> new["format_version"], new["precision"], new["optimizer"], new["gpus_per_node"]
     (2, 'fp32', 'adam', 2)
     """
-    out = dict(data, format_version=FORMAT_VERSION)
+    out = dict(data, format_version=2)
     cost_model = data.get("cost_model")
     states = cost_model.get("optimizer_states") if isinstance(cost_model, dict) else None
     out.setdefault("precision", "fp32")
@@ -409,6 +469,25 @@ def _check_names(plan: Plan) -> None:
             raise ValueError(f"{where} is {value!r}, expected one of {', '.join(allowed)}")
     if plan.gpus_per_node is not None and plan.gpus_per_node < 1:
         raise ValueError(f"plan.gpus_per_node is {plan.gpus_per_node}, expected at least 1")
+    _check_layout(plan)
+
+
+def _check_layout(plan: Plan) -> None:
+    """Stages, ranks and action rows agree: pp x chunks stages, chunks per pipeline rank."""
+    if plan.chunks < 1 or plan.pp < 1 or plan.dp < 1:
+        raise ValueError(f"plan has pp={plan.pp}, dp={plan.dp}, chunks={plan.chunks}; each must be at least 1")
+    if len(plan.stages) != plan.pp * plan.chunks:
+        raise ValueError(f"plan has {len(plan.stages)} stages, expected pp x chunks = {plan.pp} x {plan.chunks}")
+    if len(plan.actions) != plan.pp:
+        raise ValueError(f"plan has {len(plan.actions)} action rows, expected one per pipeline rank ({plan.pp})")
+    for st in plan.stages:
+        if not 0 <= st.rank < plan.pp:
+            raise ValueError(f"plan.stages[{st.index}].rank is {st.rank}, expected 0 .. {plan.pp - 1}")
+        if st.ranks != tuple(st.rank * plan.dp + r for r in range(plan.dp)):
+            raise ValueError(f"plan.stages[{st.index}].ranks is {list(st.ranks)}, expected rank x dp + replica")
+    for rank in range(plan.pp):
+        if len(plan.stages_of(rank)) != plan.chunks:
+            raise ValueError(f"pipeline rank {rank} holds stages {list(plan.stages_of(rank))}, expected {plan.chunks}")
 
 
 def _decode(kind: Any, value: Any, where: str, *, strict: bool = False) -> Any:
@@ -463,7 +542,7 @@ def example_plan() -> Plan:
     pred = StagePrediction(1e-3, 2e-3, 320.0, 64, 32.0, 32, 0.0)
     stages = (
         StagePlan(0, (0,), ("w0", "linear", "relu"), 2, ("0.weight",), ("x",), (), (b,), ("0", "1"), pred),
-        StagePlan(1, (1,), ("w2", "linear_1"), 1, ("2.weight",), (), (b,), (), ("2", "2"), pred),
+        StagePlan(1, (1,), ("w2", "linear_1"), 1, ("2.weight",), (), (b,), (), ("2", "2"), pred, rank=1),
     )
     return Plan(
         format_version=FORMAT_VERSION,

@@ -81,20 +81,25 @@ class Pipeline:
         # others waiting in the first collective until the timeout).
         failure: Exception | None = None
         try:
-            self.stage_index, self.replica = _place(plan, self.rank, dist.get_world_size())
+            self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
             validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from())
-            self._stage = build_local_stage(plan, model, self.stage_index)
+            # Every stage this rank holds: one with chunks == 1, several for interleaved and V schedules.
+            self._stages = tuple(build_local_stage(plan, model, s) for s in plan.stages_of(self.pipeline_rank))
         except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised
             failure = exc
         _agree(plan, failure, device=self.device, timeout=timeout)
         self._groups = make_groups(plan, self.rank)
-        self._stage.module.to(self.device)
-        sync_tied_weights(self._stage.module, self._groups)
-        self._module = wrap_replicas(
-            self._stage.module, self._groups, bucket_cap_mb=plan.bucket_cap_mb, device=self.device
+        for local in self._stages:
+            local.module.to(self.device)
+            sync_tied_weights(local.module, self._groups)
+        self._modules = tuple(
+            wrap_replicas(local.module, self._groups, bucket_cap_mb=plan.bucket_cap_mb, device=self.device)
+            for local in self._stages
         )
+        if len(self._stages) != 1:
+            raise AutopartitionError("several stages per rank are not supported by this runtime yet")
         self._runner = StepRunner(
-            plan, self._stage, self._module, replica=self.replica, rank=self.rank,
+            plan, self._stages[0], self._modules[0], replica=self.replica, rank=self.rank,
             loss_fn=loss_fn, device=self.device, timeout=timeout,
         )
         dist.barrier()
@@ -104,18 +109,41 @@ class Pipeline:
 
     @property
     def is_last_stage(self) -> bool:
-        return self._stage.is_last
+        """Whether this rank holds the last stage (it computes the loss)."""
+        return any(local.is_last for local in self._stages)
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stage indices this rank holds, ascending."""
+        return tuple(local.plan.index for local in self._stages)
+
+    @property
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        """This rank's stages (fx.GraphModules with the original parameter names), by stage index."""
+        return tuple(local.module for local in self._stages)
 
     @property
     def module(self) -> torch.nn.Module:
-        """This rank's stage (an fx.GraphModule with the original parameter names)."""
-        return self._stage.module
+        """This rank's stage, when it holds one (see :attr:`modules` for several)."""
+        if len(self._stages) != 1:
+            raise AutopartitionError(
+                f"rank {self.rank} holds stages {list(self.stages)}: use Pipeline.modules, not .module"
+            )
+        return self._stages[0].module
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
-        return self._stage.module.parameters()
+        """Every parameter this rank trains, once each (a tied one shared by two local stages once)."""
+        for _, param in self.named_parameters():
+            yield param
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        return self._stage.module.named_parameters()
+        """Parameters of every stage this rank holds, under the original model's names, once each."""
+        seen: set[int] = set()
+        for local in self._stages:
+            for name, param in local.module.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
 
     def step(self, inputs: Any, target: Any = None) -> torch.Tensor | None:
         """Forward and backward one mini-batch; gradients end up in ``.grad``.
@@ -129,7 +157,8 @@ class Pipeline:
         flat, target = self._flatten(inputs, target)
         micro = self._split(flat, target)
         loss = self._runner.run(micro, record=self.trace)
-        sum_tied_grads(self._stage.module, self._groups)
+        for local in self._stages:
+            sum_tied_grads(local.module, self._groups)
         if loss is not None and self._groups.stage is not None:
             dist.all_reduce(loss, group=self._groups.stage)
             loss = loss / self.plan.dp
@@ -141,7 +170,9 @@ class Pipeline:
         A tied parameter appears under every name the model's own state dict gives
         it, whichever name the captured graph used for it.
         """
-        own = self._stage.module.state_dict()
+        own: dict[str, torch.Tensor] = {}
+        for local in self._stages:
+            own.update(local.module.state_dict())
         state = {k: v for k, v in own.items() if k in self._state_keys}
         for name, aliases in self._aliases().items():
             for alias in aliases:
@@ -152,32 +183,39 @@ class Pipeline:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load this stage's entries from a full (unpartitioned) state dict."""
         aliases = self._aliases()
-        wanted: dict[str, torch.Tensor] = {}
         missing: list[str] = []
-        for key in self._stage.module.state_dict():
-            if key not in self._state_keys and key not in aliases:
-                continue  # non-persistent buffers: not part of a checkpoint
-            found = next((state[k] for k in (key, *aliases.get(key, ())) if k in state), None)
-            if found is None:
-                missing.append(key)
-            else:
-                wanted[key] = found
+        loads: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+        for local in self._stages:
+            wanted: dict[str, torch.Tensor] = {}
+            for key in local.module.state_dict():
+                if key not in self._state_keys and key not in aliases:
+                    continue  # non-persistent buffers: not part of a checkpoint
+                found = next((state[k] for k in (key, *aliases.get(key, ())) if k in state), None)
+                if found is None:
+                    missing.append(key)
+                else:
+                    wanted[key] = found
+            loads.append((local.module, wanted))
         if missing:
             raise PlanMismatchError(
-                f"The state dict lacks {len(missing)} entries this stage needs, e.g. {missing[:3]}. "
+                f"The state dict lacks {len(missing)} entries this rank's stages need, e.g. {missing[:3]}. "
                 "Load a checkpoint of the same model."
             )
-        self._stage.module.load_state_dict(wanted, strict=False)
-        sync_tied_weights(self._stage.module, self._groups)
+        for module, wanted in loads:
+            module.load_state_dict(wanted, strict=False)
+            sync_tied_weights(module, self._groups)
 
     def _aliases(self) -> dict[str, tuple[str, ...]]:
         """Each tied parameter this stage holds (by its name here) -> all of its names."""
-        own = set(self._stage.plan.parameters)
+        own = {p for local in self._stages for p in local.plan.parameters}
         return {name: t.aliases for t in self.plan.tied for name in t.aliases if name in own}
 
     @property
     def stage(self) -> int:
-        return self.stage_index
+        """This rank's stage, when it holds one (see :attr:`stages` for several)."""
+        if len(self._stages) != 1:
+            raise AutopartitionError(f"rank {self.rank} holds stages {list(self.stages)}: use Pipeline.stages")
+        return self._stages[0].plan.index
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every stage's state gathered on rank 0 (replica 0 of each stage), in the original names."""
@@ -216,7 +254,7 @@ class Pipeline:
 
     def _flatten(self, inputs: Any, target: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The plan's flat input tensors; without a loss_fn the target joins them as its keyword."""
-        call = self._stage.captured.call
+        call = self._stages[0].captured.call
         if self._loss_fn is not None or target is None:
             return call.flatten(inputs), target
         keyword = self._target_keyword

@@ -82,7 +82,7 @@ def build_local_stage(plan: Plan, model: torch.nn.Module, stage_index: int) -> L
     captured, infos = recapture(plan, model)
     stage = plan.stages[stage_index]
     statics = {name: info.static for name, info in infos.items() if info.kind == "static"}
-    last = stage_index == plan.pp - 1
+    last = stage_index == len(plan.stages) - 1
     signature = stage_signature(stage, model_outputs=plan.model.outputs, last=last)
     module = build_stage(captured, stage.nodes, signature, statics=statics)
     return LocalStage(plan=stage, module=module, signature=signature, captured=captured, is_last=last)

@@ -174,7 +174,7 @@ def test_not_a_plan(tmp_path: Path, data: Any) -> None:
         Plan.load(directory)
 
 
-@pytest.mark.parametrize("version", [0, 3, 99, "1", "2", True])
+@pytest.mark.parametrize("version", [0, 4, 99, "1", "2", True])
 def test_unknown_format_version(tmp_path: Path, version: Any) -> None:
     directory, data = _saved(example_plan(), tmp_path)
     data["format_version"] = version

@@ -322,7 +322,7 @@ def test_options_round_trip_into_plan_json(mlp: nn.Module, tmp_path: Path) -> No
                  recompute="full", gpus_per_node=2, microbatches="auto", schedule="auto")
     directory = plan.save(tmp_path / "plan")
     data = json.loads((directory / "plan.json").read_text())
-    assert data["format_version"] == FORMAT_VERSION == 2
+    assert data["format_version"] == FORMAT_VERSION == 3
     assert (data["precision"], data["optimizer"], data["gpus_per_node"]) == ("bf16-mixed", "sgd", 2)
     assert [s["recompute"] for s in data["stages"]] == ["full", "full"]
     assert [s["allreduce_link"] for s in data["stages"]] == ["intra", "intra"]

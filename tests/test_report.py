@@ -42,6 +42,7 @@ def pipeline_plan(stages: int = 4, microbatches: int = 8, *, dp: int = 2, kind: 
         parts.append(StagePlan(
             s, tuple(range(s * dp, (s + 1) * dp)), (f"n{s}",), 1, (f"{s}.weight",), ("x",) if s == 0 else (),
             (bounds[s - 1],) if s else (), (bounds[s],) if s < stages - 1 else (), (str(s), str(s)), pred,
+            rank=s,
         ))
     sends_to = tuple((s + 1,) if s + 1 < stages else () for s in range(stages))
     receives_from = tuple((s - 1,) if s else () for s in range(stages))
