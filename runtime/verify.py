@@ -609,10 +609,10 @@ def _rank_main(
     params = {n for n, _ in pipe.named_parameters()}
 
     def snapshot() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        state = {n: t.detach().clone() for n, t in pipe.module.state_dict().items()}
+        state = {n: t.detach().clone() for m in pipe.modules for n, t in m.state_dict().items()}
         return {n: t for n, t in state.items() if n in params}, {n: t for n, t in state.items() if n not in params}
 
-    record: dict[str, Any] = {"stage": pipe.stage, "replica": plan.rank_layout()[rank][1],
+    record: dict[str, Any] = {"stage": pipe.stages[0], "stages": pipe.stages, "replica": plan.rank_layout()[rank][1],
                               "losses": [], "grads": [], "params": [], "buffers": []}
     derandomised = Derandomised()
     for _ in range(steps):
@@ -642,8 +642,14 @@ def _rank_exit_message(out: Path, plan: Plan, exc: mp.ProcessExitedException) ->
     if not errors:
         return f"A rank exited while verifying the plan: {exc}"
     rank = int(errors[0].stem[len("rank"):])
-    stage, replica = plan.rank_layout()[rank]
-    return f"Rank {rank} (stage {stage}, replica {replica}) stopped: {errors[0].read_text().strip()}"
+    pipeline_rank, replica = plan.rank_layout()[rank]
+    stages = _stage_names(plan.stages_of(pipeline_rank))
+    return f"Rank {rank} ({stages}, replica {replica}) stopped: {errors[0].read_text().strip()}"
+
+
+def _stage_names(stages: Sequence[int]) -> str:
+    """``stage 2``, or ``stages 0, 3`` for a rank holding several."""
+    return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
 
 
 def _batch(model_file: Any, plan: Plan, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -733,7 +739,7 @@ def _compare_steps(
     inputs = call.flatten(inputs)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    places = tuple(f"stage {r['stage']}, replica {r['replica']}" for r in ranks)
+    places = tuple(f"{_stage_names(r['stages'])}, replica {r['replica']}" for r in ranks)
     start = _compare_state(ranks, {**{n: p.detach() for n, p in params.items()}, **dict(buffers)},
                            ("params", "buffers"), 0, tolerance)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)

@@ -298,3 +298,33 @@ def test_compiled_plan_fingerprint_is_batch_independent(gpt: types.ModuleType, r
     assert other.model.fingerprint == real_plan.model.fingerprint
     assert other.batch_size == 8 and real_plan.batch_size == 4
     assert other.model.inputs[0].shape == (4, 32) and real_plan.model.inputs[0].shape == (2, 32)
+
+
+def test_version_2_plan_loads_as_one_stage_per_rank(tmp_path: Path) -> None:
+    directory, data = _saved(example_plan(), tmp_path)
+    data["format_version"] = 2
+    del data["chunks"]
+    for stage in data["stages"]:
+        del stage["rank"], stage["predicted"]["weight_s"]
+    _write(directory, data)
+    plan = Plan.load(directory)
+    assert plan == example_plan()
+    assert (plan.chunks, plan.stage_ranks(), plan.rank_layout()) == (1, (0, 1), {0: (0, 0), 1: (1, 0)})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(chunks=2), "expected pp x chunks"),
+        (lambda d: d["stages"][1].update(rank=0, ranks=[0]), "rank 0 holds stages"),
+        (lambda d: d["stages"][1].update(rank=2), "expected 0 .. 1"),
+        (lambda d: d["stages"][1].update(ranks=[0]), "expected rank x dp"),
+        (lambda d: d.update(actions=d["actions"][:1]), "one per pipeline rank"),
+    ],
+)
+def test_inconsistent_rank_layout_is_corrupt(tmp_path: Path, change: Any, message: str) -> None:
+    directory, data = _saved(example_plan(), tmp_path)
+    change(data)
+    _write(directory, data)
+    with pytest.raises(PlanFormatError, match=message):
+        Plan.load(directory)
