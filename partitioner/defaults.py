@@ -4,10 +4,19 @@ One place, importable without torch, so that a schedule added or a default
 changed here reaches ``autopartition --schedule``, :func:`partitioner.compile`,
 the solver and the schedule builder at once.
 
+Schedules and what they need (:func:`schedule_chunks`, :func:`splits_backward`):
+``gpipe`` and ``1f1b`` hold one stage per pipeline rank; ``interleaved-1f1b``
+holds ``chunks >= 2`` stages per rank (stage s on rank s mod ranks);
+``zb-h1`` holds one stage per rank and splits each backward into B (input
+gradient) and W (weight gradient); ``zbv`` holds two stages per rank in a V
+and splits the backward too.
+
 Example::
 
     >>> SCHEDULES, DEFAULT_SCHEDULE, DEFAULT_BUCKET_CAP_MB
-    (('gpipe', '1f1b'), 'gpipe', 25.0)
+    (('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', 'zbv'), 'gpipe', 25.0)
+    >>> [schedule_chunks(k) for k in SCHEDULES], [k for k in SCHEDULES if splits_backward(k)]
+    ([1, 1, 2, 1, 2], ['zb-h1', 'zbv'])
 """
 
 from __future__ import annotations
@@ -15,15 +24,71 @@ from __future__ import annotations
 import typing
 from typing import Literal
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "DEFAULT_SCHEDULE", "SCHEDULES", "ScheduleKind"]
+from partitioner.errors import ScheduleError
 
-ScheduleKind = Literal["gpipe", "1f1b"]
+__all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "DEFAULT_SCHEDULE",
+    "SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
+    "ScheduleKind",
+    "schedule_chunks",
+    "splits_backward",
+]
+
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
 
 # Every pipeline schedule, in the order the command line lists them.
 SCHEDULES: tuple[ScheduleKind, ...] = typing.get_args(ScheduleKind)
 
 DEFAULT_SCHEDULE: ScheduleKind = "gpipe"
 
+# Schedules whose backward is two actions: B (input gradient) then W (weight gradient).
+SPLIT_BACKWARD_SCHEDULES: tuple[ScheduleKind, ...] = ("zb-h1", "zbv")
+
 # MiB of gradients per DDP all-reduce bucket: DDP's own default
 # (torch.nn.parallel.DistributedDataParallel, ``bucket_cap_mb``).
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def splits_backward(kind: str) -> bool:
+    """Does schedule ``kind`` run each backward as B (input gradient) and a later W (weight gradient)?
+
+    >>> splits_backward("zbv"), splits_backward("1f1b")
+    (True, False)
+    """
+    return kind in SPLIT_BACKWARD_SCHEDULES
+
+
+def schedule_chunks(kind: str, chunks: int | None = None) -> int:
+    """The stages per pipeline rank schedule ``kind`` runs with: ``chunks`` checked, or its default.
+
+    ``zbv`` needs exactly 2, ``interleaved-1f1b`` at least 2 (default 2), the
+    others exactly 1.
+
+    >>> schedule_chunks("interleaved-1f1b"), schedule_chunks("interleaved-1f1b", 4), schedule_chunks("gpipe", 1)
+    (2, 4, 1)
+    >>> schedule_chunks("zbv", 3)
+    Traceback (most recent call last):
+    ...
+    partitioner.errors.ScheduleError: Schedule 'zbv' runs exactly 2 stages per pipeline rank (its V), not chunks=3.
+    """
+    if kind not in SCHEDULES:
+        raise ScheduleError(f"Unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}.")
+    if kind == "interleaved-1f1b":
+        if chunks is None:
+            return 2
+        if chunks < 2:
+            raise ScheduleError(
+                f"Schedule 'interleaved-1f1b' needs at least 2 stages per pipeline rank, not chunks={chunks}; "
+                "use chunks=2 or more, or schedule '1f1b' for one stage per rank."
+            )
+        return chunks
+    need = 2 if kind == "zbv" else 1
+    if chunks is not None and chunks != need:
+        why = " (its V)" if kind == "zbv" else ""
+        plural = "stages" if need > 1 else "stage"
+        raise ScheduleError(
+            f"Schedule {kind!r} runs exactly {need} {plural} per pipeline rank{why}, not chunks={chunks}."
+        )
+    return need

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partitioner.plan import Plan
-from partitioner.timeline import ALLREDUCE_KIND, TimelineEvent
+from partitioner.timeline import ALLREDUCE_KIND, COMPUTE_KINDS, TimelineEvent
 from partitioner.units import byte_unit
 
 if TYPE_CHECKING:
@@ -41,7 +41,8 @@ __all__ = ["COLORS", "byte_unit", "stage_bars_png", "timeline_png"]  # byte_unit
 
 COLORS = {
     "F": "#4C72B0",  # forward: blue
-    "B": "#DD8452",  # backward: orange
+    "B": "#DD8452",  # backward: orange (input gradient only, where W is split off)
+    "W": "#937860",  # weight gradient (zero-bubble schedules): brown
     "wait": "#B4B4B4",  # RF / RB waiting for a peer
     ALLREDUCE_KIND: "#8172B3",  # gradient all-reduce: purple
     "static": "#64646E",
@@ -58,7 +59,7 @@ def timeline_png(
     path: str | Path,
     *,
     title: str,
-    track_name: str = "stage",
+    track_name: str = "rank",
 ) -> Path:
     """Draw ``events`` as a pipeline timeline (x in ms, one row per track) and save it to ``path``."""
     from matplotlib.figure import Figure
@@ -77,7 +78,7 @@ def timeline_png(
     for e in listed:
         y = row_of[e.track]
         start, width = e.start_s * 1e3, (e.end_s - e.start_s) * 1e3
-        if e.kind in ("F", "B"):
+        if e.kind in COMPUTE_KINDS:
             ax.broken_barh([(start, width)], (y - 0.35, 0.7), facecolors=COLORS[e.kind],
                            edgecolors="white", linewidth=0.6)
             text = str(e.microbatch)
@@ -106,6 +107,8 @@ def timeline_png(
     kinds = {e.kind for e in listed}
     handles: list[Any] = [Patch(facecolor=COLORS["F"], label="forward"),
                           Patch(facecolor=COLORS["B"], label="backward")]
+    if "W" in kinds:
+        handles.append(Patch(facecolor=COLORS["W"], label="weights (W)"))
     if kinds & {"RF", "RB"}:
         handles.append(Patch(facecolor="none", edgecolor=COLORS["wait"], hatch="////", label="waiting for data"))
     if ALLREDUCE_KIND in kinds:

@@ -1,8 +1,9 @@
-"""Timelines: what each stage (or rank) did and when, and their Chrome trace form.
+"""Timelines: what each pipeline rank did and when, and their Chrome trace form.
 
-A :class:`TimelineEvent` is one action of one track (a pipeline stage in a
-simulation, a rank in a measured run): ``0F3`` ran on track 0 from ``start_s``
-to ``end_s``.  The simulator (:mod:`partitioner.simulate`) produces them, the
+A :class:`TimelineEvent` is one action of one track (a pipeline rank in a
+simulation, a global rank in a measured run): ``0F3`` ran on track 0 from
+``start_s`` to ``end_s``; the action names its stage, so a rank holding
+several stages shows them on one track.  The simulator (:mod:`partitioner.simulate`) produces them, the
 runtime records measured ones, and both are written with the same
 :func:`write_chrome_trace`, so a predicted and a measured step open side by
 side in ``chrome://tracing`` or https://ui.perfetto.dev.
@@ -12,7 +13,10 @@ https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU)
 complete events (``"ph": "X"``) with ``ts`` / ``dur`` in microseconds, and
 metadata events (``"ph": "M"``) naming the process and each thread.  All-reduce
 events overlap the backward that triggers them, so they get a thread of their
-own next to their track's (slices on one thread must nest).
+own next to their track's (slices on one thread must nest).  Compute slices
+carry a colour per kind (:data:`KIND_COLORS`, as ``"cname"``: trace viewers
+take a fixed palette of names), so weight-gradient ``W`` boxes stand apart
+from ``B``.
 
 Example::
 
@@ -20,9 +24,9 @@ Example::
     ...           TimelineEvent(1, "F0", "1F0", 0, "F", 1e-3, 2e-3)]
     >>> trace = chrome_trace(events, title="predicted")
     >>> [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
-    ['stage 0', 'stage 1']
-    >>> [(e["ts"], e["dur"]) for e in trace["traceEvents"] if e["ph"] == "X"]
-    [(0.0, 1000.0), (1000.0, 1000.0)]
+    ['pipeline rank 0', 'pipeline rank 1']
+    >>> [(e["ts"], e["dur"], e["cname"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    [(0.0, 1000.0, 'thread_state_runnable'), (1000.0, 1000.0, 'thread_state_runnable')]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ __all__ = [
     "ALLREDUCE_KIND",
     "COMM_KINDS",
     "COMPUTE_KINDS",
+    "KIND_COLORS",
     "TimelineEvent",
     "chrome_trace",
     "events_from_trace",
@@ -45,9 +50,20 @@ __all__ = [
     "write_chrome_trace",
 ]
 
-COMPUTE_KINDS = ("F", "B")
+COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SF", "RF", "SB", "RB")
 ALLREDUCE_KIND = "AR"
+
+# Trace-viewer colour names (catapult's reserved "cname" palette) per kind, close to the
+# figures' colours: forward blue, backward orange-brown, weight gradient green.
+KIND_COLORS = {
+    "F": "thread_state_runnable",
+    "B": "bad",
+    "W": "good",
+    "RF": "thread_state_sleeping",
+    "RB": "thread_state_sleeping",
+    ALLREDUCE_KIND: "thread_state_iowait",
+}
 
 # Thread ids of the all-reduce lanes: track k's lane is _LANE_OFFSET + k.
 _LANE_OFFSET = 10_000
@@ -60,7 +76,7 @@ class TimelineEvent:
     """One action on one track, in seconds from the start of the step.
 
     ``label`` is what a picture shows (``F3``), ``action`` the schedule's name
-    for it (``0F3``), ``kind`` one of ``F B SF RF SB RB AR`` (``AR``: one
+    for it (``0F3``), ``kind`` one of ``F B W SF RF SB RB AR`` (``AR``: one
     gradient all-reduce bucket; its ``microbatch`` is -1).
     """
 
@@ -82,16 +98,19 @@ def chrome_trace(
     *,
     title: str,
     pid: int = 0,
-    track_name: str = "stage",
+    track_name: str = "pipeline rank",
 ) -> dict[str, Any]:
-    """The Trace Event Format dict for ``events`` (``pid`` 0: predicted; tracks named ``"{track_name} {k}"``)."""
+    """The Trace Event Format dict for ``events`` (``pid`` 0: predicted; tracks named ``"{track_name} {k}"``).
+
+    A simulation's tracks are pipeline ranks (the default name); a measured run names its global ranks ``"rank"``.
+    """
     listed = list(events)
     trace: list[dict[str, Any]] = [_meta("process_name", pid, 0, {"name": title})]
     for tid, name, order in _threads(listed, track_name):
         trace.append(_meta("thread_name", pid, tid, {"name": name}))
         trace.append(_meta("thread_sort_index", pid, tid, {"sort_index": order}))
     for e in listed:  # in the given order, so that reading the file back gives the same list
-        trace.append({
+        record: dict[str, Any] = {
             "name": e.label,
             "cat": e.kind,
             "ph": "X",
@@ -106,7 +125,10 @@ def chrome_trace(
                 "action": e.action,
                 "kind": e.kind,
             },
-        })
+        }
+        if e.kind in KIND_COLORS:
+            record["cname"] = KIND_COLORS[e.kind]
+        trace.append(record)
     return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
 
@@ -116,7 +138,7 @@ def write_chrome_trace(
     *,
     title: str,
     pid: int = 0,
-    track_name: str = "stage",
+    track_name: str = "pipeline rank",
 ) -> Path:
     """Write :func:`chrome_trace` as JSON to ``path``; open it in Perfetto or ``chrome://tracing``."""
     target = Path(path)

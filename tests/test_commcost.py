@@ -105,7 +105,7 @@ def test_simulator_prices_with_the_same_model() -> None:
 
 
 def test_schedule_names_and_defaults_have_one_home() -> None:
-    assert SCHEDULES == ("gpipe", "1f1b") and DEFAULT_SCHEDULE in SCHEDULES
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv") and DEFAULT_SCHEDULE in SCHEDULES
     assert schedule.SCHEDULES is SCHEDULES
     assert DEFAULT_BUCKET_CAP_MB == 25.0 == example_plan().bucket_cap_mb
     args = cli._plan_parser().parse_args(["model.py", "--gpus", "2"])

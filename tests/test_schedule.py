@@ -1,4 +1,7 @@
-"""Schedules as data: action syntax, GPipe and 1F1B orders, lowering, validation and deadlocks."""
+"""Schedules as data: action syntax, GPipe and 1F1B orders, lowering, validation and deadlocks.
+
+The chunked and split-backward kinds (interleaved 1F1B, ZB-H1, ZB-V) are in test_schedule_kinds.py.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from partitioner.schedule import (
     validate,
 )
 
+PLAIN = ("gpipe", "1f1b")  # one stage per rank, whole backward: the kinds this file covers
 CHAIN2: dict[str, Any] = {"sends_to": ((1,), ()), "receives_from": ((), (0,))}
 # Stage 0 feeds stages 1 and 2 (a skip connection); stage 1 feeds stage 2.
 SKIP3: dict[str, Any] = {"sends_to": ((1, 2), (2,), ()), "receives_from": ((), (0,), (0, 1))}
@@ -45,6 +49,8 @@ def _rows(*rows: str) -> tuple[tuple[Action, ...], ...]:
         ("3SF10", Action(3, "SF", 10)),
         ("0RF0", Action(0, "RF", 0)),
         ("7SB2", Action(7, "SB", 2)),
+        ("0W3", Action(0, "W", 3)),
+        ("11W0", Action(11, "W", 0)),
     ],
 )
 def test_action_parse_and_format_round_trip(text: str, action: Action) -> None:
@@ -57,31 +63,41 @@ def test_action_parse_strips_spaces() -> None:
     assert Action.parse(" 2F1\n") == Action(2, "F", 1)
 
 
-@pytest.mark.parametrize("text", ["", "F3", "0X3", "0F", "-1F0", "0f3", "0F3a", "0 F3", "0FB3", "a0F3", "0F-1"])
+@pytest.mark.parametrize(
+    "text", ["", "F3", "0X3", "0F", "-1F0", "0f3", "0F3a", "0 F3", "0FB3", "a0F3", "0F-1", "0w3", "0WB3", "0SW1"]
+)
 def test_bad_action_strings(text: str) -> None:
     with pytest.raises(ScheduleError) as info:
         Action.parse(text)
     message = str(info.value)
     assert repr(text) in message
     assert "'0F3'" in message  # shows the expected form
+    assert "W" in message  # and lists the weight-gradient kind
 
 
 def test_schedule_strings_round_trip() -> None:
     rows = [["0F0", "0SF0", "0RB0", "0B0"], ["1RF0", "1F0", "1B0", "1SB0"]]
     schedule = Schedule.from_strings("gpipe", 1, rows)
-    assert schedule.stages == 2
+    assert schedule.ranks == 2
     assert schedule.to_strings() == rows
-    assert schedule.format() == "stage 0: 0F0 0SF0 0RB0 0B0\nstage 1: 1RF0 1F0 1B0 1SB0"
+    assert schedule.format() == "rank 0: 0F0 0SF0 0RB0 0B0\nrank 1: 1RF0 1F0 1B0 1SB0"
     with pytest.raises(ScheduleError):
         Schedule.from_strings("gpipe", 1, [["0F0", "oops"]])
 
 
+def test_older_spelling_of_the_rank_count() -> None:
+    # ``stages=`` (one stage per rank) gives the same order as ``ranks=``.
+    assert compute_order("1f1b", stages=3, microbatches=4) == compute_order("1f1b", ranks=3, microbatches=4)
+    with pytest.raises(ScheduleError, match="ranks="):
+        compute_order("1f1b", microbatches=4)
+
+
 def test_docstring_example() -> None:
-    order = compute_order("1f1b", stages=2, microbatches=3)
+    order = compute_order("1f1b", ranks=2, microbatches=3)
     sched = lower(order, **CHAIN2)
     assert sched.format() == (
-        "stage 0: 0F0 0SF0 0F1 0SF1 0RB0 0B0 0F2 0SF2 0RB1 0B1 0RB2 0B2\n"
-        "stage 1: 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1 1RF2 1F2 1B2 1SB2"
+        "rank 0: 0F0 0SF0 0F1 0SF1 0RB0 0B0 0F2 0SF2 0RB1 0B1 0RB2 0B2\n"
+        "rank 1: 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1 1RF2 1F2 1B2 1SB2"
     )
     validate(sched, **CHAIN2)
 
@@ -91,7 +107,7 @@ def test_docstring_example() -> None:
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(1, 1), (1, 4), (3, 1), (4, 4), (4, 8), (5, 3)])
 def test_gpipe_order(stages: int, microbatches: int) -> None:
-    order = compute_order("gpipe", stages=stages, microbatches=microbatches)
+    order = compute_order("gpipe", ranks=stages, microbatches=microbatches)
     assert len(order) == stages
     for s, row in enumerate(order):
         assert [str(a) for a in row] == [f"{s}F{i}" for i in range(microbatches)] + [
@@ -101,7 +117,7 @@ def test_gpipe_order(stages: int, microbatches: int) -> None:
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(1, 4), (2, 2), (4, 4), (4, 8), (4, 2), (6, 3), (3, 12)])
 def test_1f1b_order(stages: int, microbatches: int) -> None:
-    order = compute_order("1f1b", stages=stages, microbatches=microbatches)
+    order = compute_order("1f1b", ranks=stages, microbatches=microbatches)
     for s, row in enumerate(order):
         forwards = [a.microbatch for a in row if a.kind == "F"]
         backwards = [a.microbatch for a in row if a.kind == "B"]
@@ -121,27 +137,27 @@ def test_1f1b_order(stages: int, microbatches: int) -> None:
 
 
 def test_1f1b_last_stage_runs_backward_right_after_forward() -> None:
-    order = compute_order("1f1b", stages=4, microbatches=4)
+    order = compute_order("1f1b", ranks=4, microbatches=4)
     assert [str(a) for a in order[3]] == ["3F0", "3B0", "3F1", "3B1", "3F2", "3B2", "3F3", "3B3"]
     assert [str(a) for a in order[0]] == ["0F0", "0F1", "0F2", "0F3", "0B0", "0B1", "0B2", "0B3"]
 
 
 def test_bad_orders() -> None:
-    assert SCHEDULES == ("gpipe", "1f1b")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
     with pytest.raises(ScheduleError, match="Unknown schedule 'pipedream'"):
-        compute_order("pipedream", stages=2, microbatches=2)
+        compute_order("pipedream", ranks=2, microbatches=2)
     with pytest.raises(ScheduleError, match="at least one"):
-        compute_order("gpipe", stages=0, microbatches=2)
+        compute_order("gpipe", ranks=0, microbatches=2)
     with pytest.raises(ScheduleError, match="at least one"):
-        compute_order("1f1b", stages=2, microbatches=0)
+        compute_order("1f1b", ranks=2, microbatches=0)
 
 
 # ----------------------------------------------------------------- lowering
 
 
-@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("kind", PLAIN)
 def test_lower_skip_topology(kind: str) -> None:
-    order = compute_order(kind, stages=3, microbatches=4)
+    order = compute_order(kind, ranks=3, microbatches=4)
     sched = lower(order, kind=kind, **SKIP3)
     assert sched.kind == kind and sched.microbatches == 4
     validate(sched, **SKIP3)
@@ -185,16 +201,16 @@ def test_skip_topology_receiver_waits_for_every_sender() -> None:
 # ----------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("kind", PLAIN)
 @pytest.mark.parametrize(("stages", "microbatches"), [(1, 3), (2, 1), (4, 8), (3, 2)])
 def test_generated_schedules_validate(kind: str, stages: int, microbatches: int) -> None:
     topology = _chain(stages)
-    sched = lower(compute_order(kind, stages=stages, microbatches=microbatches), kind=kind, **topology)
+    sched = lower(compute_order(kind, ranks=stages, microbatches=microbatches), kind=kind, **topology)
     validate(sched, **topology)
 
 
 def _gpipe2() -> list[list[str]]:
-    sched = lower(compute_order("gpipe", stages=2, microbatches=3), **CHAIN2)
+    sched = lower(compute_order("gpipe", ranks=2, microbatches=3), **CHAIN2)
     return sched.to_strings()
 
 
@@ -236,7 +252,7 @@ def test_validate_catches_other_mistakes() -> None:
     with pytest.raises(ScheduleError, match="no peer"):
         validate(Schedule.from_strings("gpipe", 1, [["0RF0", "0F0", "0B0"]]),
                  sends_to=((),), receives_from=((),))
-    with pytest.raises(ScheduleError, match="1 stages but the plan has 2"):
+    with pytest.raises(ScheduleError, match="1 rank rows but the plan puts its 2 stages on ranks"):
         validate(Schedule.from_strings("gpipe", 1, [["0F0", "0B0"]]), **CHAIN2)
 
 
@@ -251,13 +267,13 @@ def test_validate_catches_deadlock() -> None:
         validate(Schedule("gpipe", 2, rows), **CHAIN2)
     message = str(info.value)
     assert "deadlocks" in message
-    assert "stage 0 waits at 0RB0" in message
-    assert "stage 1 waits at 1RF1" in message
+    assert "rank 0 waits at 0RB0" in message
+    assert "rank 1 waits at 1RF1" in message
     assert "0F1" in message  # the actions just before the stuck one, for context
     # The wait-for cycle (nx.find_cycle): each stuck receive, the send it needs, where that peer is.
     cycle = message.split("Wait cycle: ", 1)[1]
-    assert "0RB0 needs 1SB0 but stage 1 is stuck at 1RF1" in cycle
-    assert "1RF1 needs 0SF1 but stage 0 is stuck at 0RB0" in cycle
+    assert "0RB0 needs 1SB0 but rank 1 is stuck at 1RF1" in cycle
+    assert "1RF1 needs 0SF1 but rank 0 is stuck at 0RB0" in cycle
 
 
 def test_validate_catches_three_stage_cycle() -> None:
@@ -278,6 +294,6 @@ def test_validate_catches_three_stage_cycle() -> None:
     assert "0RB0" in message and "1RF0" in message and "2RF0" in message
     # Stage 2 waits on stage 1 but is not part of the 0 <-> 1 cycle.
     cycle = message.split("Wait cycle: ", 1)[1]
-    assert "0RB0 needs 1SB0 but stage 1 is stuck at 1RF0" in cycle
-    assert "1RF0 needs 0SF0 but stage 0 is stuck at 0RB0" in cycle
+    assert "0RB0 needs 1SB0 but rank 1 is stuck at 1RF0" in cycle
+    assert "1RF0 needs 0SF0 but rank 0 is stuck at 0RB0" in cycle
     assert "2RF0" not in cycle

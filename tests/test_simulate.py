@@ -36,7 +36,7 @@ def _chain(stages: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, .
 
 def _schedule(kind: str, stages: int, microbatches: int) -> Schedule:
     sends_to, receives_from = _chain(stages)
-    order = compute_order(kind, stages=stages, microbatches=microbatches)
+    order = compute_order(kind, ranks=stages, microbatches=microbatches)
     return lower(order, sends_to=sends_to, receives_from=receives_from, kind=kind)
 
 
@@ -133,7 +133,7 @@ def test_deadlock_names_the_stuck_actions() -> None:
     # Stage 0 waits for a gradient before it has sent the activation stage 1 waits for.
     rows = [["0F0", "0RB0", "0SF0", "0B0"], ["1RF0", "1F0", "1B0", "1SB0"]]
     sched = Schedule.from_strings("gpipe", 1, rows)
-    with pytest.raises(ScheduleError, match=r"stage 0 waits at 0RB0.*stage 1 waits at 1RF0"):
+    with pytest.raises(ScheduleError, match=r"rank 0 waits at 0RB0.*rank 1 waits at 1RF0"):
         simulate_schedule(sched, forward_s=[1.0, 1.0], backward_s=[1.0, 1.0])
 
 
@@ -225,7 +225,7 @@ def test_boundary_seconds_follow_the_ranks() -> None:
     for s in range(4):
         outputs = (dataclasses.replace(spec, source=s, target=s + 1),) if s < 3 else ()
         inputs = (dataclasses.replace(spec, source=s - 1, target=s),) if s else ()
-        stages.append(dataclasses.replace(plan.stages[0], index=s, ranks=(2 * s, 2 * s + 1),
+        stages.append(dataclasses.replace(plan.stages[0], index=s, rank=s, ranks=(2 * s, 2 * s + 1),
                                           inputs=inputs, outputs=outputs))
     wide = _two_nodes(dataclasses.replace(plan, stages=tuple(stages), pp=4, dp=2, gpus=8), gpus_per_node=4)
     seconds = boundary_seconds(wide)
@@ -255,3 +255,53 @@ def test_recomputed_activations_live_during_backward(kind: str) -> None:
     assert list(sim.peak_memory_bytes) == pytest.approx([static + n * 7.0 + 50.0 for n in in_flight])
     for points in sim.memory:
         assert points[-1][1] == pytest.approx(static)
+
+
+# ----------------------------------------------------------------- several stages per rank
+
+
+def _v_plan(*, gpus_per_node: int | None = None, dp: int = 1) -> Plan:
+    """The example plan's chain as 4 stages in a V on 2 pipeline ranks (ZB-V): ranks 0, 1, 1, 0."""
+    plan = example_plan()
+    spec = Boundary("x", (4,), "float32", 0, 1)
+    where = (0, 1, 1, 0)
+    pred = dataclasses.replace(plan.stages[0].predicted, forward_s=1e-3, backward_s=2e-3, weight_s=1e-3)
+    stages = []
+    for s in range(4):
+        outputs = (dataclasses.replace(spec, source=s, target=s + 1),) if s < 3 else ()
+        inputs = (dataclasses.replace(spec, source=s - 1, target=s),) if s else ()
+        stages.append(dataclasses.replace(plan.stages[0], index=s, rank=where[s],
+                                          ranks=tuple(where[s] * dp + r for r in range(dp)),
+                                          inputs=inputs, outputs=outputs, predicted=pred))
+    v = dataclasses.replace(plan, stages=tuple(stages), pp=2, dp=dp, gpus=2 * dp, chunks=2, schedule="zbv",
+                            microbatches=4, gpus_per_node=gpus_per_node)
+    order = compute_order("zbv", ranks=2, microbatches=4, chunks=2)
+    sched = lower(order, sends_to=v.sends_to(), receives_from=v.receives_from(), stage_rank=where, kind="zbv")
+    return dataclasses.replace(v, actions=tuple(tuple(row) for row in sched.to_strings()))
+
+
+def test_boundary_seconds_follow_the_pipeline_ranks() -> None:
+    # dp 2, 2 GPUs per node: pipeline rank 0 (global 0-1) on node 0, rank 1 (2-3) on node 1.
+    plan = _two_nodes(_v_plan(dp=2), gpus_per_node=2)
+    seconds = boundary_seconds(plan)
+    slow = 1e-4 + 16 / 1e5
+    assert [seconds[s][s + 1] for s in range(3)] == pytest.approx([slow, 0.0, slow])  # 1 -> 2: same rank
+
+
+def test_simulate_a_plan_with_two_stages_per_rank() -> None:
+    plan = _v_plan()
+    sim = simulate(plan)
+    assert sim.ranks == 2 and len(sim.peak_memory_bytes) == 2
+    c = boundary_seconds(plan)
+    direct = simulate_schedule(
+        plan.schedule_data(), forward_s=[1e-3] * 4, backward_s=[2e-3] * 4, weight_s=[1e-3] * 4,
+        stage_rank=(0, 1, 1, 0), sends_to=plan.sends_to(), receives_from=plan.receives_from(), transfer_s=c,
+        static_bytes=stage_static_bytes(plan), activation_bytes=[32.0] * 4, buckets=1,
+        allreduce_s=[0.0] * 4,
+    )
+    assert sim.step_s == pytest.approx(direct.step_s)
+    b_and_w = {e.kind: e.duration_s for e in sim.events if e.action in ("3B0", "3W0")}
+    assert b_and_w == pytest.approx({"B": 1e-3, "W": 1e-3})  # B is the input gradient: backward_s - weight_s
+    # Each rank holds two stages' parameters and at most 2P = 4 chunk activations.
+    assert sim.peak_memory_bytes == pytest.approx((2 * 256 + 4 * 32.0,) * 2)
+    assert {e.track for e in sim.events} == {0, 1}
