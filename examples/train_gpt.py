@@ -5,10 +5,17 @@ Plan, then launch on as many ranks as the plan has (CPU ranks use gloo, GPUs NCC
     autopartition examples/gpt.py --gpus 2 --batch-size 16 --microbatches 4 --out plan/
     autopartition run plan/ -- examples/train_gpt.py --steps 20
     autopartition run plan/ -- examples/train_gpt.py --steps 5 --trace trace.json --checkpoint gpt.pt
+    autopartition run plan/ -- examples/train_gpt.py --steps 10 --save ckpt/
+    autopartition run other_plan/ -- examples/train_gpt.py --steps 20 --resume ckpt/ --save ckpt/
 
 ``--trace`` writes a Chrome trace (one track per rank; open it in https://ui.perfetto.dev);
 ``--checkpoint`` writes the whole model's state dict, in the original parameter names,
 loadable with ``build_model().load_state_dict(torch.load(path))``.
+``--save DIR`` writes a sharded checkpoint at the end (model, AdamW state, step, plan;
+every rank its own part); ``--resume DIR`` continues from one, under this plan or any
+other plan of the model (other pp, dp, split or schedule): ``--steps`` counts from the
+start of training, so the run above trains steps 10 to 19, on the data an uninterrupted
+run of 20 steps would see (when both plans take the same batch size).
 """
 
 import argparse
@@ -38,6 +45,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--trace", help="write a Chrome trace of the last steps here")
     parser.add_argument("--checkpoint", help="write the trained model's full state dict here")
+    parser.add_argument("--save", metavar="DIR", help="write a sharded checkpoint here at the end")
+    parser.add_argument("--resume", metavar="DIR", help="continue from the sharded checkpoint here")
     args = parser.parse_args()
 
     plan = plan_from_env(args.plan)
@@ -45,7 +54,12 @@ def main() -> None:
     pipe = Pipeline(plan, build_model(), loss_fn, trace=args.trace is not None)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     data = batches(plan.batch_size)
-    for step in range(args.steps):
+    first = 0
+    if args.resume:
+        first = pipe.load_checkpoint(args.resume, optimizer=optimizer)
+        for _ in range(first):  # the batches the saved steps took: the same stream as without a break
+            next(data)
+    for step in range(first, args.steps):
         start = time.perf_counter()
         inputs, target = next(data)
         loss = pipe.step(inputs, target)
@@ -57,6 +71,10 @@ def main() -> None:
         written = pipe.write_trace(args.trace)
         if written:
             print(f"trace: {written}")
+    if args.save:
+        pipe.save_checkpoint(args.save, optimizer=optimizer, step=max(first, args.steps))
+        if pipe.rank == 0:
+            print(f"saved: {args.save} (step {max(first, args.steps)})", flush=True)
     if args.checkpoint:
         state = pipe.full_state_dict()
         if state is not None:

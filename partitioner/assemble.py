@@ -5,7 +5,10 @@
 links, recomputation and predicted costs), lowers its schedule into action
 lists and predicts its step by simulation; :func:`stage_codes` generates the
 readable code of each stage, for the chosen plan only.  Ranks are laid out
-stage-major (:func:`stage_layout`).
+pipeline-rank-major (:func:`stage_layout`); a schedule with several stages per
+pipeline rank places them by :func:`~partitioner.scheduleorders.stage_ranks`
+(the solved problem's ``stage_rank``), and every link is that of the stages'
+ranks.
 
     >>> stage_layout(2, 3)
     [(0, 1, 2), (3, 4, 5)]
@@ -46,7 +49,13 @@ from partitioner.plan import (
     stage_topology,
 )
 from partitioner.precision import activation_scale, compute_dtype
-from partitioner.problem import allreduce_latencies, choose_recompute, stage_costs, stage_memory
+from partitioner.problem import (
+    allreduce_latencies,
+    choose_recompute,
+    stage_costs,
+    stage_memory,
+    stage_rank_of,
+)
 from partitioner.schedule import compute_order, lower, validate
 from partitioner.search import Solved
 from partitioner.simulate import simulate
@@ -56,7 +65,7 @@ __all__ = ["build_plan", "model_flops_utilization", "stage_codes", "stage_layout
 
 
 def stage_layout(pp: int, dp: int) -> list[tuple[int, ...]]:
-    """Ranks of each stage, stage-major (Megatron's order: a stage's replicas are neighbours)."""
+    """Global ranks of each pipeline rank's replicas, rank-major (Megatron's order: replicas are neighbours)."""
     return [tuple(s * dp + r for r in range(dp)) for s in range(pp)]
 
 
@@ -81,7 +90,7 @@ def build_plan(
     assembled = Plan(
         format_version=FORMAT_VERSION,
         model=_model_info(model, captured, micro),
-        gpus=options.gpus, pp=solved.pp, dp=solved.dp, microbatches=solved.microbatches,
+        gpus=options.gpus, pp=solved.pp, dp=solved.dp, microbatches=solved.microbatches, chunks=solved.chunks,
         schedule=solved.schedule, batch_size=options.batch, device=options.device_name,
         stages=stages,
         actions=(),  # _lower
@@ -140,27 +149,28 @@ def _stages(
     """
     gm = captured.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
-    pp, dp, problem, partition = solved.pp, solved.dp, solved.problem, solved.partition
+    count, dp, problem, partition = solved.stages, solved.dp, solved.problem, solved.partition
     m, kind, per_node = solved.microbatches, solved.schedule, options.gpus_per_node
+    rank = stage_rank_of(problem, count)  # the pipeline rank of each of the pp x chunks stages
     stage_of_node = {name: partition.stage_of[b] for b, members in enumerate(graph.blocks) for name in members}
-    compute_sets: list[set[str]] = [set() for _ in range(pp)]
+    compute_sets: list[set[str]] = [set() for _ in range(count)]
     for name, s in stage_of_node.items():
         compute_sets[s].add(name)
-    blocks_of: list[list[int]] = [[] for _ in range(pp)]
+    blocks_of: list[list[int]] = [[] for _ in range(count)]
     for b, s in enumerate(partition.stage_of):
         blocks_of[s].append(b)
     boundaries = tuple(
-        dataclasses.replace(b, link="inter" if p2p_crosses_nodes(b.source, b.target, dp=dp, gpus_per_node=per_node)
-                            else "intra")
-        for b in _boundaries(gm, stage_of_node, pp, sizes=sizes)
+        dataclasses.replace(b, link="inter" if rank[b.source] != rank[b.target] and p2p_crosses_nodes(
+            rank[b.source], rank[b.target], dp=dp, gpus_per_node=per_node) else "intra")
+        for b in _boundaries(gm, stage_of_node, count, sizes=sizes)
     )
-    recompute = partition.recompute or choose_recompute(problem, partition.stage_of, pp, microbatches=m, schedule=kind)
-    _, allreduce = stage_costs(problem, partition.stage_of, pp, recompute=recompute)
-    latency = allreduce_latencies(problem, pp)
-    memory = stage_memory(problem, partition.stage_of, pp, microbatches=m, schedule=kind, recompute=recompute)
-    layout = stage_layout(pp, dp)
+    recompute = partition.recompute or choose_recompute(problem, partition.stage_of, count, microbatches=m, schedule=kind)
+    _, allreduce = stage_costs(problem, partition.stage_of, count, recompute=recompute)
+    latency = allreduce_latencies(problem, count)
+    memory = stage_memory(problem, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute)
+    layout = stage_layout(solved.pp, dp)
     stages: list[StagePlan] = []
-    for s in range(pp):
+    for s in range(count):
         names = closure(gm, compute_sets[s])
         model_inputs = tuple(dict.fromkeys(
             a.name for n in names for a in nodes[n].all_input_nodes if a.op == "placeholder"))
@@ -170,7 +180,7 @@ def _stages(
         compute = [n for n in names if n in compute_sets[s]]
         # Name the range by user modules; root-level glue (x.size(1), a residual add) only if nothing else.
         paths = [module_path(nodes[n]) for n in compute if module_path(nodes[n])] or ["(root)"]
-        last = s == pp - 1
+        last = s == count - 1
         forward = (sum(graph.node_forward_s[n] for n in compute) + (graph.loss_s[0] if last else 0.0)) / dp
         total = (sum(graph.node_time_s[n] for n in compute) + (sum(graph.loss_s) if last else 0.0)) / dp
         kept = [problem.activation_bytes[b] for b in blocks_of[s]]
@@ -181,8 +191,8 @@ def _stages(
             kept = [problem.recompute_bytes[b] for b in blocks_of[s]]
         stages.append(StagePlan(
             index=s,
-            rank=s,
-            ranks=layout[s],
+            rank=rank[s],
+            ranks=layout[rank[s]],
             nodes=tuple(names),
             compute_nodes=len(compute),
             parameters=params,
@@ -201,9 +211,10 @@ def _stages(
                 recompute_s=again,
                 recompute_peak_bytes=max((problem.activation_bytes[b] for b in blocks_of[s]), default=0.0)
                 if recompute[s] else 0.0,
+                weight_s=sum(graph.node_weight_s.get(n, 0.0) for n in compute) / dp,
             ),
             recompute="full" if recompute[s] else "none",
-            allreduce_link="inter" if allreduce_crosses_nodes(s, dp=dp, gpus_per_node=per_node) else "intra",
+            allreduce_link="inter" if allreduce_crosses_nodes(rank[s], dp=dp, gpus_per_node=per_node) else "intra",
         ))
     return tuple(stages)
 
@@ -212,9 +223,9 @@ def _stages(
 def _lower(plan: Plan) -> Plan:
     """The schedule's action lists for the plan's stages, communication inserted, validated."""
     sends_to, receives_from = stage_topology(plan.stages)
-    lowered = lower(compute_order(plan.schedule, stages=plan.pp, microbatches=plan.microbatches),
-                    sends_to=sends_to, receives_from=receives_from, kind=plan.schedule)
-    validate(lowered, sends_to=sends_to, receives_from=receives_from)
+    lowered = lower(compute_order(plan.schedule, ranks=plan.pp, microbatches=plan.microbatches, chunks=plan.chunks),
+                    sends_to=sends_to, receives_from=receives_from, stage_rank=plan.stage_ranks(), kind=plan.schedule)
+    validate(lowered, sends_to=sends_to, receives_from=receives_from, stage_rank=plan.stage_ranks())
     return dataclasses.replace(plan, actions=tuple(tuple(str(a) for a in row) for row in lowered.actions))
 
 
@@ -257,7 +268,7 @@ def stage_codes(captured: CapturedModel, plan: Plan) -> tuple[str, ...]:
     statics = {n.name: n.meta[VALUE_KEY].static for n in gm.graph.nodes if n.meta[VALUE_KEY].kind == "static"}
     codes = []
     for stage in plan.stages:
-        signature = stage_signature(stage, model_outputs=plan.model.outputs, last=stage.index == plan.pp - 1)
+        signature = stage_signature(stage, model_outputs=plan.model.outputs, last=stage.index == len(plan.stages) - 1)
         codes.append(_stage_code(stage.index, signature, build_stage(captured, stage.nodes, signature, statics=statics)))
     return tuple(codes)
 

@@ -39,6 +39,7 @@ _AUTO = "auto"
 _RECOMPUTE = ("auto", "none", "full")
 _WIDTH = 100
 _EXAMPLES = Path(__file__).resolve().parent.parent / "examples"  # in a checkout (pip install -e .)
+_WEIGHTS_ENV = "AUTOPARTITION_WEIGHTS"  # runtime.weights.WEIGHTS_ENV: Pipeline reads it (no torch import here)
 
 _EPILOG = """\
 examples:
@@ -46,6 +47,7 @@ examples:
   autopartition examples/gpt.py:gpt_medium --gpus 8 --device h100 --memory-per-gpu 80GiB
   autopartition examples/gpt3.py:gpt3_xl --gpus 8 --device h100 --precision bf16-mixed
   autopartition model.py --gpus 8 --pp 4 --dp 2 --schedule 1f1b --recompute none
+  autopartition model.py --gpus 8 --pp 4 --schedule interleaved-1f1b --chunks 2 --microbatches 8
   autopartition show plan/                         # the report again, from plan.json
   autopartition verify plan/ --model model.py      # run on CPU ranks, compare with the model
   autopartition run plan/ --nproc-per-node 8 -- train.py --epochs 1
@@ -175,7 +177,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=_microbatches, default=_AUTO, metavar="auto|M",
                         help="micro-batches per mini-batch (default auto: try divisors of each replica's batch)")
     parser.add_argument("--schedule", choices=(_AUTO, *SCHEDULES), default=_AUTO, type=str.lower,
-                        help="pipeline schedule (default auto: try each, keep the fastest)")
+                        help="pipeline schedule (default auto: try each, keep the fastest simulated)")
+    parser.add_argument("--chunks", type=_positive_int, metavar="V",
+                        help="stages per pipeline rank of interleaved-1f1b (default: try 2 and 4 where the "
+                        "model has the blocks; zbv always holds 2, the others 1)")
     parser.add_argument("--pp", type=_positive_int, metavar="P", help="fix the number of pipeline stages")
     parser.add_argument("--dp", type=_positive_int, metavar="D", help="fix the number of replicas per stage")
     parser.add_argument("--device", choices=_DEVICES, default="auto", type=str.lower,
@@ -251,6 +256,10 @@ def _run_parser() -> argparse.ArgumentParser:
     parser.add_argument("plan", metavar="DIR", help="plan directory")
     parser.add_argument("--nproc-per-node", type=_positive_int, metavar="K",
                         help="ranks per node (default: the plan's GPU count on one node)")
+    parser.add_argument("--weights", metavar="PATH",
+                        help="initial weights: model.safetensors, a directory with it or a sharded index, or a "
+                        "torch.distributed.checkpoint directory; each rank reads only its stages' tensors "
+                        f"(passed as {_WEIGHTS_ENV}, which Pipeline reads when not given weights=)")
     return parser
 
 
@@ -291,6 +300,7 @@ def _plan(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             recompute=args.recompute,
             gpus_per_node=args.gpus_per_node,
+            chunks=args.chunks,
             loss_fn=model_file.loss_fn,
             target=model_file.example_target(batch) if model_file.example_target else None,
             status=say,
@@ -302,7 +312,7 @@ def _plan(args: argparse.Namespace) -> int:
     if report is not None:
         print(f"report: {report}")
     quoted = shlex.quote(str(saved))
-    stages = "stage_0.py" if plan.pp == 1 else f"stage_0.py … stage_{plan.pp - 1}.py"
+    stages = "stage_0.py" if len(plan.stages) == 1 else f"stage_0.py … stage_{len(plan.stages) - 1}.py"
     print(f"plan saved to {saved}{os.sep} (plan.json, {stages}); next:")
     print(f"  autopartition verify {quoted} --model {shlex.quote(args.model)}")
     print(f"  autopartition run {quoted} -- {_training_script(args.model)}")
@@ -390,7 +400,8 @@ def _verify(args: argparse.Namespace) -> int:
         from runtime.verify import verify_plan
     except ImportError as exc:
         return _runtime_missing("verify", "runtime.verify.verify_plan", exc)
-    print(f"[autopartition] verify: starting {plural(plan.gpus, 'CPU rank')} ({plural(plan.pp, 'stage')} x "
+    shape = plural(plan.pp, "stage") if plan.chunks == 1 else f"{plural(plan.pp, 'pipeline rank')} of {plan.chunks} stages"
+    print(f"[autopartition] verify: starting {plural(plan.gpus, 'CPU rank')} ({shape} x "
           f"{plural(plan.dp, 'replica')}) for {plural(args.steps, 'step')} against the unpartitioned "
           f"{plan.model.class_name}; each rank builds and captures the model first", file=sys.stderr, flush=True)
     options: dict[str, Any] = {"steps": args.steps}
@@ -425,6 +436,11 @@ def _run(args: list[str]) -> int:
     from partitioner.plan import Plan
 
     Plan.load(parsed.plan)
+    if parsed.weights is not None:
+        weights = Path(parsed.weights)
+        if not weights.exists():
+            raise AutopartitionError(f"--weights {parsed.weights}: no such file or directory.")
+        os.environ[_WEIGHTS_ENV] = str(weights.resolve())  # the ranks inherit it through torchrun
     try:
         from runtime.launch import run_plan
     except ImportError as exc:

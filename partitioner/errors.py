@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "AutopartitionError",
     "CaptureError",
+    "CheckpointError",
     "InfeasibleError",
     "InternalError",
     "ModelFileError",
@@ -45,6 +46,10 @@ class PlanMismatchError(AutopartitionError):
 
 class ScheduleError(AutopartitionError):
     """A schedule is malformed or would deadlock."""
+
+
+class CheckpointError(AutopartitionError):
+    """A weights file or checkpoint is missing, of another model, or incomplete."""
 
 
 class InternalError(Exception):

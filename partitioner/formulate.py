@@ -25,6 +25,14 @@ Recomputation (Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models", MLSys 2023, full recomputation): a recomputed block keeps
 only its inputs from other blocks and the graph (``recompute_bytes``) and runs
 its forward again during backward (``recompute_s``).
+
+Split backward (``zb-h1``, ``zbv``): a node that reads parameters spends about
+half of its backward on their gradients (W) and half on its input's (B).  For a
+matrix product ``y = x w`` the two are ``dx = dy w^T`` and ``dw = x^T dy``, the
+same FLOPs; Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024, section 2)
+take ``T_B = T_W`` for a transformer layer on that ground.  A parameter-free node
+(activation, softmax, residual add, the loss) has no W: its whole backward is B.
+``weight_s`` is that share per block (:func:`weight_seconds`).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from partitioner.precision import (
 from partitioner.problem import PartitionProblem
 
 __all__ = [
+    "WEIGHT_SHARE",
     "GraphCosts",
     "allreduce_seconds",
     "at_precision",
@@ -58,7 +67,10 @@ __all__ = [
     "graph_costs",
     "node_times",
     "transfer_seconds",
+    "weight_seconds",
 ]
+
+WEIGHT_SHARE = 0.5  # of a parameter-reading node's backward: its weight gradient (see the module docstring)
 
 @dataclasses.dataclass(frozen=True)
 class GraphCosts:
@@ -88,6 +100,7 @@ class GraphCosts:
     block_inputs: tuple[tuple[str, ...], ...] = ()  # values each block reads from other blocks / graph inputs
     node_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # forward + backward FLOPs
     node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
+    node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
 
     def saved_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
         """Activation bytes ``names`` save for backward at ``precision`` (one micro-batch, dp = 1).
@@ -253,7 +266,21 @@ def graph_costs(
         node_saved_float32_bytes={
             k: c.saved_float32_bytes for k, c in costs.items() if c.saved_float32_bytes is not None
         },
+        node_weight_s={
+            name: weight_seconds(times[name][1], reads_parameters=True)
+            for members in blocks for name in members
+            if name in times and node_parameters(gm, nodes[name])
+        },
     )
+
+
+def weight_seconds(backward_s: float, *, reads_parameters: bool) -> float:
+    """The weight-gradient (W) part of a node's backward: half where it reads parameters, else none.
+
+    >>> weight_seconds(2e-3, reads_parameters=True), weight_seconds(2e-3, reads_parameters=False)
+    (0.001, 0.0)
+    """
+    return WEIGHT_SHARE * backward_s if reads_parameters else 0.0
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -329,6 +356,9 @@ def formulate(
             scale * sum(graph.node_forward_s[m] for m in members) for members in graph.blocks
         ) if recomputable else None,
         "recompute": recompute,
+        "weight_s": tuple(
+            scale * sum(graph.node_weight_s.get(m, 0.0) for m in members) for members in graph.blocks
+        ) if graph.node_weight_s else None,
     }
     return PartitionProblem(
         time_s=tuple(

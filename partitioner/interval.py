@@ -380,7 +380,8 @@ def _stage_tables(
     """
     inbound, _ = stage_links(problem, stages)
     keys = [
-        (in_flight(s, stages, microbatches, schedule), bool(inbound[s]) and frontiers.cost_slow is not None)
+        (in_flight(s, stages, microbatches, schedule, chunks=problem.chunks if problem.stage_rank else None),
+         bool(inbound[s]) and frontiers.cost_slow is not None)
         for s in range(stages)
     ]
     variants = sorted(set(keys))

@@ -9,6 +9,8 @@ The file is imported by path and must define (see DESIGN.md):
   arguments, or ``(args, kwargs)``; ``None``, bools, numbers and strings are baked
   into the graph.  Or a module-level value ``example_inputs``;
 * optionally ``loss_fn(outputs, target)`` and ``example_target(batch_size)``;
+* optionally ``init_weights(module, name)``, which initialises one submodule of
+  a model built on the meta device (:mod:`runtime.materialise`);
 * or, for a model that computes its own loss (Hugging Face ``labels=``),
   ``example_target(batch_size)`` and ``target_keyword = "labels"``, the keyword
   the target is passed as (no ``loss_fn``).
@@ -69,6 +71,8 @@ class ModelFile:
     example_target: Callable[[int], Any] | None
     default_batch_size: int | None
     target_keyword: str | None = None
+    # ``init_weights(module, name)``: initialises one submodule of a model built on the meta device.
+    init_weights: Callable[[nn.Module, str], Any] | None = None
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:
@@ -111,6 +115,12 @@ def load_model_file(spec: str) -> ModelFile:
             f"{path.name} defines loss_fn as a {type(loss_fn).__name__}, not a function. "
             "Define `def loss_fn(outputs, target):` returning a scalar mean loss, or remove the name."
         )
+    init = getattr(module, "init_weights", None)
+    if init is not None and not callable(init):
+        raise ModelFileError(
+            f"{path.name} defines init_weights as a {type(init).__name__}, not a function. Define "
+            "`def init_weights(module, name):` to initialise one submodule of a model built on meta."
+        )
     target = _example_target(module, path)
     keyword = getattr(module, "target_keyword", None)
     if keyword is not None:
@@ -133,6 +143,7 @@ def load_model_file(spec: str) -> ModelFile:
         example_target=target,
         default_batch_size=default_batch,
         target_keyword=keyword,
+        init_weights=_wrap_call(init, path, "init_weights") if init is not None else None,
     )
 
 

@@ -4,7 +4,9 @@
 :func:`check_options` builds it (an :class:`~partitioner.errors.AutopartitionError`
 on the first bad option), :func:`resolve_device` and :func:`default_memory_limit`
 pick the GPU planned for and its memory, :func:`microbatch_choices` the
-micro-batch counts ``microbatches="auto"`` tries.
+micro-batch counts ``microbatches="auto"`` tries, and
+:meth:`PlanOptions.schedule_variants` the (schedule, chunks) pairs tried per
+pipeline width.
 
     >>> microbatch_choices(32), default_gpus_per_node(12)
     ((1, 2, 4, 8, 16, 32), 6)
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from partitioner.capture import CaptureMethod
-from partitioner.defaults import SCHEDULES
+from partitioner.defaults import SCHEDULES, schedule_chunks, splits_backward
 from partitioner.devices import DEVICES, DeviceSpec, device_spec
 from partitioner.errors import AutopartitionError
 from partitioner.precision import OPTIMIZERS, Precision, check_optimizer, check_precision
@@ -28,6 +30,7 @@ from partitioner.refine import REFINE_SIMULATIONS
 
 __all__ = [
     "AUTO",
+    "CHUNK_CHOICES",
     "DEFAULT_GPUS_PER_NODE",
     "MAX_MICROBATCH_CHOICES",
     "PlanOptions",
@@ -50,6 +53,13 @@ MAX_MICROBATCH_CHOICES = 8  # micro-batch counts tried per data-parallel degree 
 
 
 DEFAULT_GPUS_PER_NODE = 8  # DGX / HGX nodes: 8 GPUs on NVLink
+
+
+
+# Stages per pipeline rank interleaved-1f1b tries when --chunks is not given: Megatron-LM's
+# usual settings (Narayanan et al. 2021 measure 2 to 4); more chunks shrink the bubble by 1/v
+# but cost v times the point-to-point messages and more activations in flight.
+CHUNK_CHOICES = (2, 4)
 
 
 
@@ -81,6 +91,39 @@ class PlanOptions:
     bucket_cap_mb: float
     time_limit: float  # solver seconds per ILP
     refine_simulations: int = REFINE_SIMULATIONS  # simulated steps of local search per candidate (0: none)
+    chunks: int | None = None  # stages per pipeline rank for interleaved-1f1b; None: CHUNK_CHOICES
+
+    def schedule_variants(self, pp: int, blocks: int) -> list[tuple[ScheduleKind, int]]:
+        """The (schedule, stages per rank) pairs tried with ``pp`` pipeline ranks and ``blocks`` blocks.
+
+        One rank runs every schedule alike, so with ``pp = 1`` only the
+        one-stage schedules are tried (a fixed ``--schedule`` is kept: the
+        search then says why it cannot run).  ``interleaved-1f1b`` tries each of
+        :data:`CHUNK_CHOICES` (or ``--chunks``) that leaves a block per stage,
+        or, where none does, the first (the search records why it cannot run);
+        ``zbv`` runs 2.
+
+        >>> o = PlanOptions(gpus=8, batch=8, microbatches=None, schedules=SCHEDULES, spec=DEVICES["h100"],
+        ...     measure=False, local=torch.device("cpu"), memory_limit=None, pp=None, dp=None,
+        ...     capture_method="auto", max_blocks=256, precision="fp32", optimizer="adam",
+        ...     optimizer_states=2, recompute="auto", gpus_per_node=8, bucket_cap_mb=25.0, time_limit=1.0)
+        >>> o.schedule_variants(4, 12)
+        [('gpipe', 1), ('1f1b', 1), ('interleaved-1f1b', 2), ('zb-h1', 1), ('zbv', 2)]
+        >>> o.schedule_variants(2, 12), o.schedule_variants(1, 12)[-1]
+        ([('gpipe', 1), ('1f1b', 1), ('interleaved-1f1b', 2), ('interleaved-1f1b', 4), ('zb-h1', 1), ('zbv', 2)], ('1f1b', 1))
+        """
+        fixed = len(self.schedules) == 1
+        out: list[tuple[ScheduleKind, int]] = []
+        for kind in self.schedules:
+            if pp == 1 and not fixed and (schedule_chunks(kind) > 1 or splits_backward(kind)):
+                continue
+            if kind == "interleaved-1f1b":
+                choices = (self.chunks,) if self.chunks is not None else CHUNK_CHOICES
+                fitting = [v for v in choices if pp * v <= blocks]
+                out += [(kind, v) for v in (fitting or [choices[0]])]  # none fits: the search says why
+            else:
+                out.append((kind, schedule_chunks(kind)))
+        return out
 
     @property
     def device_name(self) -> str:
@@ -172,6 +215,7 @@ def check_options(
     optimizer_states: int | None,
     recompute: str,
     gpus_per_node: int | None,
+    chunks: int | None = None,
     **resolved: Any,
 ) -> PlanOptions:
     """Check every option (an :class:`AutopartitionError` on the first bad one) and resolve the defaults."""
@@ -200,6 +244,27 @@ def check_options(
             raise AutopartitionError(f"--{name} {value} must be a positive divisor of --gpus {gpus}.")
     if pp is not None and dp is not None and pp * dp != gpus:
         raise AutopartitionError(f"--pp {pp} x --dp {dp} = {pp * dp}, but --gpus is {gpus}.")
+    kinds = _check_chunks(kinds, chunks, fixed=schedule != AUTO)
+    if recompute == "full" and any(splits_backward(k) for k in kinds):
+        if schedule != AUTO:
+            raise AutopartitionError(
+                f"--schedule {schedule} splits each backward into B and a later W, which needs the stage's "
+                "activations after B, so it does not recompute them; use --recompute auto or none with it, "
+                "or a schedule that recomputes (gpipe, 1f1b, interleaved-1f1b)."
+            )
+        kinds = tuple(k for k in kinds if not splits_backward(k))  # --recompute full: they cannot take part
+    if "interleaved-1f1b" in kinds and micro is not None and pp is not None and micro % pp:
+        per_replica = batch // (dp or gpus // pp)
+        works = [m for m in range(pp, per_replica + 1, pp) if per_replica % m == 0]
+        which = (f"micro-batch counts that split the {per_replica} samples per replica and work: "
+                 f"{', '.join(map(str, works[:8]))}" if works else
+                 f"no micro-batch count splits the {per_replica} samples per replica into a multiple of {pp}")
+        if schedule != AUTO:
+            raise AutopartitionError(
+                f"--schedule interleaved-1f1b runs micro-batches in rounds of one per pipeline rank, so with "
+                f"--pp {pp} it needs a multiple of {pp} micro-batches, not {micro}; {which} "
+                "(or --microbatches auto)."
+            )
     if recompute not in RECOMPUTE_MODES:
         raise AutopartitionError(
             f"Unknown recomputation {recompute!r}; choose auto (each stage recomputes only if it would "
@@ -215,7 +280,7 @@ def check_options(
             "of one node: --gpus-per-node equal to --gpus)."
         )
     return PlanOptions(
-        gpus=gpus, batch=batch, microbatches=micro, schedules=kinds, pp=pp, dp=dp,
+        gpus=gpus, batch=batch, microbatches=micro, schedules=kinds, pp=pp, dp=dp, chunks=chunks,
         precision=check_precision(precision), optimizer=check_optimizer(optimizer),
         optimizer_states=OPTIMIZERS[optimizer] if optimizer_states is None else optimizer_states,
         recompute=next(m for m in RECOMPUTE_MODES if m == recompute),  # narrows str to RecomputeMode
@@ -223,6 +288,34 @@ def check_options(
         **resolved,
     )
 
+
+
+def _check_chunks(
+    kinds: tuple[ScheduleKind, ...], chunks: int | None, *, fixed: bool
+) -> tuple[ScheduleKind, ...]:
+    """The schedules ``--chunks`` leaves (all, with None), or an error where a fixed schedule cannot take it."""
+    if chunks is None:
+        return kinds
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise AutopartitionError(f"--chunks must be a whole number of stages per pipeline rank, 1 or more; got {chunks!r}.")
+    if fixed:
+        kind = kinds[0]
+        if kind == "zbv" and chunks != 2:
+            raise AutopartitionError(f"--schedule zbv always holds 2 stages per pipeline rank (its V); drop --chunks {chunks}.")
+        if kind == "interleaved-1f1b" and chunks < 2:
+            raise AutopartitionError(
+                "--schedule interleaved-1f1b needs --chunks 2 or more (stages per pipeline rank); "
+                "with one stage per rank use --schedule 1f1b."
+            )
+        if kind not in ("zbv", "interleaved-1f1b") and chunks != 1:
+            raise AutopartitionError(
+                f"--chunks {chunks} does not apply to --schedule {kind}, which holds one stage per pipeline rank; "
+                "--chunks sets the stages per rank of interleaved-1f1b (zbv always has 2)."
+            )
+        return kinds
+    if chunks == 1:  # one stage per rank: the schedules that hold one
+        return tuple(k for k in kinds if schedule_chunks(k) == 1)
+    return kinds
 
 
 def resolve_device(device: str) -> tuple[DeviceSpec, bool, torch.device]:

@@ -200,6 +200,7 @@ class Candidate:
     recomputed_stages: int | None = None  # stages that recompute in its split
     memory_bytes: float | None = None  # peak per GPU of its split; for "infeasible", what it would need
     bubble_fraction: float | None = None  # simulated where simulated, else closed form
+    chunks: int | None = None  # stages per pipeline rank (interleaved-1f1b, zbv); None: one
 
 
 @dataclasses.dataclass(frozen=True)

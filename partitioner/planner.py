@@ -4,8 +4,10 @@ The search covers what users otherwise tune by hand: every pp x dp over the
 divisors of the GPU count (plain data parallelism, pp = 1, included), the
 micro-batch count M (``microbatches="auto"``: a geometric ladder of the
 divisors of the per-replica batch, :func:`microbatch_choices`) and the schedule
-(``schedule="auto"``: GPipe and 1F1B).  Each combination is ranked by the
-solver's closed form, cheapest first:
+(``schedule="auto"``: GPipe, 1F1B, interleaved 1F1B with 2 or 4 stages per
+pipeline rank (``chunks``), ZB-H1 and ZB-V; :mod:`partitioner.search` says how
+the chunked ones are solved).  Each combination is ranked by its schedule's
+closed form (:func:`partitioner.problem.step_time`), cheapest first:
 
 1. *bound*: a combination whose lower bound ``T (1 + (M-1)/pp)`` (``T`` the
    compute seconds of one micro-batch over all blocks; every stage waits at
@@ -18,7 +20,9 @@ solver's closed form, cheapest first:
 3. *refine*: the best ``REFINED_CANDIDATES`` that the DP did not prove optimal
    are solved again with the full solver (down-set DP or ILP);
 4. *simulate*: the best ``SIMULATED_CANDIDATES`` by closed form are built into
-   plans and simulated action by action; the fastest simulation wins.
+   plans, refined and simulated action by action, and so is the best of each
+   other schedule tried (not refined), so the report can say what each schedule
+   buys; the fastest simulation wins.
 
 Costs are counted (or measured) once, for one micro-batch of a reference size,
 and scaled linearly to every other micro-batch size (FLOPs, bytes and measured
@@ -53,7 +57,7 @@ from partitioner.capture import CallSpec, CapturedModel, CaptureMethod, capture
 from partitioner.coarsen import coarsen
 from partitioner.cost import NodeCost, profile, time_loss
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE
-from partitioner.errors import AutopartitionError
+from partitioner.errors import AutopartitionError, ScheduleError
 from partitioner.formulate import GraphCosts, node_times
 from partitioner.ir import compute_nodes, graph_fingerprint, module_path
 from partitioner.meta import layer_of
@@ -90,6 +94,7 @@ from partitioner.search import (
     search,
 )
 from partitioner.solve import solve
+from partitioner.table import schedule_label
 from partitioner.units import plural
 from partitioner.values import propagate_values
 
@@ -135,6 +140,7 @@ def compile(
     optimizer: str = DEFAULT_OPTIMIZER,
     recompute: str = "auto",
     gpus_per_node: int | None = None,
+    chunks: int | None = None,
 ) -> Plan:
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
@@ -143,7 +149,8 @@ def compile(
     bytes per parameter (an explicit ``optimizer_states`` overrides the
     optimizer's count); ``recompute`` ("auto", "none", "full") whether stages may
     recompute activations; ``gpus_per_node`` (default: up to 8) the node layout
-    that picks each link.  With ``loss_fn`` and ``target`` (one mini-batch of
+    that picks each link; ``chunks`` the stages per pipeline rank of
+    ``interleaved-1f1b`` (default: 2 and 4 are tried).  With ``loss_fn`` and ``target`` (one mini-batch of
     targets) the loss's cost is charged to the last stage, which computes it.
     """
     say = status or (lambda _msg: None)
@@ -154,7 +161,7 @@ def compile(
     options = check_options(
         gpus=gpus, batch=batch, microbatches=microbatches, schedule=schedule, pp=pp, dp=dp,
         precision=precision, optimizer=optimizer, optimizer_states=optimizer_states, recompute=recompute,
-        gpus_per_node=gpus_per_node, spec=spec, measure=measure, local=local,
+        gpus_per_node=gpus_per_node, chunks=chunks, spec=spec, measure=measure, local=local,
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
         refine_simulations=refine_simulations,
@@ -187,15 +194,16 @@ def compile(
     if not solved:
         raise infeasible_error(scaled, options, trials)
     # The closed form ranks every combination; the best few are simulated and the simulation decides.
-    ranked = best_candidates(trials)
-    drafts = {combination_key(c): assemble.build_plan(model, captured, micro, scaled.at(c.microbatches), c, options) for c in ranked}
     by_key = {t.key: t for t in trials}
+    ranked, drafts = _drafts(model, captured, micro, scaled, trials, by_key, options)
+    if not ranked:
+        raise infeasible_error(scaled, options, trials)
     ranked, refined = _refine_in_simulation(model, captured, micro, scaled, ranked, drafts, by_key, options, say=say)
     for key, draft in drafts.items():
         by_key[key].simulated(draft)
     best, plan, captured = _choose(model, example_inputs, captured, micro, scaled, ranked, drafts, by_key, options)
     say(f"chose {plural(best.pp, 'stage')} x {plural(best.dp, 'replica')}, "
-        f"{plural(best.microbatches, 'micro-batch', 'micro-batches')}, {best.schedule}")
+        f"{plural(best.microbatches, 'micro-batch', 'micro-batches')}, {schedule_label(best.schedule, best.chunks)}")
     # Stage code is for people to read: generated once, for the chosen plan only.
     graph = scaled.at(best.microbatches)
     return dataclasses.replace(
@@ -205,6 +213,42 @@ def compile(
         stage_code=stage_codes(captured, plan),
         block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
     )
+
+
+
+def _drafts(
+    model: torch.nn.Module,
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    scaled: ScaledCosts,
+    trials: list[Trial],
+    by_key: dict[CombinationKey, Trial],
+    options: PlanOptions,
+) -> tuple[list[Solved], dict[CombinationKey, Plan]]:
+    """The best candidates by closed form, each built into a plan (lowered, validated, simulated).
+
+    A chunked schedule cannot always order the messages of a split with skip
+    connections (its plan fails validation): that combination is marked
+    skipped, and the next best takes its place.
+    """
+    drafts: dict[CombinationKey, Plan] = {}
+    while True:
+        ranked = best_candidates(trials)
+        for c in ranked:
+            key = combination_key(c)
+            if key in drafts:
+                continue
+            try:
+                drafts[key] = assemble.build_plan(model, captured, micro, scaled.at(c.microbatches), c, options)
+            except ScheduleError as exc:
+                if c.chunks == 1 and c.schedule in ("gpipe", "1f1b"):
+                    raise  # these always order their messages: a bug, not this split
+                trial = by_key[key]
+                trial.status, trial.partition = "skipped", None
+                trial.reason = f"{schedule_label(c.schedule, c.chunks)} cannot order this split's messages ({exc})"
+                break
+        else:
+            return ranked, {combination_key(c): drafts[combination_key(c)] for c in ranked}
 
 
 
@@ -233,9 +277,10 @@ def _refine_in_simulation(
     """
     out: list[Solved] = []
     done: dict[CombinationKey, Refinement] = {}
-    for c in ranked:
+    for i, c in enumerate(ranked):
         key = combination_key(c)
-        if c.pp < 2 or options.refine_simulations <= 0:
+        # The best by closed form are refined; the best of each other schedule is only simulated.
+        if c.stages < 2 or options.refine_simulations <= 0 or i >= SIMULATED_CANDIDATES:
             out.append(c)
             continue
         graph = scaled.at(c.microbatches)
@@ -243,12 +288,12 @@ def _refine_in_simulation(
         # the simulator mostly overlaps with compute (they delay the fill and the drain once).
         free = dataclasses.replace(c.problem, transfer_s=(0.0,) * c.problem.size,
                                    transfer_slow_s=None if c.problem.transfer_slow_s is None else (0.0,) * c.problem.size)
-        other = solve(free, stages=c.pp, microbatches=c.microbatches, schedule=c.schedule,
+        other = solve(free, stages=c.stages, microbatches=c.microbatches, schedule=c.schedule,
                       time_limit=options.time_limit, use_ilp=False)
-        starts = [*([] if other is None else [other.stage_of]), *layer_starts(_block_layers(captured, graph), c.pp)]
-        found = refine_split(c.problem, c.partition.stage_of, c.pp, microbatches=c.microbatches, schedule=c.schedule,
-                             model=_step_model(graph, c.problem, c.dp, options), budget=options.refine_simulations,
-                             alternatives=starts)
+        starts = [*([] if other is None else [other.stage_of]), *layer_starts(_block_layers(captured, graph), c.stages)]
+        found = refine_split(c.problem, c.partition.stage_of, c.stages, microbatches=c.microbatches,
+                             schedule=c.schedule, model=_step_model(graph, c.problem, c.dp, options),
+                             budget=options.refine_simulations, alternatives=starts)
         before = drafts[key].predicted.step_s
         after, moves = before, 0
         if found.stage_of != c.partition.stage_of:
@@ -256,14 +301,17 @@ def _refine_in_simulation(
                 c.partition, stage_of=found.stage_of, recompute=found.recompute, objective=found.objective,
                 status="feasible", wall_s=c.partition.wall_s + found.wall_s)
             better = dataclasses.replace(c, partition=partition)
-            draft = assemble.build_plan(model, captured, micro, graph, better, options)
+            try:
+                draft = assemble.build_plan(model, captured, micro, graph, better, options)
+            except ScheduleError:  # a chunked order that cannot place this split's messages: keep the start
+                draft = drafts[key]
             if draft.predicted.step_s < before:
                 c, after, moves = better, draft.predicted.step_s, found.moves
                 drafts[key] = draft
                 trials[key].partition, trials[key].status = partition, partition.status
         done[key] = Refinement(before, after, moves, found.simulations, found.wall_s)
         if moves:
-            say(f"refined {c.pp} stages x {c.dp} replicas, M {c.microbatches}, {c.schedule} in simulation: "
+            say(f"refined {c.pp} stages x {c.dp} replicas, M {c.microbatches}, {schedule_label(c.schedule, c.chunks)} in simulation: "
                 f"{percent_more(after, before)} in {moves} moves")
         out.append(c)
     return out, done
@@ -338,7 +386,7 @@ def _choose(
                 chosen = best, plan, recaptured
                 break
     # Every combination at a micro-batch size whose graph differs is unusable, simulated or not.
-    for (_, dp, microbatches, _), trial in trials.items():
+    for (_, dp, microbatches, _, _), trial in trials.items():
         size = options.batch // (dp * (microbatches or 1))
         if size in failures and (chosen is None or trial is not trials[combination_key(chosen[0])]):
             trial.status, trial.reason = "skipped", f"graph differs at {plural(size, 'sample')} per micro-batch"

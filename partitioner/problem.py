@@ -23,6 +23,43 @@ force agree):
   :func:`choose_recompute` applies the rule: keep if that fits, else recompute if
   that fits.  Keeping is never slower and the step time only grows with a
   stage's time, so the rule is optimal for any split.
+* **Schedules with several stages per pipeline rank** (``interleaved-1f1b``,
+  ``zbv``; :mod:`partitioner.scheduleorders`): the problem is solved for
+  ``P x v`` stages and ``stage_rank`` says which of the P pipeline ranks holds
+  each (:func:`~partitioner.scheduleorders.stage_ranks`).  Links follow the
+  ranks, not the stage indices; a boundary between two stages of one rank is
+  handed over in memory and costs nothing.  Memory (see :func:`in_flight` and
+  :func:`rank_memory`): each stage holds the most micro-batches its own row
+  of the schedule ever keeps between its F and the action that frees them
+  (B, or W under a split backward), counted on the schedule's order itself;
+  the solver's memory limit for such a problem is first the per-GPU budget
+  shared among the rank's chunks (:func:`chunk_memory_limit`), a conservative
+  cap: a rank's peak is at most the sum of its stages' peaks.
+  :func:`rank_memory` gives the exact per-rank peak by walking each rank's
+  order; ``rank_memory_limit`` holds the GPU's limit it must meet, so that a
+  larger per-stage cap can be tried where the share leaves no split
+  (:mod:`partitioner.search`).
+* **Split backward** (``zb-h1``, ``zbv``): ``weight_s[v]`` is the part of
+  ``time_s[v]`` spent on weight gradients (W).  Such schedules never
+  recompute here: W needs a block's activations after its B, so a recomputed
+  block would keep its re-made activations from B to W, which the solver does
+  not model (:func:`choose_recompute`).
+
+Closed forms (:func:`step_time`), with ``t_s`` a stage's time per micro-batch,
+``T_r`` the sum over the stages of rank r, ``w_s`` a stage's W seconds and P
+pipeline ranks: GPipe and 1F1B ``sum t + (M-1) max t``; interleaved 1F1B
+``M max T + (P-1)/(P v) sum t`` (the bubble is ``(P-1)/v`` of a rank's time
+per micro-batch: Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", SC 2021, section 2.2.2); ZB-H1
+``M max t + (sum u - max u)`` with ``u_s = t_s - 2 w_s`` (1F1B's fill and
+drain shrink from ``(P-1)(F+B)`` to ``(P-1)(F+B-2W)``: Qi et al., "Zero Bubble
+Pipeline Parallelism", ICLR 2024, section 3.1); ZB-V ``M max T + (P-1)/(2P)
+sum max(t_s - 2 w_s, t_s / 3)``: a bubble of ``P - 1`` chunk forwards when F =
+B = W, the case the V is built for (same paper, section 6), growing towards
+a chunk's whole time as W vanishes; the first four are exact for equal stages
+against :mod:`partitioner.simulate`, the ZB-V one within about a chunk's time
+per rank of it (its bubble depends on which of F, B, W is longest).  Each
+adds the slowest rank's all-reduce.
 
 Example::
 
@@ -39,12 +76,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Sequence
 from typing import Literal
 
 from partitioner.commcost import allreduce_crosses_nodes, p2p_crosses_nodes
-from partitioner.defaults import DEFAULT_SCHEDULE, ScheduleKind
+from partitioner.defaults import DEFAULT_SCHEDULE, ScheduleKind, schedule_chunks, splits_backward
+from partitioner.errors import ScheduleError
+from partitioner.scheduleorders import rank_orders, stage_ranks
 
 __all__ = [
     "MEMORY_TOLERANCE",
@@ -57,11 +97,14 @@ __all__ = [
     "can_recompute",
     "check_assignment",
     "choose_recompute",
+    "chunk_memory_limit",
     "in_flight",
+    "rank_memory",
     "relative_gap",
     "stage_costs",
     "stage_links",
     "stage_memory",
+    "stage_rank_of",
     "step_time",
     "within_limit",
 ]
@@ -100,6 +143,14 @@ class PartitionProblem:
     recomputed (its inputs from other blocks), ``recompute_s[v]`` the extra seconds
     (v's forward); None: no block can be recomputed.  ``recompute``: "none" (never),
     "full" (every stage) or "auto" (per stage, only where keeping does not fit).
+
+    Schedules (optional): ``weight_s[v]`` the weight-gradient (W) part of
+    ``time_s[v]`` (None: none can be split off); ``stage_rank[s]`` the pipeline
+    rank of stage s when the problem is solved for a schedule with several stages
+    per rank (None: stage s on rank s; see :func:`stage_rank_of`);
+    ``rank_memory_limit`` the GPU's own limit, which every rank's exact peak
+    (:func:`rank_memory`) must meet where ``memory_limit`` caps each stage at a
+    share of it (None: ``memory_limit`` is the GPU's).
     """
 
     time_s: tuple[float, ...]
@@ -120,16 +171,26 @@ class PartitionProblem:
     recompute_bytes: tuple[float, ...] | None = None
     recompute_s: tuple[float, ...] | None = None
     recompute: RecomputeMode = "none"
+    weight_s: tuple[float, ...] | None = None
+    stage_rank: tuple[int, ...] | None = None
+    rank_memory_limit: float | None = None
 
     @property
     def size(self) -> int:
         return len(self.time_s)
 
+    @property
+    def chunks(self) -> int:
+        """Stages per pipeline rank: 1 unless ``stage_rank`` places several on one rank."""
+        if not self.stage_rank:
+            return 1
+        return len(self.stage_rank) // (max(self.stage_rank) + 1)
+
     def __post_init__(self) -> None:
         n = len(self.time_s)
         for field in (
             "static_bytes", "activation_bytes", "allreduce_s", "transfer_s",
-            "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s",
+            "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s", "weight_s",
         ):
             value = getattr(self, field)
             if value is not None and len(value) != n:
@@ -150,6 +211,15 @@ class PartitionProblem:
             raise ValueError(f"replicas is {self.replicas}, expected at least 1")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node is {self.gpus_per_node}, expected at least 1 (or None)")
+        if self.stage_rank is not None:
+            ranks = max(self.stage_rank, default=-1) + 1
+            if not self.stage_rank or any(
+                r < 0 or self.stage_rank.count(r) != len(self.stage_rank) // ranks for r in range(ranks)
+            ) or len(self.stage_rank) % ranks:
+                raise ValueError(
+                    f"stage_rank {list(self.stage_rank)} should place the same number of stages on "
+                    f"every rank 0 .. {ranks - 1}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,11 +251,89 @@ def relative_gap(objective: float, lower_bound: float) -> float:
     return 0.0 if objective <= 0 else max(0.0, 1 - lower_bound / objective)
 
 
-def in_flight(stage: int, stages: int, microbatches: int, schedule: ScheduleKind) -> int:
-    """Micro-batches whose activations a stage holds at its peak."""
+def in_flight(
+    stage: int, stages: int, microbatches: int, schedule: ScheduleKind, *, chunks: int | None = None
+) -> int:
+    """Micro-batches whose activations a stage holds at its peak.
+
+    GPipe holds every micro-batch, 1F1B ``min(M, stages - stage)``.  The other
+    schedules are counted on their own order (:func:`partitioner.scheduleorders.rank_orders`):
+    the most micro-batches stage ``stage`` has run F for and not yet freed (by
+    its B, or by its W when the backward is split).  ``chunks``: stages per
+    pipeline rank (``stages = ranks x chunks``); None takes the schedule's own
+    count (:func:`~partitioner.defaults.schedule_chunks`), except for
+    ``interleaved-1f1b``, whose chunks the stage count does not fix: then the
+    largest count over every chunk count that fits (a safe bound for a caller
+    that does not know the chunks).
+
+    >>> [in_flight(s, 4, 8, "1f1b") for s in range(4)]
+    [4, 3, 2, 1]
+    >>> [in_flight(s, 8, 8, "interleaved-1f1b", chunks=2) for s in range(8)]  # 4 ranks x 2 chunks
+    [8, 8, 7, 5, 4, 4, 3, 1]
+    >>> [in_flight(s, 4, 8, "zbv") for s in range(4)]  # 2 ranks: stages 0, 3 on rank 0
+    [4, 3, 2, 1]
+    """
     if schedule == "1f1b":
         return min(microbatches, stages - stage)
-    return microbatches
+    if schedule == "gpipe":
+        return microbatches
+    if chunks is None and schedule == "interleaved-1f1b":
+        counts = [_peaks(schedule, stages // v, microbatches, v)[stage] for v in range(2, stages + 1)
+                  if stages % v == 0 and stages // v >= 1 and microbatches % (stages // v) == 0]
+        return max(counts, default=microbatches)
+    v = schedule_chunks(schedule, chunks)
+    if stages % v:
+        raise ValueError(f"{stages} stages do not split into {v} per pipeline rank")
+    return _peaks(schedule, stages // v, microbatches, v)[stage]
+
+
+@functools.lru_cache(maxsize=512)
+def _orders(schedule: str, ranks: int, microbatches: int, chunks: int) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+    """Each rank's compute order (stage, F|B|W, micro-batch), cached: planning asks for the same few often."""
+    return tuple(tuple(row) for row in rank_orders(schedule, ranks=ranks, microbatches=microbatches, chunks=chunks))
+
+
+@functools.lru_cache(maxsize=512)
+def _peaks(schedule: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches held between F and the action that frees them."""
+    frees = "W" if splits_backward(schedule) else "B"
+    held = [0] * (ranks * chunks)
+    peak = [0] * (ranks * chunks)
+    for row in _orders(schedule, ranks, microbatches, chunks):
+        for s, kind, _ in row:
+            if kind == "F":
+                held[s] += 1
+                peak[s] = max(peak[s], held[s])
+            elif kind == frees:
+                held[s] -= 1
+    return tuple(peak)
+
+
+def stage_rank_of(problem: PartitionProblem, stages: int) -> tuple[int, ...]:
+    """The pipeline rank of every stage: the problem's ``stage_rank``, else stage s on rank s.
+
+    >>> p = PartitionProblem(time_s=(1.0,), static_bytes=(0.0,), activation_bytes=(0.0,),
+    ...     allreduce_s=(0.0,), transfer_s=(0.0,), edges=())
+    >>> stage_rank_of(p, 3), stage_rank_of(dataclasses.replace(p, stage_rank=(0, 1, 1, 0)), 4)
+    ((0, 1, 2), (0, 1, 1, 0))
+    """
+    if problem.stage_rank is None:
+        return tuple(range(stages))
+    if len(problem.stage_rank) != stages:
+        raise ValueError(f"the problem places {len(problem.stage_rank)} stages (stage_rank), not {stages}")
+    return problem.stage_rank
+
+
+def chunk_memory_limit(limit: float | None, chunks: int) -> float | None:
+    """The solver's per-stage memory cap when every pipeline rank holds ``chunks`` stages: the GPU's share.
+
+    Conservative: with every stage of a rank under ``limit / chunks``, the rank
+    is under ``limit`` whatever moment each stage peaks at.
+
+    >>> chunk_memory_limit(80.0, 2), chunk_memory_limit(None, 4)
+    (40.0, None)
+    """
+    return None if limit is None else limit / chunks
 
 
 def within_limit(nbytes: float, limit: float | None) -> bool:
@@ -219,10 +367,14 @@ def stage_links(problem: PartitionProblem, stages: int) -> tuple[tuple[bool, ...
     ((False, True, True), (False, True, True))
     """
     dp, per_node = problem.replicas, problem.gpus_per_node
+    rank = stage_rank_of(problem, stages)
     if per_node is None:
         return (False,) * stages, (False,) * stages
-    inbound = tuple(s > 0 and p2p_crosses_nodes(s - 1, s, dp=dp, gpus_per_node=per_node) for s in range(stages))
-    allreduce = tuple(allreduce_crosses_nodes(s, dp=dp, gpus_per_node=per_node) for s in range(stages))
+    inbound = tuple(
+        s > 0 and rank[s - 1] != rank[s] and p2p_crosses_nodes(rank[s - 1], rank[s], dp=dp, gpus_per_node=per_node)
+        for s in range(stages)
+    )
+    allreduce = tuple(allreduce_crosses_nodes(rank[s], dp=dp, gpus_per_node=per_node) for s in range(stages))
     return inbound, allreduce
 
 
@@ -259,10 +411,11 @@ class _Parts:
     kept: list[float]  # kept per micro-batch when recomputing (block inputs)
     peak: list[float]  # one block's activations, live again during its backward
     extra: list[float]  # recomputation seconds
+    weight: list[float]  # weight-gradient (W) seconds
 
 
 def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _Parts:
-    parts = _Parts(*([0.0] * stages for _ in range(5)))
+    parts = _Parts(*([0.0] * stages for _ in range(6)))
     for v, s in enumerate(stage_of):
         parts.static[s] += problem.static_bytes[v]
         parts.activation[s] += problem.activation_bytes[v]
@@ -270,6 +423,8 @@ def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _
         if problem.recompute_bytes is not None and problem.recompute_s is not None:
             parts.kept[s] += problem.recompute_bytes[v]
             parts.extra[s] += problem.recompute_s[v]
+        if problem.weight_s is not None:
+            parts.weight[s] += problem.weight_s[v]
     for nbytes, _, readers in problem.shared:
         for s in {stage_of[r] for r in readers}:
             parts.static[s] += nbytes
@@ -280,6 +435,12 @@ def _memory(parts: _Parts, s: int, flight: int, recompute: bool) -> float:
     if recompute:
         return parts.static[s] + flight * parts.kept[s] + parts.peak[s]
     return parts.static[s] + flight * parts.activation[s]
+
+
+def _flights(problem: PartitionProblem, stages: int, microbatches: int, schedule: ScheduleKind) -> list[int]:
+    """Each stage's micro-batches in flight (:func:`in_flight`), with the problem's chunks where it places stages."""
+    chunks = problem.chunks if problem.stage_rank is not None else None
+    return [in_flight(s, stages, microbatches, schedule, chunks=chunks) for s in range(stages)]
 
 
 def choose_recompute(
@@ -308,17 +469,21 @@ def choose_recompute(
         (False, False)
         >>> choose_recompute(p, (0, 0, 1), 2, microbatches=4, schedule="1f1b")  # stage 0: 2 x 20 > 25
         (True, False)
+
+    Schedules that split the backward (``zb-h1``, ``zbv``) never recompute: a
+    block's W needs its activations after its B (see the module docstring).
     """
-    if not can_recompute(problem):
+    if not can_recompute(problem) or splits_backward(schedule):
         return (False,) * stages
     if problem.recompute == "full":
         return (True,) * stages
     if problem.memory_limit is None:
         return (False,) * stages
     parts = _parts(problem, stage_of, stages)
+    flights = _flights(problem, stages, microbatches, schedule)
     chosen = []
     for s in range(stages):
-        flight = in_flight(s, stages, microbatches, schedule)
+        flight = flights[s]
         keep = within_limit(_memory(parts, s, flight, False), problem.memory_limit)
         chosen.append(not keep and within_limit(_memory(parts, s, flight, True), problem.memory_limit))
     return tuple(chosen)
@@ -377,8 +542,10 @@ def stage_costs(
             times[s] += problem.recompute_s[v]
     received: set[tuple[int, int]] = set()
     transfer = [_transfer_prices(problem, slow) for slow in (False, True)]
+    rank = stage_rank_of(problem, stages)
     for u, v in problem.edges:
-        if stage_of[u] != stage_of[v] and (u, stage_of[v]) not in received:
+        # Two stages of one rank hand their boundary over in memory: no transfer.
+        if rank[stage_of[u]] != rank[stage_of[v]] and (u, stage_of[v]) not in received:
             received.add((u, stage_of[v]))
             times[stage_of[v]] += transfer[inbound[stage_of[v]]][u]
     shared_allreduce = [_allreduce_prices(problem, slow)[1] for slow in (False, True)]
@@ -405,7 +572,62 @@ def stage_memory(
     """
     chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
     parts = _parts(problem, stage_of, stages)
-    return [_memory(parts, s, in_flight(s, stages, microbatches, schedule), chosen[s]) for s in range(stages)]
+    flights = _flights(problem, stages, microbatches, schedule)
+    return [_memory(parts, s, flights[s], chosen[s]) for s in range(stages)]
+
+
+def rank_memory(
+    problem: PartitionProblem,
+    stage_of: Sequence[int],
+    stages: int,
+    *,
+    microbatches: int,
+    schedule: ScheduleKind,
+    recompute: Sequence[bool] | None = None,
+) -> list[float]:
+    """Peak bytes per pipeline rank: every stage it holds, walked through the rank's own order.
+
+    Static bytes of the rank's stages (each stage's own, as the simulator counts
+    them) plus the activations held at the worst moment of its order: an F adds
+    its stage's bytes per micro-batch, the B (or, with a split backward, the W)
+    that frees them removes them, and a recomputing stage's largest block is
+    live again during each B.  With one stage per rank it equals
+    :func:`stage_memory`; with several it is what the rank needs, at most the
+    sum of its stages' :func:`stage_memory`.  Ranks follow the problem's
+    ``stage_rank`` (stage s on rank s without it).
+
+    >>> p = PartitionProblem(time_s=(1.0,) * 4, static_bytes=(1.0,) * 4, activation_bytes=(10.0,) * 4,
+    ...     allreduce_s=(0.0,) * 4, transfer_s=(0.0,) * 4, edges=((0, 1), (1, 2), (2, 3)),
+    ...     stage_rank=(0, 1, 0, 1))
+    >>> stage_memory(p, (0, 1, 2, 3), 4, microbatches=4, schedule="interleaved-1f1b")
+    [41.0, 31.0, 21.0, 11.0]
+    >>> rank_memory(p, (0, 1, 2, 3), 4, microbatches=4, schedule="interleaved-1f1b")  # not 41 + 21, 31 + 11
+    [52.0, 32.0]
+    """
+    chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
+    parts = _parts(problem, stage_of, stages)
+    if schedule in ("gpipe", "1f1b") and problem.stage_rank is None:
+        # One stage per rank: its peak is stage_memory's (the order need not be built).
+        return [_memory(parts, s, in_flight(s, stages, microbatches, schedule), chosen[s]) for s in range(stages)]
+    rank = _schedule_layout(problem, stages, schedule)
+    ranks = max(rank) + 1
+    chunks = stages // ranks
+    frees = "W" if splits_backward(schedule) else "B"
+    per_microbatch = [parts.kept[s] if chosen[s] else parts.activation[s] for s in range(stages)]
+    during = [parts.peak[s] if chosen[s] else 0.0 for s in range(stages)]
+    out = []
+    for r, row in enumerate(_orders(schedule, ranks, microbatches, chunks)):
+        held = most = 0.0
+        for s, kind, _ in row:
+            if kind == "F":
+                held += per_microbatch[s]
+                most = max(most, held)
+            elif kind == "B":
+                most = max(most, held + during[s])
+            if kind == frees:
+                held -= per_microbatch[s]
+        out.append(sum(parts.static[s] for s in range(stages) if rank[s] == r) + most)
+    return out
 
 
 def step_time(
@@ -416,25 +638,78 @@ def step_time(
     schedule: ScheduleKind = DEFAULT_SCHEDULE,
     recompute: Sequence[bool] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
-    """Closed-form step time ``sum t + (M-1) max t + max (all-reduce + latency)`` and the stage times.
+    """Closed-form step time of ``schedule`` and the stage times.
 
-    The GPipe fill-and-drain bound (Huang et al., "GPipe", NeurIPS 2019): every
+    GPipe and 1F1B: ``sum t + (M-1) max t + max (all-reduce + latency)``, the
+    GPipe fill-and-drain bound (Huang et al., "GPipe", NeurIPS 2019): every
     micro-batch passes every stage once, and the slowest stage paces the other M-1;
     each stage's gradient all-reduce (DDP, Li et al., VLDB 2020) runs after its
-    last backward.  ``recompute``: the per-stage choice; None applies the rule of
-    :func:`choose_recompute` (``schedule`` only matters there).
+    last backward.  The other schedules' forms are in the module docstring; for
+    them the slowest *rank* paces (the sum over the stages it holds) and a rank
+    all-reduces each of its stages in turn.  ``recompute``: the per-stage choice;
+    None applies the rule of :func:`choose_recompute`.
+
+    Equal stages of 1 s with W = 1/3 s, 4 ranks, 8 micro-batches::
+
+        >>> p = PartitionProblem(time_s=(1.0,) * 8, static_bytes=(0.0,) * 8, activation_bytes=(0.0,) * 8,
+        ...     allreduce_s=(0.0,) * 8, transfer_s=(0.0,) * 8, edges=tuple((v, v + 1) for v in range(7)),
+        ...     weight_s=(1 / 3,) * 8)
+        >>> step_time(p, (0, 0, 1, 1, 2, 2, 3, 3), microbatches=8, schedule="1f1b")[0]  # (8 + 3) x 2
+        22.0
+        >>> round(step_time(p, (0, 0, 1, 1, 2, 2, 3, 3), microbatches=8, schedule="zb-h1")[0], 6)  # 16 + 3 x 2/3
+        18.0
+        >>> v2 = dataclasses.replace(p, stage_rank=(0, 1, 2, 3, 0, 1, 2, 3))
+        >>> step_time(v2, tuple(range(8)), microbatches=8, schedule="interleaved-1f1b")[0]  # 16 + 3 x 1
+        19.0
+        >>> zbv = dataclasses.replace(p, stage_rank=(0, 1, 2, 3, 3, 2, 1, 0))
+        >>> step_time(zbv, tuple(range(8)), microbatches=8, schedule="zbv")[0]  # 16 + 3 x 1/3
+        17.0
     """
     stages = max(stage_of) + 1
     times, allreduce = stage_costs(
         problem, stage_of, stages, recompute=recompute, microbatches=microbatches, schedule=schedule
     )
     latency = allreduce_latencies(problem, stages)
-    total = sum(times) + (microbatches - 1) * max(times)
-    if all(x == latency[0] for x in latency):  # one latency for every stage (one node): max a + latency
-        total = total + max(allreduce) + latency[0]
-    else:
-        total = total + max(a + x for a, x in zip(allreduce, latency, strict=True))
-    return total, tuple(times)
+    if schedule in ("gpipe", "1f1b"):
+        total = sum(times) + (microbatches - 1) * max(times)
+        if all(x == latency[0] for x in latency):  # one latency for every stage (one node): max a + latency
+            total = total + max(allreduce) + latency[0]
+        else:
+            total = total + max(a + x for a, x in zip(allreduce, latency, strict=True))
+        return total, tuple(times)
+    rank = _schedule_layout(problem, stages, schedule)
+    ranks = max(rank) + 1
+    per_rank, reduce = [0.0] * ranks, [0.0] * ranks
+    for s in range(stages):
+        per_rank[rank[s]] += times[s]
+        reduce[rank[s]] += allreduce[s] + latency[s]
+    weight = _parts(problem, stage_of, stages).weight
+    M = microbatches
+    if schedule == "zb-h1":
+        useful = [t - 2 * w for t, w in zip(times, weight, strict=True)]
+        total = M * max(times) + max(0.0, sum(useful) - max(useful))
+    elif schedule == "zbv":
+        total = M * max(per_rank) + (ranks - 1) / stages * sum(
+            max(t - 2 * w, t / 3) for t, w in zip(times, weight, strict=True))
+    else:  # interleaved-1f1b
+        total = M * max(per_rank) + (ranks - 1) / stages * sum(times)
+    return total + max(reduce), tuple(times)
+
+
+def _schedule_layout(problem: PartitionProblem, stages: int, schedule: ScheduleKind) -> tuple[int, ...]:
+    """The problem's placement of its stages, checked against where ``schedule`` puts them."""
+    rank = stage_rank_of(problem, stages)
+    ranks = max(rank) + 1
+    try:
+        expected = stage_ranks(schedule, ranks=ranks, chunks=stages // ranks)
+    except ScheduleError as exc:
+        raise ValueError(
+            f"{schedule} holds several stages per pipeline rank: give the problem their ranks "
+            f"(stage_rank = partitioner.scheduleorders.stage_ranks({schedule!r}, ranks=P, chunks=v)); {exc}"
+        ) from None
+    if expected != rank:
+        raise ValueError(f"stage_rank {list(rank)} is not where {schedule} puts {stages} stages on {ranks} ranks")
+    return rank
 
 
 def check_assignment(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> str | None:

@@ -51,22 +51,27 @@ and so prefers the split 1 | 1 + 1 + 3; the simulator overlaps the transfer::
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from partitioner.commcost import bucket_count, p2p_crosses_nodes
+from partitioner.defaults import splits_backward
 from partitioner.problem import (
     PartitionProblem,
     ScheduleKind,
     allreduce_latencies,
     check_assignment,
     choose_recompute,
+    rank_memory,
     stage_costs,
     stage_memory,
+    stage_rank_of,
     step_time,
     within_limit,
 )
-from partitioner.schedule import compute_order, lower
+from partitioner.schedule import Schedule, compute_order, lower
 from partitioner.simulate import allreduce_buckets
 
 __all__ = [
@@ -74,6 +79,7 @@ __all__ = [
     "RefinedSplit",
     "SplitSimulator",
     "StepModel",
+    "compile_rows",
     "layer_starts",
     "move_block",
     "refine_split",
@@ -160,11 +166,15 @@ def shift_boundary(stage_of: Sequence[int], stage: int, by: int) -> tuple[int, .
 class SplitSimulator:
     """Simulated step of any split of one problem, at ``microbatches`` and ``schedule``.
 
-    Stage numbers follow the plan's (:func:`partitioner.planner._stages`):
+    Stage numbers follow the plan's (:func:`partitioner.assemble.build_plan`):
     forward and backward from the blocks (a recomputing stage runs its forwards
-    again in the backward), transfers one message per (block, receiving stage) on
-    the link the two stages' ranks share, all-reduce as :func:`~partitioner.problem.stage_costs`
-    prices it plus the stage's latency term.
+    again in the backward; a split backward's W takes the blocks' ``weight_s``),
+    transfers one message per (block, receiving stage) on the link the two
+    stages' ranks share (none between two stages of one rank), all-reduce as
+    :func:`~partitioner.problem.stage_costs` prices it plus the stage's latency
+    term.  ``stages`` counts every stage; a problem with ``stage_rank`` (a
+    schedule with several stages per pipeline rank) is replayed per rank, as
+    :func:`~partitioner.simulate.simulate_schedule` does.
     """
 
     def __init__(
@@ -181,7 +191,10 @@ class SplitSimulator:
         if len(self.model.forward_s) != problem.size:
             raise ValueError(f"forward_s has {len(self.model.forward_s)} entries, expected {problem.size}")
         self.latency = allreduce_latencies(problem, stages)
-        self._rows: dict[tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]], list[list[tuple[int, int]]]] = {}
+        self.where = stage_rank_of(problem, stages)
+        self.ranks = max(self.where) + 1
+        self.split = splits_backward(schedule)
+        self._rows: dict[tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]], _Rows] = {}
         self.simulations = 0
 
     def recompute(self, stage_of: Sequence[int]) -> tuple[bool, ...]:
@@ -190,22 +203,28 @@ class SplitSimulator:
                                 microbatches=self.microbatches, schedule=self.schedule)
 
     def fits(self, stage_of: Sequence[int], recompute: Sequence[bool]) -> bool:
-        """Every stage within the memory limit."""
-        memory = stage_memory(self.problem, stage_of, self.stages, microbatches=self.microbatches,
-                              schedule=self.schedule, recompute=recompute)
-        return all(within_limit(m, self.problem.memory_limit) for m in memory)
+        """Every stage within the memory limit (its cap), and every rank within the GPU's where that is apart."""
+        p, n, m, kind = self.problem, self.stages, self.microbatches, self.schedule
+        memory = stage_memory(p, stage_of, n, microbatches=m, schedule=kind, recompute=recompute)
+        if not all(within_limit(x, p.memory_limit) for x in memory):
+            return False
+        limit = p.rank_memory_limit
+        return limit is None or all(
+            within_limit(x, limit) for x in rank_memory(p, stage_of, n, microbatches=m, schedule=kind, recompute=recompute))
 
     def step(self, stage_of: Sequence[int], recompute: Sequence[bool] | None = None) -> float:
         """Simulated step seconds of ``stage_of`` (a valid assignment)."""
-        p, n, model = self.problem, self.stages, self.model
+        p, n, model, where = self.problem, self.stages, self.model, self.where
         chosen = tuple(recompute) if recompute else self.recompute(stage_of)
-        forward, backward = [0.0] * n, [0.0] * n
+        forward, backward, weight = [0.0] * n, [0.0] * n, [0.0] * n
         for v, s in enumerate(stage_of):
             forward[s] += model.forward_s[v]
             backward[s] += p.time_s[v] - model.forward_s[v]
             if chosen[s]:
                 assert p.recompute_s is not None
                 backward[s] += p.recompute_s[v]
+            if p.weight_s is not None:
+                weight[s] += p.weight_s[v]
         seconds = [[0.0] * n for _ in range(n)]
         sent: set[tuple[int, int]] = set()
         dp, per_node = p.replicas, p.gpus_per_node
@@ -213,8 +232,10 @@ class SplitSimulator:
             a, b = stage_of[u], stage_of[v]
             if a != b and (u, b) not in sent:
                 sent.add((u, b))
+                if where[a] == where[b]:
+                    continue  # handed over in memory
                 prices = p.transfer_s
-                if p.transfer_slow_s is not None and p2p_crosses_nodes(a, b, dp=dp, gpus_per_node=per_node):
+                if p.transfer_slow_s is not None and p2p_crosses_nodes(where[a], where[b], dp=dp, gpus_per_node=per_node):
                     prices = p.transfer_slow_s
                 seconds[a][b] += prices[u] / 2  # transfer_s holds both directions
         pairs = {(stage_of[u], b) for u, b in sent}
@@ -224,8 +245,13 @@ class SplitSimulator:
         reduce = [a + x for a, x in zip(allreduce, self.latency, strict=True)]
         buckets = self._buckets(stage_of)
         self.simulations += 1
-        return _replay(self._compiled(sends_to, receives_from), forward, backward, sends_to, receives_from,
-                       seconds, reduce, buckets, self.microbatches)
+        try:
+            return _replay(self._compiled(sends_to, receives_from), _Stages(
+                where, forward, backward, weight if self.split else [0.0] * n, seconds, reduce, buckets))
+        except _Deadlock:
+            # Several stages per rank with a skip connection can order their messages into a deadlock:
+            # such a split cannot run, so it never wins (validate() rejects its plan as well).
+            return math.inf
 
     def _buckets(self, stage_of: Sequence[int]) -> list[int]:
         held = [0.0] * self.stages
@@ -235,56 +261,118 @@ class SplitSimulator:
         return [bucket_count(b, bucket_cap_mb=self.model.bucket_cap_mb) if self.model.parameters else 1
                 for b in held]
 
-    def _compiled(
-        self, sends_to: tuple[tuple[int, ...], ...], receives_from: tuple[tuple[int, ...], ...]
-    ) -> list[list[tuple[int, int]]]:
+    def _compiled(self, sends_to: tuple[tuple[int, ...], ...], receives_from: tuple[tuple[int, ...], ...]) -> _Rows:
         key = (sends_to, receives_from)
         if key not in self._rows:
-            schedule = lower(compute_order(self.schedule, stages=self.stages, microbatches=self.microbatches),
-                             sends_to=sends_to, receives_from=receives_from, kind=self.schedule)
-            self._rows[key] = [[(_CODES[a.kind], a.microbatch) for a in row] for row in schedule.actions]
+            order = compute_order(self.schedule, ranks=self.ranks, microbatches=self.microbatches,
+                                  chunks=self.stages // self.ranks)
+            schedule = lower(order, sends_to=sends_to, receives_from=receives_from, stage_rank=self.where,
+                             kind=self.schedule)
+            self._rows[key] = compile_rows(schedule, self.where, sends_to, receives_from)
         return self._rows[key]
 
 
-_F, _B, _SF, _SB, _RF, _RB = range(6)
-_CODES = {"F": _F, "B": _B, "SF": _SF, "SB": _SB, "RF": _RF, "RB": _RB}
+_F, _B, _BI, _W, _R, _SF, _SB = range(7)  # _B: a whole backward; _BI: the input-gradient part (W follows)
+# Per rank, each action as (code, stage, payload): a receive's payload is the arrival keys it waits
+# for; a send's is (link, arrival key, src stage, dst stage) per message (seconds[src][dst]).
+_Rows = list[list[tuple[int, int, tuple[Any, ...]]]]
 
 
-def _replay(
-    rows: list[list[tuple[int, int]]],
-    forward: list[float],
-    backward: list[float],
+class _Deadlock(RuntimeError):
+    """The replayed rows wait on each other forever (only ever with several stages per rank)."""
+
+
+def compile_rows(
+    schedule: Schedule,
+    where: Sequence[int],
     sends_to: Sequence[Sequence[int]],
     receives_from: Sequence[Sequence[int]],
-    seconds: list[list[float]],
-    allreduce: list[float],
-    buckets: list[int],
-    microbatches: int,
-) -> float:
-    """The step time :func:`~partitioner.simulate.simulate_schedule` would give, by its rules, without events."""
-    n = len(rows)
-    clock = [0.0] * n
-    cursor = [0] * n
-    arrival: dict[int, float] = {}  # ((mb x 2 + backward?) x n + src) x n + dst -> time
+) -> _Rows:
+    """``schedule``'s rows in the form :func:`_replay` runs: the messages' keys worked out once per topology.
+
+    Arrival keys: ``((mb x 2 + backward?) x n + src stage) x n + dst stage``; links:
+    ``src rank x ranks + dst rank``.  Only peers on other ranks take messages.
+    """
+    n, ranks = len(where), schedule.ranks
+    split = schedule.splits_backward
+    out_ = [[t for t in sends_to[s] if where[t] != where[s]] for s in range(n)]
+    in_ = [[q for q in receives_from[s] if where[q] != where[s]] for s in range(n)]
+    rows: _Rows = []
+    for row in schedule.actions:
+        compiled: list[tuple[int, int, tuple[Any, ...]]] = []
+        for a in row:
+            s, i = a.stage, a.microbatch
+            if a.kind == "F":
+                compiled.append((_F, s, ()))
+            elif a.kind == "B":
+                compiled.append((_BI if split else _B, s, ()))
+            elif a.kind == "W":
+                compiled.append((_W, s, ()))
+            elif a.kind == "RF":
+                compiled.append((_R, s, tuple(((2 * i) * n + q) * n + s for q in in_[s])))
+            elif a.kind == "RB":
+                compiled.append((_R, s, tuple(((2 * i + 1) * n + t) * n + s for t in out_[s])))
+            elif a.kind == "SF":
+                compiled.append((_SF, s, tuple(
+                    (where[s] * ranks + where[t], ((2 * i) * n + s) * n + t, s, t) for t in out_[s])))
+            else:  # SB: the gradient back to each producer, priced as its forward message
+                compiled.append((_SB, s, tuple(
+                    (where[s] * ranks + where[q], ((2 * i + 1) * n + s) * n + q, q, s) for q in in_[s])))
+        rows.append(compiled)
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stages:
+    """Per stage, what :func:`_replay` needs: its rank, seconds (W 0 unless split), messages, all-reduce."""
+
+    where: Sequence[int]
+    forward: list[float]
+    backward: list[float]  # the whole backward; B takes it less W where W is split off
+    weight: list[float]
+    seconds: list[list[float]]  # [src][dst] one message of a micro-batch
+    allreduce: list[float]
+    buckets: list[int]
+
+
+def _replay(rows: _Rows, st: _Stages) -> float:
+    """The step time :func:`~partitioner.simulate.simulate_schedule` would give, by its rules, without events.
+
+    ``rows``: per pipeline rank, from :func:`compile_rows`.
+    """
+    ranks, n = len(rows), len(st.where)
+    where, forward, weight, seconds = st.where, st.forward, st.weight, st.seconds
+    partial = [b - w for b, w in zip(st.backward, weight, strict=True)]
+    whole = st.backward
+    clock = [0.0] * ranks
+    cursor = [0] * ranks
+    arrival: dict[int, float] = {}
     link_free: dict[int, float] = {}
-    last_backward: list[tuple[float, float] | None] = [None] * n
+    last_backward: list[tuple[float, float] | None] = [None] * n  # last B, or W where split
     remaining = sum(len(r) for r in rows)
     while remaining:
         progressed = False
-        for s in range(n):
-            row, c, now = rows[s], cursor[s], clock[s]
-            while c < len(row):
-                kind, i = row[c]
+        for r in range(ranks):
+            row, c, now = rows[r], cursor[r], clock[r]
+            size = len(row)
+            while c < size:
+                kind, s, payload = row[c]
                 if kind == _F:
                     now += forward[s]
                 elif kind == _B:
-                    last_backward[s] = (now, now + backward[s])
-                    now += backward[s]
-                elif kind == _RF or kind == _RB:
-                    peers, base = (receives_from[s], 2 * i) if kind == _RF else (sends_to[s], 2 * i + 1)
+                    took = now + whole[s]
+                    last_backward[s] = (now, took)
+                    now = took
+                elif kind == _BI:
+                    now += partial[s]
+                elif kind == _W:
+                    took = now + weight[s]
+                    last_backward[s] = (now, took)
+                    now = took
+                elif kind == _R:
                     end = now
-                    for q in peers:
-                        t = arrival.get((base * n + q) * n + s)
+                    for key in payload:
+                        t = arrival.get(key)
                         if t is None:
                             break
                         end = max(end, t)
@@ -294,25 +382,27 @@ def _replay(
                         continue
                     break
                 else:  # a send: posted now, queued behind the link's earlier messages
-                    peers, base = (sends_to[s], 2 * i) if kind == _SF else (receives_from[s], 2 * i + 1)
-                    for q in peers:
-                        link = s * n + q
-                        start = max(now, link_free.get(link, 0.0))
-                        free = start + (seconds[s][q] if kind == _SF else seconds[q][s])
+                    for link, key, a, b in payload:
+                        free = link_free.get(link, 0.0)
+                        free = max(free, now) + seconds[a][b]
                         link_free[link] = free
-                        arrival[(base * n + s) * n + q] = free
+                        arrival[key] = free
                 c += 1
-            if c != cursor[s]:
+            if c != cursor[r]:
                 progressed = True
-                remaining -= c - cursor[s]
-                cursor[s], clock[s] = c, now
+                remaining -= c - cursor[r]
+                cursor[r], clock[r] = c, now
         if not progressed:
-            raise RuntimeError("the schedule deadlocks in simulation")  # lower() never makes one
-    end = 0.0
-    for s in range(n):
-        start, stop = last_backward[s] or (clock[s], clock[s])
-        spans = allreduce_buckets(start, stop, allreduce_s=allreduce[s], buckets=buckets[s])
-        end = max(end, clock[s], *(e for _, e in spans))
+            raise _Deadlock("the schedule deadlocks in simulation")
+    end = max(clock)
+    spans = [last_backward[s] or (clock[where[s]], clock[where[s]]) for s in range(n)]
+    reducing = [-math.inf] * ranks  # a rank's stages all-reduce one after another on its link
+    for s in sorted(range(n), key=lambda s: (spans[s][1], s)):
+        buckets = allreduce_buckets(*spans[s], allreduce_s=st.allreduce[s], buckets=st.buckets[s],
+                                    after=reducing[where[s]])
+        if buckets:
+            reducing[where[s]] = max(reducing[where[s]], buckets[-1][1])
+            end = max(end, buckets[-1][1])
     return end
 
 

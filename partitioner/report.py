@@ -6,9 +6,10 @@
 * ``report.md``: summary (with the predicted MFU), the assumptions in one place
   (precision, optimizer and bytes per parameter, recomputation per stage, links
   and which of them cross nodes), stage table, simulated vs closed-form step
-  time, bubble, busy share and peak memory per stage, every pp x dp x M x
-  schedule combination considered and why each lost, the solver's status and
-  gap, tied parameters, the rank layout, and the commands to verify and run it;
+  time, bubble, busy share and peak memory per pipeline rank (per GPU), every
+  pp x dp x M x schedule combination considered and why each lost, the
+  solver's status and gap, tied parameters, the rank layout (with the stages
+  each pipeline rank holds), and the commands to verify and run it;
 * ``timeline.png`` (one row per stage, GPipe style) and ``stages.png``
   (time and peak memory per stage);
 * ``predicted_trace.json``: the simulated step as a Chrome / Perfetto trace.
@@ -32,7 +33,7 @@ from pathlib import Path
 from partitioner.figures import stage_bars_png, timeline_png
 from partitioner.plan import Plan
 from partitioner.simulate import Simulation, simulate
-from partitioner.table import assumptions, is_chosen, ranked_candidates
+from partitioner.table import assumptions, is_chosen, ranked_candidates, schedule_label
 from partitioner.timeline import write_chrome_trace
 from partitioner.units import format_bytes, format_ms
 
@@ -51,9 +52,17 @@ def write_report(plan: Plan, directory: str | Path) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     sim = simulate(plan)
-    title = f"{plan.model.class_name}: {plan.pp} x {plan.dp}, {plan.schedule}, M = {plan.microbatches}"
+    title = (f"{plan.model.class_name}: {plan.pp} x {plan.dp}, {schedule_label(plan.schedule, plan.chunks)}, "
+             f"M = {plan.microbatches}")
     timeline_png(sim.events, path / "timeline.png", title=f"{title} (simulated step)")
-    stage_bars_png(plan, path / "stages.png", simulation=sim)
+    try:
+        stage_bars_png(plan, path / "stages.png", simulation=sim)
+    except ValueError:
+        # Bars per stage against memory per pipeline rank: a figure that cannot draw a rank holding
+        # several stages yet; the report then goes without it (the tables hold the same numbers).
+        if plan.chunks == 1:
+            raise
+        (path / "stages.png").unlink(missing_ok=True)
     write_chrome_trace(path / "predicted_trace.json", sim.events, title=f"predicted: {title}")
     target = path / "report.md"
     target.write_text(report_markdown(plan, simulation=sim, directory=path))
@@ -68,7 +77,7 @@ def report_markdown(plan: Plan, *, simulation: Simulation | None = None, directo
         _summary(plan, sim),
         _assumptions(plan),
         "## Stages\n\n" + _stage_table(plan) + _block_graph(directory),
-        _simulation(plan, sim),
+        _simulation(plan, sim, directory),
         _candidates(plan),
         _solver(plan),
         _tied(plan),
@@ -88,9 +97,11 @@ def _summary(plan: Plan, sim: Simulation) -> str:
     rows = [
         ("model", (f"{m.class_name} ({m.parameters:,} parameters, {format_bytes(m.parameter_bytes)}; "
                   f"captured with {m.capture}, fingerprint `{m.fingerprint}`)")),
-        ("GPUs", (f"{plan.gpus} = {plan.pp} pipeline stages (pp) x {plan.dp} data-parallel replicas (dp), "
-                  f"{plan.gpus_per_node or plan.gpus} per node")),
-        ("schedule", f"{plan.schedule}, {plan.microbatches} micro-batches per step"),
+        ("GPUs", (f"{plan.gpus} = {plan.pp} pipeline {'stages' if plan.chunks == 1 else 'ranks'} (pp) x "
+                  f"{plan.dp} data-parallel replicas (dp), {plan.gpus_per_node or plan.gpus} per node")),
+        ("schedule", f"{plan.schedule}, {plan.microbatches} micro-batches per step" + (
+            "" if plan.chunks == 1 else
+            f"; {len(plan.stages)} stages, {plan.chunks} per pipeline rank (see the rank layout)")),
         ("batch", (f"{plan.batch_size} samples per step = {plan.dp} replicas x {plan.microbatches} "
                   f"micro-batches x {plan.microbatch_size} sample{'' if plan.microbatch_size == 1 else 's'}")),
         ("device", f"{plan.device}; costs {cm.source}; {plan.precision}, {plan.optimizer}"),
@@ -116,7 +127,11 @@ def _assumptions(plan: Plan) -> str:
             "activations halve under bf16; times use the compute dtype's peak). A recomputing stage keeps only "
             "its blocks' inputs per micro-batch in flight, holds one block's activations again during each "
             "backward, and runs each block's forward twice (Korthikanti et al. 2022, full recomputation). "
-            "Ranks are laid out stage-major (rank = stage x dp + replica), node = rank // GPUs per node.")
+            "Ranks are laid out pipeline-rank-major (rank = pipeline rank x dp + replica), node = rank // GPUs "
+            "per node; links follow the ranks of the two stages.")
+    if any(s.predicted.weight_s for s in plan.stages) and plan.schedule in ("zb-h1", "zbv"):
+        note += (" The backward is split: B (input gradients) and W (weight gradients, half the backward of "
+                 "every node that reads parameters; Qi et al. 2024), W deferred to fill the pipeline's idle time.")
     return "## Assumptions\n\n" + _table(("", ""), rows) + "\n\n" + note
 
 
@@ -136,14 +151,14 @@ def _stage_table(plan: Plan) -> str:
             st.recompute,
             format_bytes(p.send_bytes) if st.outputs else "-",
             f"{format_ms(p.allreduce_s)} ({st.allreduce_link})" if plan.dp > 1 else "-",
-            format_bytes(_at(plan.predicted.peak_memory_bytes, st.index, p.memory_bytes)),
+            format_bytes(_at(plan.predicted.peak_memory_bytes, st.rank, p.memory_bytes)),
         ))
     head = ("stage", "ranks", "modules", "compute nodes", "parameters", "forward / mb", "backward / mb",
-            "recompute", "sends / mb", "all-reduce", "peak memory")
+            "recompute", "sends / mb", "all-reduce", "peak memory (its GPU)" if plan.chunks > 1 else "peak memory")
     return _table(head, rows)
 
 
-def _simulation(plan: Plan, sim: Simulation) -> str:
+def _simulation(plan: Plan, sim: Simulation, directory: str | Path = "plan") -> str:
     closed = plan.solver.objective
     diff = (sim.step_s / closed - 1) if closed > 0 else 0.0
     limit = plan.cost_model.memory_limit
@@ -151,7 +166,7 @@ def _simulation(plan: Plan, sim: Simulation) -> str:
         "## Simulation",
         "",
         (f"Replaying the plan's own schedule action by action gives a step of **{format_ms(sim.step_s)}**, "
-        f"against **{format_ms(closed)}** from the solver's closed form (`sum t + (M - 1) max t + max all-reduce`), "
+        f"against **{format_ms(closed)}** from the solver's closed form (`{_CLOSED_FORMS.get(plan.schedule, '?')}`), "
         f"a difference of {diff:+.1%}. The simulation overlaps transfers with compute where the schedule "
         "allows, all-reduces gradients in DDP buckets during the last backward, and times forwards and "
         "backwards separately; the closed form charges transfers and the all-reduce in full and treats "
@@ -162,32 +177,35 @@ def _simulation(plan: Plan, sim: Simulation) -> str:
         "",
     ]
     rows = []
-    for s in range(sim.stages):
+    rows_of = len(sim.peak_memory_bytes)  # one per pipeline rank (a GPU of each replica)
+    for s in range(rows_of):
         peak = sim.peak_memory_bytes[s]
         planned = _at(plan.predicted.peak_memory_bytes, s, peak)
         rows.append((
-            str(s),
+            str(s) if plan.chunks == 1 else f"{s} (stages {', '.join(map(str, plan.stages_of(s)))})",
             _pct(sim.busy_fraction[s]),
             str(sim.peak_in_flight[s]),
             format_bytes(peak),
             format_bytes(planned),
             "-" if limit is None else _pct(peak / limit),
         ))
-    lines.append(_table(("stage", "busy", "micro-batches in flight", "peak memory (simulated)",
+    what = "stage" if plan.chunks == 1 else "pipeline rank"
+    held = "micro-batches in flight" if plan.chunks == 1 else "stage micro-batches in flight"
+    lines.append(_table((what, "busy", held, "peak memory (simulated)",
                          "peak memory (plan)", "of the GPU limit"), rows))
-    mismatched = [s for s in range(sim.stages)
+    mismatched = [s for s in range(rows_of)
                   if abs(sim.peak_memory_bytes[s] - _at(plan.predicted.peak_memory_bytes, s, 0.0))
                   > 0.01 * max(sim.peak_memory_bytes[s], 1.0)]
     if mismatched:
-        lines += ["", (f"The simulated peak memory differs from the plan's by more than 1% on stage(s) "
+        lines += ["", (f"The simulated peak memory differs from the plan's by more than 1% on {what}(s) "
                       f"{', '.join(map(str, mismatched))}: the simulation counts parameters x "
                       f"(2 + {plan.cost_model.optimizer_states} optimizer states) plus the activations in flight.")]
     lines += [
         "",
-        "![timeline: one row per stage, forward (blue) and backward (orange) per micro-batch](timeline.png)",
+        f"![timeline: one row per {what}, forward (blue) and backward (orange) per micro-batch](timeline.png)",
         "",
-        "![time per micro-batch and peak memory per stage](stages.png)",
-        "",
+        *(["![time per micro-batch and peak memory per stage](stages.png)", ""]
+          if plan.chunks == 1 or (Path(directory) / "stages.png").exists() else []),
         ("The simulated step as a trace: `predicted_trace.json` (open it in https://ui.perfetto.dev "
         "or chrome://tracing)."),
     ]
@@ -221,11 +239,12 @@ def _candidates(plan: Plan) -> str:
     for c in ranked:
         chosen = is_chosen(c, plan)
         shape = f"{c.pp} x {c.dp}"
+        chunks = getattr(c, "chunks", None)
         rows.append((
             f"**{shape}**" if chosen else shape,
             "-" if c.microbatches is None else str(c.microbatches),
-            c.schedule or "-",
-            "-" if c.recomputed_stages is None else f"{c.recomputed_stages} of {c.pp}",
+            schedule_label(c.schedule, chunks),
+            "-" if c.recomputed_stages is None else f"{c.recomputed_stages} of {c.pp * (chunks or 1)}",
             "-" if c.step_s is None else format_ms(c.step_s),
             "-" if c.simulated_s is None else format_ms(c.simulated_s),
             "-" if c.bubble_fraction is None else _pct(c.bubble_fraction),
@@ -244,19 +263,22 @@ def _candidates(plan: Plan) -> str:
         how = "simulated" if runner.simulated_s is not None else "closed form"
         why = (f"{_combination(plan)} won with the lowest predicted step time, {format_ms(plan.predicted.step_s)} "
                "(every combination is ranked by the solver's closed form, after a lower bound prunes the hopeless "
-               "ones; the best few are then simulated and the simulation decides); the next best, "
-               f"{runner.pp} x {runner.dp}, M = {runner.microbatches}, {runner.schedule}, predicts "
+               "ones; the best few, and the best of each schedule, are then simulated and the simulation "
+               "decides); the next best, "
+               f"{runner.pp} x {runner.dp}, M = {runner.microbatches}, "
+               f"{schedule_label(runner.schedule, getattr(runner, 'chunks', None))}, predicts "
                f"{format_ms(runner_s)} ({how}, {runner_s / plan.predicted.step_s - 1:+.1%}).")
     head = ("pp x dp", "M", "schedule", "recomputes", "closed form", "simulated", "bubble", "peak memory",
             "status", "why not chosen")
     return ("## Combinations considered (pp x dp x micro-batches x schedule)\n\n"
             "Peak memory is per GPU; for a combination that does not fit, what its fastest split would need "
-            "(with every stage recomputing where recomputation is allowed).\n\n"
+            "(with every stage recomputing where recomputation is allowed). `interleaved-1f1b xV` holds V "
+            "stages per pipeline rank; zbv holds 2 in a V.\n\n"
             + _table(head, rows) + "\n\n" + why)
 
 
 def _combination(plan: Plan) -> str:
-    return f"{plan.pp} x {plan.dp}, M = {plan.microbatches}, {plan.schedule}"
+    return f"{plan.pp} x {plan.dp}, M = {plan.microbatches}, {schedule_label(plan.schedule, plan.chunks)}"
 
 
 def _solver(plan: Plan) -> str:
@@ -278,9 +300,28 @@ def _tied(plan: Plan) -> str:
 
 
 def _layout(plan: Plan) -> str:
-    rows = [(str(rank), str(stage), str(replica)) for rank, (stage, replica) in sorted(plan.rank_layout().items())]
-    return ("## Rank layout\n\nGlobal rank -> (stage, replica); a stage's replicas are consecutive ranks.\n\n"
-            + _table(("rank", "stage", "replica"), rows))
+    if plan.chunks == 1:
+        single = [(str(rank), str(stage), str(replica))
+                  for rank, (stage, replica) in sorted(plan.rank_layout().items())]
+        return ("## Rank layout\n\nGlobal rank -> (stage, replica); a stage's replicas are consecutive ranks.\n\n"
+                + _table(("rank", "stage", "replica"), single))
+    rows = [(str(rank), str(pipeline), ", ".join(map(str, plan.stages_of(pipeline))), str(replica))
+            for rank, (pipeline, replica) in sorted(plan.rank_layout().items())]
+    return ("## Rank layout\n\nGlobal rank -> (pipeline rank, the stages it holds, replica); a pipeline rank's "
+            f"replicas are consecutive ranks. {schedule_label(plan.schedule, plan.chunks)} places "
+            f"{plan.chunks} stages on each pipeline rank"
+            + (" (stage s on rank s mod pp)" if plan.schedule == "interleaved-1f1b" else
+               " (rank r holds stages r and 2 pp - 1 - r: a V)" if plan.schedule == "zbv" else "")
+            + ".\n\n" + _table(("rank", "pipeline rank", "stages", "replica"), rows))
+
+
+_CLOSED_FORMS = {  # partitioner.problem.step_time, per schedule
+    "gpipe": "sum t + (M - 1) max t + max all-reduce",
+    "1f1b": "sum t + (M - 1) max t + max all-reduce",
+    "interleaved-1f1b": "M max T + (P - 1)/(P v) sum t + max all-reduce, T a rank's stages",
+    "zb-h1": "M max t + sum u - max u, u = t - 2 W, + max all-reduce",
+    "zbv": "M max T + (P - 1)/(2 P) sum max(t - 2 W, t / 3) + max all-reduce, T a rank's stages",
+}
 
 
 def _commands(plan: Plan, directory: str | Path) -> str:

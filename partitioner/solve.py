@@ -243,7 +243,7 @@ def solve_ilp(
             shared_allreduce[k] / t_unit * holds[k, s] for k in range(len(problem.shared))
         ) + (latency[s] - least_latency) / t_unit
         if problem.memory_limit is not None:
-            flight = in_flight(s, P, M, schedule)
+            flight = in_flight(s, P, M, schedule, chunks=problem.chunks if problem.stage_rank else None)
             memory = pulp.lpSum(
                 (problem.static_bytes[v] + flight * problem.activation_bytes[v]) / b_unit * inside(v, s)
                 for v in range(n)

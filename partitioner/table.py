@@ -29,8 +29,10 @@ __all__ = [
     "format_plan",
     "format_seconds",
     "is_chosen",
+    "rank_layout_lines",
     "ranked_candidates",
     "recompute_summary",
+    "schedule_label",
 ]  # the formatters live in partitioner.units
 
 WIDTH = 100  # columns every line of the text report fits in
@@ -38,9 +40,12 @@ SHOWN_CANDIDATES = 12  # rows of the candidate table in the text report (report.
 
 
 def format_plan(plan: Plan) -> str:
-    """The whole report: header, stage table, predictions and assumptions, solver, tied parameters, candidates."""
+    """The whole report: header, stage table, chunk layout, predictions and assumptions, solver, tied, candidates."""
     lines = _header(plan) + [""]
     lines += _stage_table(plan)
+    if plan.chunks > 1:
+        lines.append("")
+        lines += rank_layout_lines(plan)
     lines.append("")
     lines += _summary(plan)
     if plan.tied:
@@ -61,6 +66,39 @@ def format_plan(plan: Plan) -> str:
 
 
 # ----------------------------------------------------------------- shared with report.md
+
+
+def schedule_label(schedule: str | None, chunks: int | None = 1) -> str:
+    """A schedule as the tables name it, with its stages per rank where it chooses them (interleaved).
+
+    >>> schedule_label("interleaved-1f1b", 4), schedule_label("zbv", 2), schedule_label(None)
+    ('interleaved-1f1b x4', 'zbv', '-')
+    """
+    if schedule is None:
+        return "-"
+    return f"{schedule} x{chunks}" if schedule == "interleaved-1f1b" and chunks else schedule
+
+
+def rank_layout_lines(plan: Plan) -> list[str]:
+    """Which stages each pipeline rank holds, with the rank's predicted peak memory (the chunk layout).
+
+    >>> from partitioner.plan import example_plan
+    >>> for line in rank_layout_lines(example_plan()):
+    ...     print(line)
+    pipeline ranks (gpipe, one stage each):
+      rank 0 (GPUs 0): stage 0, peak 320 B
+      rank 1 (GPUs 1): stage 1, peak 320 B
+    """
+    each = "one stage each" if plan.chunks == 1 else f"{plan.chunks} stages each"
+    lines = [f"pipeline ranks ({schedule_label(plan.schedule, plan.chunks)}, {each}):"]
+    peaks = plan.predicted.peak_memory_bytes
+    for rank in range(plan.pp):
+        held = plan.stages_of(rank)
+        gpus = _ranks(plan.stages[held[0]].ranks) if held else "-"
+        peak = f", peak {format_bytes(peaks[rank])}" if rank < len(peaks) else ""
+        what = f"stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
+        lines += _wrap(f"rank {rank} (GPUs {gpus}): {what}{peak}", indent="  ", subsequent="    ")
+    return lines
 
 
 def recompute_summary(plan: Plan) -> str:
@@ -167,10 +205,11 @@ def _header(plan: Plan) -> list[str]:
     memory = plan.cost_model.memory_limit
     limit = f" | {format_bytes(memory)} per GPU" if memory is not None else ""
     parameters = "parameter" if model.parameters == 1 else "parameters"
+    shape = (f"{plural(plan.pp, 'stage')} x {plural(plan.dp, 'replica')}" if plan.chunks == 1 else
+             f"{plural(plan.pp, 'pipeline rank')} x {plural(plan.dp, 'replica')}, {len(plan.stages)} stages")
     first = (f"{model.class_name}: {format_count(model.parameters)} {parameters} ({model.capture})"
-             f" | {plural(plan.gpus, 'GPU')} = {plural(plan.pp, 'stage')} x {plural(plan.dp, 'replica')},"
-             f" {_node_layout(plan)}")
-    second = (f"{plan.schedule}, {micro} of {plan.microbatch_size}, batch {plan.batch_size}"
+             f" | {plural(plan.gpus, 'GPU')} = {shape}, {_node_layout(plan)}")
+    second = (f"{schedule_label(plan.schedule, plan.chunks)}, {micro} of {plan.microbatch_size}, batch {plan.batch_size}"
               f" | {plan.precision}, {plan.optimizer} | costs {plan.cost_model.source}{limit}")
     return _wrap(first) + _wrap(second)
 
@@ -207,7 +246,8 @@ def _stage_table(plan: Plan) -> list[str]:
             row.append(_ms(p.allreduce_s) + ("*" if stage.allreduce_link == "inter" else ""))
         rows.append(row)
     table = _render(headers, rows, right, shrink=2, indent=0)
-    notes = "fwd/bwd ms and sends: per micro-batch (bwd with recomputation); peak memory: per GPU, whole step"
+    where = "per GPU" if plan.chunks == 1 else "the stage's own share of its GPU (per GPU: below)"
+    notes = f"fwd/bwd ms and sends: per micro-batch (bwd with recomputation); peak memory: {where}, whole step"
     if any(s.allreduce_link == "inter" for s in plan.stages) and replicated:
         notes += "; *: across nodes"
     return table + _wrap(notes + ".")
@@ -250,7 +290,7 @@ def _candidates(plan: Plan) -> list[str]:
             str(c.pp),
             str(c.dp),
             "-" if c.microbatches is None else str(c.microbatches),
-            c.schedule or "-",
+            schedule_label(c.schedule, getattr(c, "chunks", None)),
             _recomputed(c),
             format_seconds(c.step_s) if c.step_s is not None else "-",
             format_seconds(c.simulated_s) if c.simulated_s is not None else "-",
@@ -258,7 +298,7 @@ def _candidates(plan: Plan) -> list[str]:
         ])
     body = _render(["", "pp", "dp", "M", "sched", "recomp", "closed form", "simulated", "why not chosen"],
                    rows, {1, 2, 3, 6, 7}, shrink=8, indent=2)
-    title = "candidates: pp x dp x M micro-batches x schedule (* = chosen; the best by closed form are simulated)"
+    title = "candidates: pp x dp x M x schedule (* = chosen; simulated: the best, and the best of each schedule)"
     lines = _wrap(title) + ["  " + line for line in body]
     hidden = len(plan.candidates) - len(shown)
     if hidden > 0:
@@ -271,7 +311,8 @@ def _recomputed(c: Candidate) -> str:
         return "-"
     if c.recomputed_stages == 0:
         return "none"
-    return "all" if c.recomputed_stages == c.pp else f"{c.recomputed_stages}/{c.pp}"
+    stages = c.pp * (getattr(c, "chunks", None) or 1)
+    return "all" if c.recomputed_stages == stages else f"{c.recomputed_stages}/{stages}"
 
 
 # ----------------------------------------------------------------- helpers

@@ -1,27 +1,63 @@
-"""Execute one stage's action list for one training step.
+"""Execute one pipeline rank's action row for one training step.
 
-Every action of the plan's schedule maps to one method; the step's state lives
-in one :class:`_MicroBatch` record per micro-batch, dropped after its backward.
-Sends are non-blocking (waited for at the end of the step); receives are posted
-``_LOOKAHEAD`` receive actions ahead (gloo moves data only once the receiver has
-posted, so a late post adds milliseconds) and waited for with the configured
-timeout when their action comes, so the order the schedule fixes cannot
-deadlock (the planner dry-ran it).
+A rank holds one stage, or several (``plan.chunks``: interleaved and V
+schedules); every action names its stage and maps to one method, and the
+step's state lives in one :class:`_MicroBatch` record per (stage, micro-batch),
+dropped after the last action that needs it.
 
-On failure the error names this rank, the action, the peer, and shows the
-stage's schedule around the failing action.
+* **Boundaries.**  ``SF`` / ``RF`` / ``SB`` / ``RB`` move the tensors of
+  boundaries between stages on *different* ranks, one message per pair of
+  stages, peers in ascending stage order, tagged (gloo) by receiving stage,
+  direction and micro-batch: activations into stage t ``2t x M + m``,
+  gradients back into stage s ``(2s + 1) x M + m``.  A boundary between two
+  stages of this rank is handed over in memory: the consumer's forward takes
+  the producer's output detached (a leaf requiring grad, as a received one),
+  and the consumer's backward adds its input gradient to the producer's output
+  gradient.
+* **Split backward.**  When the schedule has ``W`` actions, ``B`` computes
+  only the gradient of the stage's received inputs and ``W`` the parameter
+  gradients later, from the same autograd graph (:class:`SplitBackward`).
+* Sends are non-blocking (waited for at the end of the step); receives are
+  posted ``_LOOKAHEAD`` receive actions ahead (gloo moves data only once the
+  receiver has posted, so a late post adds milliseconds) and waited for with
+  the configured timeout when their action comes, so the order the schedule
+  fixes cannot deadlock (the planner dry-ran it).
+
+On failure the error names this rank, the stage and action, the peer, and
+shows the rank's schedule around the failing action.
+
+Example (a split backward on one module; the runner does this per stage)::
+
+    >>> torch.manual_seed(0) and None
+    >>> layer = torch.nn.Linear(3, 2)
+    >>> x = torch.randn(4, 3, requires_grad=True)      # a received boundary tensor
+    >>> split = SplitBackward([x])
+    >>> with split.recording():
+    ...     y = torch.tanh(layer(x))
+    >>> (gx,) = split.backward_inputs([y], [torch.ones_like(y)], [x])   # B: no weight gradient yet
+    >>> layer.weight.grad is None
+    True
+    >>> split.backward_weights()                                     # W: the parameter gradients
+    >>> layer.weight.grad.shape
+    torch.Size([2, 3])
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from partitioner.capture import model_loss
 from partitioner.plan import Boundary, Plan
@@ -29,7 +65,7 @@ from partitioner.schedule import Action
 from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
 from runtime.stage import LocalStage
 
-__all__ = ["ActionRecord", "StepFailure", "StepRunner"]
+__all__ = ["ActionRecord", "SplitBackward", "StepFailure", "StepRunner", "gradient_order"]
 
 _LOOKAHEAD = 2  # receive actions posted ahead of the one being executed
 
@@ -45,35 +81,254 @@ class ActionRecord:
     end_s: float
 
 
+# ------------------------------------------------------------ split backward
+
+
+@dataclasses.dataclass(frozen=True)
+class _Meeting:
+    """One op where parameter-only values meet activations: its outputs, and fresh aliases of its weight inputs."""
+
+    outputs: tuple[GradientEdge, ...]
+    aliases: tuple[torch.Tensor, ...]
+
+
+class _Recorder(TorchFunctionMode):
+    """Watches a stage's forward and records where parameter-only values meet activations.
+
+    A tensor is an *activation* when it depends on a received input (``active``),
+    *weight-side* when it requires grad without depending on one (parameters, and
+    values computed from parameters and constants alone).  At an op reading both,
+    each weight-side input is replaced by a fresh view of itself, used by that op
+    alone: the op's output gradient then leads to its weight inputs by exactly one
+    edge, so W can take that edge alone (never counting a gradient twice through
+    the chain of activations).  Anything the mode cannot follow (a tensor requiring
+    grad made by an op it did not see, such as a custom autograd.Function, or a
+    weight-side tensor changed in place by an activation) makes the record
+    ``unsplit``: B then runs the whole backward, which is always right.
+    """
+
+    def __init__(self, activations: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.active: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.known: WeakIdKeyDictionary = WeakIdKeyDictionary()  # outputs of ops this mode saw
+        for t in activations:
+            self.active[t] = True
+        self.meetings: list[_Meeting] = []
+        self.unsplit: str | None = None
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.unsplit is not None:
+            return func(*args, **kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        active = any(t in self.active for t in tensors)
+        weights = list({id(t): t for t in tensors if t.requires_grad and t not in self.active}.values())
+        versions = [(t, t._version) for t in tensors]
+        name = getattr(func, "__name__", str(func))
+        if any(not t.is_leaf and t not in self.known for t in weights):
+            self.unsplit = f"{name} reads a tensor requiring grad that an op outside the recorded forward made"
+            return func(*args, **kwargs)
+        aliases: dict[int, torch.Tensor] = {}
+        if active and weights:
+            aliases = {id(t): t.view_as(t) for t in weights}
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: aliases.get(id(t), t), (args, kwargs))
+        out = func(*args, **kwargs)
+        mutated = [t for t, v in versions if t._version != v]
+        if active and any(id(t) in aliases for t in mutated):
+            self.unsplit = f"{name} changes a weight-side tensor in place using an activation"
+            return out
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        produced = list({id(t): t for t in (*outputs, *mutated)}.values())  # an in-place op returns its target
+        for t in produced:
+            self.known[t] = True
+            if active:
+                self.active[t] = True
+        if aliases:
+            edges = tuple(get_gradient_edge(t) for t in produced if t.requires_grad)
+            if edges:
+                self.meetings.append(_Meeting(edges, tuple(aliases.values())))
+        return out
+
+
+class SplitBackward:
+    """A backward in two parts: B (gradient of the inputs) now, W (parameter gradients) later.
+
+    Record the forward under :meth:`recording`; :meth:`backward_inputs` (B) asks
+    autograd only for the gradients of the received inputs and of the outputs of
+    the ops where weights meet activations (autograd then skips every
+    weight-gradient kernel), keeping the graph; :meth:`backward_weights` (W) turns
+    each such op's output gradient into its weights' gradients, one op at a
+    time, and accumulates them into ``.grad``, together with the gradients of
+    outputs that depend on parameters alone.  Nothing of the forward runs again.
+    If the forward could not be followed (``unsplit`` says why), B runs the whole
+    backward and W does nothing.
+    """
+
+    def __init__(self, activations: Sequence[torch.Tensor], *, check: bool = True) -> None:
+        self._recorder = _Recorder(activations)
+        self._check = check
+        self._reason: str | None = None  # why not split, once B has decided
+        self._meeting_grads: list[tuple[torch.Tensor | None, ...]] = []
+        self._weight_roots: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def unsplit(self) -> str | None:
+        """Why the backward cannot be split (None: it can)."""
+        return self._reason or self._recorder.unsplit
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        with self._recorder:
+            yield
+
+    def backward_inputs(
+        self, outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None],
+        inputs: Sequence[torch.Tensor],
+    ) -> list[torch.Tensor | None]:
+        """B: the gradient of each of ``inputs`` (None where none flows); parameter gradients wait for W."""
+        active = self._recorder.active
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o in active]
+        self._weight_roots = [(o, g if g is not None else torch.ones_like(o))
+                              for o, g in zip(outputs, grad_outputs) if o not in active]
+        if self.unsplit is None and self._check:
+            self._reason = self._leak([o for o, _ in pairs], inputs)
+        if self.unsplit is not None:
+            torch.autograd.backward(list(outputs), list(grad_outputs))
+            return [t.grad for t in inputs]
+        meetings = self._recorder.meetings
+        if not pairs:
+            self._meeting_grads = []
+            return [None] * len(inputs)
+        targets: list[Any] = [*inputs, *(e for m in meetings for e in m.outputs)]
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], targets, [g for _, g in pairs], retain_graph=True, allow_unused=True
+        )
+        rest = list(grads[len(inputs):])
+        self._meeting_grads = []
+        for m in meetings:
+            self._meeting_grads.append(tuple(rest[: len(m.outputs)]))
+            rest = rest[len(m.outputs):]
+        return list(grads[: len(inputs)])
+
+    def _leak(self, active: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> str | None:
+        """Why B's graph would reach a parameter other than through a recorded op (None: it cannot).
+
+        Walks the autograd graph from the activation outputs, stopping at the weight
+        aliases: any other leaf than the received inputs is a gradient B would drop
+        and W would not compute (an op the recording did not see mixed them).  From
+        the weight-only outputs and the aliases, no received input may be reached.
+        """
+        aliases = [a.grad_fn for m in self._recorder.meetings for a in m.aliases if a.grad_fn is not None]
+        received = {id(t) for t in inputs}
+        weight_side = [*aliases, *(o.grad_fn for o, _ in self._weight_roots)]
+        walks: tuple[tuple[list[Any], list[Any], Callable[[torch.Tensor], bool], str], ...] = (
+            ([o.grad_fn for o in active], aliases, lambda var: id(var) not in received, "a parameter"),
+            (weight_side, [], lambda var: id(var) in received, "a received input"),
+        )
+        for roots, stops, bad, what in walks:
+            seen = {id(n): n for n in stops}
+            stack = [n for n in roots if n is not None and id(n) not in seen]
+            while stack:
+                node = stack.pop()
+                if id(node) in seen:
+                    continue
+                seen[id(node)] = node
+                var = getattr(node, "variable", None)
+                if var is not None and bad(var):
+                    return (f"{what} of shape {tuple(var.shape)} gets a gradient through an op the recorded "
+                            "forward did not see (a custom autograd.Function?)")
+                stack.extend(n for n, _ in node.next_functions if n is not None and id(n) not in seen)
+        return None
+
+    def backward_weights(self) -> None:
+        """W: accumulate the parameter gradients into ``.grad``; frees what B kept."""
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        if self.unsplit is None:
+            for m, got in zip(self._recorder.meetings, self._meeting_grads):
+                flowing = [(e, g) for e, g in zip(m.outputs, got) if g is not None]
+                if not flowing:
+                    continue
+                # One op at a time: its output gradient reaches its weight aliases by one edge each.
+                alias_grads = torch.autograd.grad(
+                    [e for e, _ in flowing], list(m.aliases), [g for _, g in flowing], allow_unused=True
+                )
+                for alias, g in zip(m.aliases, alias_grads):
+                    if g is not None:
+                        roots.append(alias)
+                        grads.append(g)
+            for o, g in self._weight_roots:
+                roots.append(o)
+                grads.append(g)
+        self._reason = self.unsplit
+        self._recorder = _Recorder(())  # drops the graph B kept
+        self._meeting_grads, self._weight_roots = [], []
+        if roots:
+            torch.autograd.backward(roots, grads)  # the weight-side graphs down to the parameters
+
+
+# ------------------------------------------------------------------- runner
+
+
 @dataclasses.dataclass(frozen=True)
 class _Posted:
-    """Receives posted for one RF/RB action: per peer, its boundaries, buffers and pending works."""
+    """Receives posted for one RF/RB action: per peer stage, its rank, boundaries, buffers and pending works."""
 
-    parts: tuple[tuple[int, tuple[Boundary, ...], list[torch.Tensor], list[Work]], ...]
+    parts: tuple[tuple[int, int, tuple[Boundary, ...], list[torch.Tensor], list[Work]], ...]
 
 
 @dataclasses.dataclass
 class _MicroBatch:
-    inputs: tuple[torch.Tensor, ...]
-    target: Any
+    """One stage's state for one micro-batch."""
+
     received: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     sent: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    grads: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # of sent tensors
+    input_grads: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # of received ones
     loss: torch.Tensor | None = None
+    split: SplitBackward | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """A stage this rank holds."""
+
+    stage: LocalStage
+    module: torch.nn.Module
+    input_index: tuple[int, ...]  # positions of its model inputs among the plan's inputs
+
+
+def gradient_order(actions: Sequence[Action]) -> list[int]:
+    """The stages of a row in the order their gradients are complete (after their last W, else last B).
+
+    >>> from partitioner.schedule import parse_actions
+    >>> gradient_order(parse_actions(["0F0", "3F0", "3B0", "0B0", "3W0", "0W0"]))
+    [3, 0]
+    """
+    last: dict[int, int] = {}
+    for position, a in enumerate(actions):
+        if a.kind in ("B", "W"):
+            last[a.stage] = position
+    return sorted(last, key=last.__getitem__)
 
 
 class StepRunner:
-    """Runs the actions of one stage replica; one instance per Pipeline, reused every step.
+    """Runs one pipeline rank's actions over every stage it holds; one per Pipeline, reused every step.
 
-    ``comm`` moves the boundary tensors: torch.distributed unless given (tests pass an
-    in-memory one to run every stage in one process).
+    ``stages`` and ``modules`` (the stage module, or its DDP wrapper) go together,
+    by stage index.  ``comm`` moves the boundary tensors: torch.distributed unless
+    given (tests pass an in-memory one to run every rank in one process).
+    ``on_gradients(stage)`` is called once a stage's parameter gradients of the
+    step are complete (the explicit replica all-reduce starts there).
     """
 
     def __init__(
         self,
         plan: Plan,
-        stage: LocalStage,
-        module: torch.nn.Module,
+        stages: Sequence[LocalStage],
+        modules: Sequence[torch.nn.Module],
         *,
         replica: int,
         rank: int,
@@ -81,41 +336,76 @@ class StepRunner:
         device: torch.device,
         timeout: float,
         comm: Communicator | None = None,
+        on_gradients: Callable[[int], None] | None = None,
     ) -> None:
+        if not stages or len(stages) != len(modules):
+            raise ValueError(f"StepRunner needs one module per stage, got {len(stages)} stages, {len(modules)} modules")
         self.plan = plan
         self.comm: Communicator = comm if comm is not None else DistCommunicator()
-        self.stage = stage
-        self.module = module
         self.replica = replica
         self.rank = rank
         self.loss_fn = loss_fn
         self.device = device
         self.timeout = timeout
-        self.actions = plan.schedule_data().actions[stage.plan.index]
-        self.last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
+        self.on_gradients = on_gradients
         names = [t.name for t in plan.model.inputs]
-        self.input_index = [names.index(n) for n in stage.signature.model_inputs]
+        self._held = {
+            s.plan.index: _Held(s, m, tuple(names.index(n) for n in s.signature.model_inputs))
+            for s, m in zip(stages, modules)
+        }
+        self.pipeline_rank = stages[0].plan.rank
+        schedule = plan.schedule_data()
+        self.actions = schedule.actions[self.pipeline_rank]
+        self.split = schedule.splits_backward
+        foreign = sorted({a.stage for a in self.actions} - set(self._held))
+        if foreign:
+            raise ValueError(f"pipeline rank {self.pipeline_rank}'s actions name stages {foreign} it does not hold")
+        self._where = plan.stage_ranks()
+        self._last_backward = {s: max(i for i, a in enumerate(self.actions) if a.kind == "B" and a.stage == s)
+                               for s in self._held}
+        self._gradients_done = {
+            max(i for i, a in enumerate(self.actions) if a.kind in ("B", "W") and a.stage == s): s for s in self._held
+        }
+        last_use: dict[tuple[int, int], int] = {}
+        for i, a in enumerate(self.actions):
+            last_use[a.stage, a.microbatch] = i
+        self._last_use = {i: key for key, i in last_use.items()}
         self.records: list[ActionRecord] = []
+        self.unsplit: list[str] = []  # why a split backward ran whole (the first time)
+        self._checked: set[int] = set()  # stages whose split backward's graph was checked
         self._receives = [i for i, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
-        self._posted: dict[tuple[str, int], _Posted] = {}
+        self._posted: dict[tuple[str, int, int], _Posted] = {}
         self._pending: list[Work] = []
-        self._batches: list[_MicroBatch] = []
-        self._handlers: dict[str, Callable[[int], None]] = {
+        self._micro: list[tuple[tuple[torch.Tensor, ...], Any]] = []
+        self._state: dict[tuple[int, int], _MicroBatch] = {}
+        self._handlers: dict[str, Callable[[Action], None]] = {
             "F": self._forward,
             "B": self._backward,
+            "W": self._weight,
             "SF": self._send_forward,
             "RF": self._recv_forward,
             "SB": self._send_backward,
             "RB": self._recv_backward,
         }
 
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages this rank holds, ascending."""
+        return tuple(sorted(self._held))
+
+    @property
+    def local_stages(self) -> tuple[LocalStage, ...]:
+        """The stages this rank holds, by stage index."""
+        return tuple(self._held[s].stage for s in self.stages)
+
     # ------------------------------------------------------------------ step
 
     def run(
         self, microbatches: Sequence[tuple[tuple[torch.Tensor, ...], Any]], *, record: bool
     ) -> torch.Tensor | None:
-        """Run every action; returns the summed (already 1/M-scaled) loss on the last stage."""
-        self._batches = [_MicroBatch(inputs=x, target=y) for x, y in microbatches]
+        """Run every action; returns the summed (already 1/M-scaled) loss where the last stage is held."""
+        self._micro = list(microbatches)
+        self._state = {}
         self._pending = []
         self._posted = {}
         losses: list[torch.Tensor] = []
@@ -123,106 +413,180 @@ class StepRunner:
             start = time.time()
             try:
                 self._post_ahead(position)
-                self._handlers[action.kind](action.microbatch)
+                self._handlers[action.kind](action)
+                if action.kind == "F" and self._held[action.stage].stage.is_last:
+                    loss = self._state[action.stage, action.microbatch].loss
+                    assert loss is not None
+                    losses.append(loss.detach())
+                if position in self._last_use:
+                    del self._state[self._last_use[position]]
+                if position in self._gradients_done and self.on_gradients is not None:
+                    self.on_gradients(self._gradients_done[position])
             except PeerFailure as exc:
-                raise StepFailure(self._where(position, action, f"peer failure: {exc}")) from exc
+                raise StepFailure(self._where_failed(position, action, f"peer failure: {exc}")) from exc
             except StepFailure:
                 raise
             except Exception as exc:
-                raise StepFailure(self._where(position, action, f"{type(exc).__name__}: {exc}")) from exc
+                raise StepFailure(self._where_failed(position, action, f"{type(exc).__name__}: {exc}")) from exc
             if record:
                 self.records.append(ActionRecord(str(action), start, time.time()))
-            if action.kind == "F" and self.stage.is_last:
-                loss = self._batches[action.microbatch].loss
-                assert loss is not None
-                losses.append(loss.detach())
         try:
             wait_all(self._pending, timeout=self.timeout)
         except PeerFailure as exc:
             raise StepFailure(f"rank {self.rank}: a send did not complete: {exc}") from exc
-        self._batches = []
+        self._micro, self._state = [], {}
         return torch.stack(losses).sum() if losses else None
 
-    # --------------------------------------------------------------- actions
+    # --------------------------------------------------------------- compute
 
-    def _forward(self, mb: int) -> None:
-        batch = self._batches[mb]
-        sig = self.stage.signature
-        args = [batch.inputs[i] for i in self.input_index] + [batch.received[n] for n in sig.received]
-        if isinstance(self.module, DistributedDataParallel):
-            with self.module.no_sync():  # gradients are reduced once, on the last backward
-                outputs = self.module(*args)
-        else:
-            outputs = self.module(*args)
-        batch.sent = dict(zip(sig.sent, outputs[: len(sig.sent)]))
-        if self.stage.is_last:
-            model_out = self.stage.captured.unflatten_outputs(outputs[len(sig.sent) :])
-            if self.loss_fn is None:
-                # The model computes its own loss (HF `labels=`): the graph's scalar output.
-                loss = model_loss(model_out)
-                if loss is None:
-                    raise StepFailure(
-                        "the model's output carries no loss (no scalar `loss` key or attribute, and it is "
-                        "not a scalar): pass Pipeline(plan, model, loss_fn), or plan the model with its "
-                        "target as an input (e.g. `labels`) so that it returns its loss"
-                    )
+    def _batch(self, stage: int, mb: int) -> _MicroBatch:
+        return self._state.setdefault((stage, mb), _MicroBatch())
+
+    def _forward(self, a: Action) -> None:
+        held = self._held[a.stage]
+        batch = self._batch(a.stage, a.microbatch)
+        for b in held.stage.plan.inputs:  # boundaries from a stage of this rank: in memory
+            if self._where[b.source] == self.pipeline_rank:
+                t = self._state[b.source, a.microbatch].sent[b.producer].detach()
+                batch.received[b.producer] = t.requires_grad_() if t.is_floating_point() else t
+        inputs, target = self._micro[a.microbatch]
+        sig = held.stage.signature
+        args = [inputs[i] for i in held.input_index] + [batch.received[n] for n in sig.received]
+        recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.split:
+            # The graph check costs a walk over it: once per stage (captured graphs do not branch on data).
+            check = a.stage not in self._checked
+            self._checked.add(a.stage)
+            batch.split = SplitBackward([t for t in batch.received.values() if t.requires_grad], check=check)
+            recording = batch.split.recording()
+        with recording:
+            if isinstance(held.module, DistributedDataParallel):
+                with held.module.no_sync():  # gradients are reduced once, on the last backward
+                    outputs = held.module(*args)
             else:
-                loss = self.loss_fn(model_out, batch.target)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise StepFailure(f"loss_fn must return a scalar tensor (the batch mean), got {loss!r:.80}")
-            # Mean over the mini-batch = mean of the equal micro-batch means.
-            batch.loss = loss / self.plan.microbatches
+                outputs = held.module(*args)
+            batch.sent = dict(zip(sig.sent, outputs[: len(sig.sent)]))
+            if held.stage.is_last:
+                batch.loss = self._loss(held.stage, outputs[len(sig.sent) :], target)
 
-    def _backward(self, mb: int) -> None:
-        batch = self._batches[mb]
-        if self.stage.is_last:
+    def _loss(self, stage: LocalStage, outputs: Sequence[Any], target: Any) -> torch.Tensor:
+        model_out = stage.captured.unflatten_outputs(outputs)
+        if self.loss_fn is None:
+            # The model computes its own loss (HF `labels=`): the graph's scalar output.
+            loss = model_loss(model_out)
+            if loss is None:
+                raise StepFailure(
+                    "the model's output carries no loss (no scalar `loss` key or attribute, and it is "
+                    "not a scalar): pass Pipeline(plan, model, loss_fn), or plan the model with its "
+                    "target as an input (e.g. `labels`) so that it returns its loss"
+                )
+        else:
+            loss = self.loss_fn(model_out, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise StepFailure(f"loss_fn must return a scalar tensor (the batch mean), got {loss!r:.80}")
+        # Mean over the mini-batch = mean of the equal micro-batch means.
+        return loss / self.plan.microbatches
+
+    def _backward(self, a: Action) -> None:
+        held = self._held[a.stage]
+        batch = self._state[a.stage, a.microbatch]
+        if held.stage.is_last:
             assert batch.loss is not None
             tensors, grads = [batch.loss], [None]
         else:
             pairs = [(t, batch.grads[n]) for n, t in batch.sent.items() if t.requires_grad and n in batch.grads]
             tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]  # type: ignore[misc]
-        is_last = self.actions.index(Action(self.stage.plan.index, "B", mb)) == self.last_backward
-        if isinstance(self.module, DistributedDataParallel):
-            if is_last:
-                self.module.reducer.prepare_for_backward(list(_find_tensors(tensors)))
+        leaves = [(n, t) for n, t in batch.received.items() if t.requires_grad]
+        if batch.split is not None:
+            got = batch.split.backward_inputs(tensors, grads, [t for _, t in leaves]) if tensors else []
+            if batch.split.unsplit is not None and not self.unsplit:
+                self._note_unsplit(a.stage, batch.split.unsplit)
+        else:
+            self._full_backward(held, a, tensors, grads)
+            got = [t.grad for _, t in leaves]
+        for (name, leaf), g in zip(leaves, got or [None] * len(leaves)):
+            batch.input_grads[name] = g if g is not None else torch.zeros_like(leaf)
+        for b in held.stage.plan.inputs:  # a producer on this rank takes its gradient in memory
+            if self._where[b.source] == self.pipeline_rank and b.producer in batch.input_grads:
+                producer = self._state[b.source, a.microbatch]
+                g = batch.input_grads[b.producer]
+                producer.grads[b.producer] = producer.grads[b.producer] + g if b.producer in producer.grads else g
+        batch.sent.clear()
+        batch.grads.clear()
+        batch.received.clear()
+        batch.loss = None
+
+    def _full_backward(self, held: _Held, a: Action, tensors: list[torch.Tensor], grads: list[Any]) -> None:
+        module = held.module
+        if isinstance(module, DistributedDataParallel):
+            if self.actions.index(a) == self._last_backward[a.stage]:
+                module.reducer.prepare_for_backward(list(_find_tensors(tensors)))
                 torch.autograd.backward(tensors, grads)
             else:
-                with self.module.no_sync():
+                with module.no_sync():
                     torch.autograd.backward(tensors, grads)
         elif tensors:
             torch.autograd.backward(tensors, grads)
-        batch.sent.clear()
-        batch.grads.clear()
-        if not self.stage.plan.inputs:
-            batch.received.clear()
 
-    def _send_forward(self, mb: int) -> None:
-        batch = self._batches[mb]
-        for peer, boundaries in self._by_peer(self.stage.plan.outputs, "target"):
+    def _weight(self, a: Action) -> None:
+        batch = self._state[a.stage, a.microbatch]
+        if batch.split is not None:
+            batch.split.backward_weights()
+            batch.split = None
+
+    def _note_unsplit(self, stage: int, why: str) -> None:
+        self.unsplit.append(f"stage {stage}: {why}")
+        warnings.warn(
+            f"rank {self.rank}: stage {stage}'s backward runs whole in B (its W does nothing), as the "
+            f"forward could not be followed: {why}. Gradients are right; the schedule's overlap is lost.",
+            RuntimeWarning, stacklevel=2,
+        )
+
+    # --------------------------------------------------------- communication
+
+    def _remote_out(self, stage: int) -> list[tuple[int, list[Boundary]]]:
+        """(consumer stage, boundaries in the producer's order) per consumer on another rank, ascending."""
+        grouped: dict[int, list[Boundary]] = {}
+        for b in self.plan.stages[stage].outputs:
+            if self._where[b.target] != self.pipeline_rank:
+                grouped.setdefault(b.target, []).append(b)
+        return sorted(grouped.items())
+
+    def _remote_in(self, stage: int) -> list[tuple[int, list[Boundary]]]:
+        """(producer stage, boundaries in the producer's order) per producer on another rank, ascending."""
+        producers = sorted({b.source for b in self.plan.stages[stage].inputs
+                            if self._where[b.source] != self.pipeline_rank})
+        return [(p, [b for b in self.plan.stages[p].outputs if b.target == stage]) for p in producers]
+
+    def _peer_rank(self, stage: int) -> int:
+        return self.plan.stages[stage].ranks[self.replica]
+
+    def _tag(self, stage: int, direction: str, mb: int) -> int:
+        return (2 * stage + (direction == "B")) * self.plan.microbatches + mb
+
+    def _send_forward(self, a: Action) -> None:
+        batch = self._state[a.stage, a.microbatch]
+        for t, boundaries in self._remote_out(a.stage):
             tensors = [batch.sent[b.producer] for b in boundaries]
-            self._pending += self.comm.send_tensors(tensors, peer=peer, tag=mb)
+            self._pending += self.comm.send_tensors(
+                tensors, peer=self._peer_rank(t), tag=self._tag(t, "F", a.microbatch))
 
-    def _recv_forward(self, mb: int) -> None:
-        batch = self._batches[mb]
-        for b, t in self._wait("RF", mb):
+    def _recv_forward(self, a: Action) -> None:
+        batch = self._batch(a.stage, a.microbatch)
+        for b, t in self._wait(a):
             batch.received[b.producer] = t.requires_grad_() if t.is_floating_point() else t
 
-    def _send_backward(self, mb: int) -> None:
-        batch = self._batches[mb]
-        tag = self.plan.microbatches + mb
-        for peer, boundaries in self._by_peer(self.stage.plan.inputs, "source"):
-            grads = []
-            for b in boundaries:
-                if not _is_float(b):
-                    continue
-                leaf = batch.received[b.producer]
-                grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-            self._pending += self.comm.send_tensors(grads, peer=peer, tag=tag)
-        batch.received.clear()
+    def _send_backward(self, a: Action) -> None:
+        batch = self._state[a.stage, a.microbatch]
+        for p, boundaries in self._remote_in(a.stage):
+            grads = [batch.input_grads[b.producer] for b in boundaries if _is_float(b)]
+            self._pending += self.comm.send_tensors(
+                grads, peer=self._peer_rank(p), tag=self._tag(p, "B", a.microbatch))
+        batch.input_grads.clear()
 
-    def _recv_backward(self, mb: int) -> None:
-        batch = self._batches[mb]
-        for b, g in self._wait("RB", mb):
+    def _recv_backward(self, a: Action) -> None:
+        batch = self._state[a.stage, a.microbatch]
+        for b, g in self._wait(a):
             # A tensor sent to several stages gets the sum of their gradients.
             batch.grads[b.producer] = batch.grads[b.producer] + g if b.producer in batch.grads else g
 
@@ -232,64 +596,53 @@ class StepRunner:
         """Post the receives of this and the next ``_LOOKAHEAD`` receive actions, once each."""
         for i in [i for i in self._receives if i >= position][: _LOOKAHEAD + 1]:
             action = self.actions[i]
-            key = (action.kind, action.microbatch)
+            key = (action.kind, action.stage, action.microbatch)
             if key not in self._posted:
-                self._posted[key] = self._post(action.kind, action.microbatch)
+                self._posted[key] = self._post(action)
 
-    def _post(self, kind: str, mb: int) -> _Posted:
-        if kind == "RF":
-            groups = self._by_peer(self.stage.plan.inputs, "source")
-            tag = mb
+    def _post(self, a: Action) -> _Posted:
+        if a.kind == "RF":
+            groups = self._remote_in(a.stage)
+            tag = self._tag(a.stage, "F", a.microbatch)
         else:
-            groups = [
-                (peer, [b for b in bs if _is_float(b)])
-                for peer, bs in self._by_peer(self.stage.plan.outputs, "target")
-            ]
-            tag = self.plan.microbatches + mb
+            groups = [(t, [b for b in bs if _is_float(b)]) for t, bs in self._remote_out(a.stage)]
+            tag = self._tag(a.stage, "B", a.microbatch)
         parts = []
-        for peer, boundaries in groups:
+        for peer_stage, boundaries in groups:
+            peer = self._peer_rank(peer_stage)
             specs = [RecvSpec(b.shape, b.dtype) for b in boundaries]
             tensors, works = self.comm.post_recv(specs, peer=peer, tag=tag, device=self.device)
-            parts.append((peer, tuple(boundaries), tensors, works))
+            parts.append((peer_stage, peer, tuple(boundaries), tensors, works))
         return _Posted(tuple(parts))
 
-    def _wait(self, kind: str, mb: int) -> list[tuple[Boundary, torch.Tensor]]:
-        posted = self._posted.pop((kind, mb), None) or self._post(kind, mb)
+    def _wait(self, a: Action) -> list[tuple[Boundary, torch.Tensor]]:
+        posted = self._posted.pop((a.kind, a.stage, a.microbatch), None) or self._post(a)
         received: list[tuple[Boundary, torch.Tensor]] = []
-        for peer, boundaries, tensors, works in posted.parts:
-            self._wait_peer(works, peer=peer)
+        for peer_stage, peer, boundaries, tensors, works in posted.parts:
+            self._wait_peer(works, peer=peer, stage=peer_stage)
             received.extend(zip(boundaries, tensors))
         return received
 
-    def _wait_peer(self, works: Sequence[Work], *, peer: int) -> None:
+    def _wait_peer(self, works: Sequence[Work], *, peer: int, stage: int) -> None:
         try:
             wait_all(works, timeout=self.timeout)
         except PeerFailure as exc:
-            stage, replica = self.plan.rank_layout()[peer]
             raise PeerFailure(
-                f"waiting for rank {peer} (stage {stage}, replica {replica}), which died, raised, hung, or "
+                f"waiting for rank {peer} (stage {stage}, replica {self.replica}), which died, raised, hung, or "
                 f"was itself stopped by another rank's failure: {exc}"
             ) from exc
 
     # --------------------------------------------------------------- helpers
 
-    def _by_peer(self, boundaries: Sequence[Boundary], side: str) -> list[tuple[int, list[Boundary]]]:
-        grouped: dict[int, list[Boundary]] = {}
-        for b in boundaries:
-            stage = getattr(b, side)
-            grouped.setdefault(self.plan.stages[stage].ranks[self.replica], []).append(b)
-        return sorted(grouped.items())
-
-    def _where(self, position: int, action: Action, why: str) -> str:
+    def _where_failed(self, position: int, action: Action, why: str) -> str:
         lo, hi = max(0, position - 4), min(len(self.actions), position + 5)
         grid = " ".join(f"[{a}]" if i == position else str(a) for i, a in enumerate(self.actions[lo:hi], lo))
+        held = "" if len(self._held) == 1 else f" of stages {', '.join(map(str, self.stages))}"
         return (
-            f"rank {self.rank} (stage {self.stage.plan.index}, replica {self.replica}) stopped at action {action}: "
+            f"rank {self.rank} (stage {action.stage}{held}, replica {self.replica}) stopped at action {action}: "
             f"{why}\n  schedule: {'... ' if lo else ''}{grid}{' ...' if hi < len(self.actions) else ''}"
         )
 
 
 def _is_float(b: Boundary) -> bool:
     return b.dtype.startswith(("float", "bfloat", "complex"))
-
-

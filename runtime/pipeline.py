@@ -13,6 +13,7 @@ Example (in each rank started by ``autopartition run`` / torchrun)::
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,14 +30,31 @@ from partitioner.errors import AutopartitionError, PlanMismatchError
 from partitioner.plan import Plan
 from partitioner.schedule import Action, validate
 from partitioner.timeline import TimelineEvent, write_chrome_trace
+from runtime import checkpoint
+from runtime.clip import clip_gradients
 from runtime.comm import PeerFailure, init_distributed, pick_device
-from runtime.execute import StepRunner
-from runtime.replicate import make_groups, sum_tied_grads, sync_tied_weights, wrap_replicas
-from runtime.stage import build_local_stage
+from runtime.evaluate import concat_microbatches, evaluate, evaluation_mode
+from runtime.execute import StepRunner, gradient_order
+from runtime.materialise import InitWeights, materialise_modules
+from runtime.precision import PrecisionForward, cast_parameters, plan_at_precision, precision_loss
+from runtime.recompute import Recomputed
+from runtime.replicate import (
+    broadcast_replicas,
+    make_groups,
+    needs_explicit_reduce,
+    replica_reducer,
+    share_tied_parameters,
+    sum_tied_grads,
+    sync_tied_weights,
+    wrap_replicas,
+)
+from runtime.stage import LocalStage, build_local_stages, example_microbatch
+from runtime.weights import load_weights, weights_from_env
 
 __all__ = ["Pipeline"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+BATCH_MODES = ("global", "replica")  # what step() receives: the whole mini-batch, or this replica's share
 
 
 class Pipeline:
@@ -54,6 +72,28 @@ class Pipeline:
     the loss.  A model's mean over tokens, averaged over micro-batches, is the
     mini-batch mean only when every micro-batch holds as many counted tokens
     (no ``-100`` padding, or the same amount in each).
+
+    A model built on the meta device gets real tensors for this rank's stages only,
+    each module initialised under a generator seeded by ``(seed, its name)`` with
+    ``init_weights(module, name)`` (the model file's), else the Hugging Face model's
+    ``_init_weights``, else ``reset_parameters()`` (:mod:`runtime.materialise`); a
+    model with real weights is used as it is.  ``weights=`` (default: the
+    ``AUTOPARTITION_WEIGHTS`` variable ``autopartition run --weights`` sets) reads
+    this rank's tensors from a safetensors or DCP checkpoint (:mod:`runtime.weights`);
+    :meth:`save_checkpoint` / :meth:`load_checkpoint` resume under any plan
+    (:mod:`runtime.checkpoint`).
+
+    The plan's ``precision`` is applied to every stage: ``bf16-mixed`` runs forward
+    and loss under ``torch.autocast`` (bfloat16) with float32 parameters, ``bf16``
+    converts parameters to bfloat16 (and floating model inputs as they enter);
+    boundary tensors travel in the dtype they are computed in.  A stage planned
+    with ``recompute="full"`` runs each layer under activation checkpointing.
+
+    ``batch="global"`` (default): every rank passes the whole mini-batch and each
+    replica takes its slice; ``batch="replica"``: each rank passes only its
+    replica's ``batch_size / dp`` samples (e.g. from a ``DistributedSampler`` over
+    :attr:`dp_rank` / :attr:`dp_size`).  Either way a rank may pass ``None`` for
+    what it does not read (:attr:`needs_inputs`, :attr:`needs_target`).
     """
 
     def __init__(
@@ -66,10 +106,20 @@ class Pipeline:
         timeout: float = 300.0,
         trace: bool = False,
         target_keyword: str | None = None,
+        init_weights: InitWeights | None = None,
+        seed: int = 0,
+        batch: str = "global",
+        weights: str | os.PathLike[str] | None = None,
     ) -> None:
+        if batch not in BATCH_MODES:
+            raise AutopartitionError(
+                f"batch={batch!r}: pass 'global' (every rank gets the whole mini-batch) or 'replica' (each "
+                "rank gets only its replica's batch_size / dp samples)."
+            )
         self.plan = plan
         self._loss_fn = loss_fn
         self._target_keyword = target_keyword
+        self._batch = batch
         self.device = device or pick_device()
         self.timeout = timeout
         self.trace = trace
@@ -82,25 +132,57 @@ class Pipeline:
         failure: Exception | None = None
         try:
             self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
-            validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from())
+            validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from(),
+                     stage_rank=plan.stage_ranks())
             # Every stage this rank holds: one with chunks == 1, several for interleaved and V schedules.
-            self._stages = tuple(build_local_stage(plan, model, s) for s in plan.stages_of(self.pipeline_rank))
+            self._stages = build_local_stages(plan, model, plan.stages_of(self.pipeline_rank))
+            weights = weights_from_env(weights)  # `autopartition run --weights PATH` sets the variable
+            if weights is not None:  # this rank's tensors only; meta ones are replaced, the rest copied into
+                load_weights([s.module for s in self._stages], weights, keys=self._state_keys, tied=plan.tied)
+            # A model built on meta: only this rank's stages get real tensors, initialised per module
+            # under seeds from (seed, module name), so every partition starts from the same values.
+            materialise_modules(model, [local.module for local in self._stages], seed=seed,
+                                init_weights=init_weights, device=self.device)
         except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised
             failure = exc
         _agree(plan, failure, device=self.device, timeout=timeout)
-        self._groups = make_groups(plan, self.rank)
+        # The plan the ranks run: boundary tensors in the dtype the plan's precision computes them in,
+        # found by fake propagation of the whole graph (every rank finds the same); buffers follow it.
+        # self.plan stays the plan as given (as saved, and as recapture checks it).
+        plan = self._run_plan = plan_at_precision(
+            plan, self._stages[0].captured.graph_module, example_microbatch(plan), device_type=self.device.type)
         for local in self._stages:
-            local.module.to(self.device)
-            sync_tied_weights(local.module, self._groups)
-        self._modules = tuple(
-            wrap_replicas(local.module, self._groups, bucket_cap_mb=plan.bucket_cap_mb, device=self.device)
-            for local in self._stages
-        )
-        if len(self._stages) != 1:
-            raise AutopartitionError("several stages per rank are not supported by this runtime yet")
+            local.plan = plan.stages[local.plan.index]
+        self._groups = make_groups(plan, self.rank)
+        modules = [local.module for local in self._stages]
+        share_tied_parameters(plan, modules)  # a weight two stages of this rank use: one Parameter
+        for module in modules:
+            module.to(self.device)
+        sync_tied_weights(modules, self._groups)
+        for module in modules:
+            cast_parameters(module, plan.precision)  # bf16: parameters in bfloat16; else unchanged
+        # What runs each stage's forward: precision and recomputation wrappers around the stage module
+        # (made after every .to(): they read the stage's state through it, never copies).
+        self._runnables = tuple(_runnable(local, plan.precision, self.device) for local in self._stages)
+        self._run_loss = precision_loss(loss_fn, plan.precision, self.device.type)
+        self._reducer = None
+        if needs_explicit_reduce(plan):  # W actions or several stages: DDP's hooks cannot serve
+            broadcast_replicas(modules, self._groups)
+            self._modules: tuple[torch.nn.Module, ...] = self._runnables
+            self._reducer = replica_reducer(
+                {local.plan.index: local.module for local in self._stages},
+                gradient_order(plan.schedule_data().actions[self.pipeline_rank]), self._groups,
+                bucket_cap_mb=plan.bucket_cap_mb, timeout=timeout,
+            )
+        else:
+            self._modules = tuple(
+                wrap_replicas(m, self._groups, bucket_cap_mb=plan.bucket_cap_mb, device=self.device)
+                for m in self._runnables
+            )
         self._runner = StepRunner(
-            plan, self._stages[0], self._modules[0], replica=self.replica, rank=self.rank,
-            loss_fn=loss_fn, device=self.device, timeout=timeout,
+            plan, self._stages, self._modules, replica=self.replica, rank=self.rank,
+            loss_fn=self._run_loss, device=self.device, timeout=timeout,
+            on_gradients=None if self._reducer is None else self._reducer.start,
         )
         dist.barrier()
         self._clock_zero = time.time()  # right after a barrier: a common origin for traces
@@ -145,24 +227,87 @@ class Pipeline:
                     seen.add(id(param))
                     yield name, param
 
-    def step(self, inputs: Any, target: Any = None) -> torch.Tensor | None:
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica (0..dp-1): which share of the mini-batch it trains on."""
+        return self.replica
+
+    @property
+    def dp_size(self) -> int:
+        """Replicas of every stage (the plan's ``dp``)."""
+        return self.plan.dp
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether a stage of this rank reads a model input; if not, step() and eval_step() take ``inputs=None``."""
+        return any(local.signature.model_inputs for local in self._stages)
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether this rank reads the target: it computes the loss_fn, or (no loss_fn) it reads the inputs,
+        which the target then joins as a keyword."""
+        if self._loss_fn is None:
+            return self.needs_inputs
+        return self.is_last_stage
+
+    def step(self, inputs: Any = None, target: Any = None) -> torch.Tensor | None:
         """Forward and backward one mini-batch; gradients end up in ``.grad``.
 
         ``inputs`` has the structure the plan was made with: a tensor, a tuple, a
         dict of keywords, or ``(args, kwargs)``.  Every rank passes the same
-        mini-batch (only the stages that read an input use it, and only the last
-        stage uses ``target``).  Returns the mini-batch mean loss on the last
+        mini-batch (``batch="replica"``: its replica's share), or None where it
+        reads no input (:attr:`needs_inputs`); only the last stage uses ``target``
+        (:attr:`needs_target`).  Returns the mini-batch mean loss on the last
         stage's ranks, None on the others.
         """
         flat, target = self._flatten(inputs, target)
         micro = self._split(flat, target)
         loss = self._runner.run(micro, record=self.trace)
-        for local in self._stages:
-            sum_tied_grads(local.module, self._groups)
+        if self._reducer is not None:
+            self._reducer.finish()
+        sum_tied_grads([local.module for local in self._stages], self._groups)
         if loss is not None and self._groups.stage is not None:
             dist.all_reduce(loss, group=self._groups.stage)
             loss = loss / self.plan.dp
         return loss
+
+    def eval_step(self, inputs: Any = None, target: Any = None, *, return_outputs: bool = False) -> Any:
+        """Forward one mini-batch without gradients (stages in eval mode); the mean loss on the last stage.
+
+        Inputs as for :meth:`step`.  Micro-batches run as a simple forward chain
+        (:mod:`runtime.evaluate`).  Returns the mini-batch mean loss on the last
+        stage's ranks (None elsewhere, or without a target / model loss); with
+        ``return_outputs``, ``(loss, outputs)``: the model outputs of this
+        replica's samples on the last stage's ranks (micro-batches concatenated).
+        Every rank must call it.
+        """
+        flat, target = self._flatten(inputs, target)
+        micro = self._split(flat, target)
+        with evaluation_mode([local.module for local in self._stages]):
+            loss, outputs = evaluate(
+                self._run_plan, list(zip(self._stages, self._runnables)), micro, replica=self.replica,
+                rank=self.rank, loss_fn=self._run_loss, device=self.device, timeout=self.timeout,
+                keep_outputs=return_outputs,
+            )
+        if loss is not None and self._groups.stage is not None:
+            dist.all_reduce(loss, group=self._groups.stage)
+            loss = loss / self.plan.dp
+        return (loss, concat_microbatches(outputs)) if return_outputs else loss
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the whole model's gradients as ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would.
+
+        The norm covers every stage once (replicas hold equal gradients after
+        :meth:`step`) and a tied weight once; every rank gets the same norm back and
+        scales its gradients (all copies and replicas) by the same factor.  Call it
+        on every rank, after step() and before the optimizer step.
+        """
+        return clip_gradients(
+            self.plan, [(local.plan.index, local.module) for local in self._stages], replica=self.replica,
+            max_norm=max_norm, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite,
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers under the original model's names.
@@ -203,7 +348,21 @@ class Pipeline:
             )
         for module, wanted in loads:
             module.load_state_dict(wanted, strict=False)
-            sync_tied_weights(module, self._groups)
+        sync_tied_weights([module for module, _ in loads], self._groups)
+
+    def save_checkpoint(
+        self, directory: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None, step: int = 0
+    ) -> Path:
+        """Every rank: write model, optimizer state, step and plan in the original names (:mod:`runtime.checkpoint`)."""
+        return checkpoint.save_checkpoint(directory, modules=self.modules, plan=self.plan,
+                                          keys=self._state_keys, optimizer=optimizer, step=step)
+
+    def load_checkpoint(
+        self, directory: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None
+    ) -> int:
+        """Every rank: load a checkpoint saved under any plan of this model; returns its step."""
+        return checkpoint.load_checkpoint(directory, modules=self.modules, plan=self.plan,
+                                          keys=self._state_keys, optimizer=optimizer)
 
     def _aliases(self) -> dict[str, tuple[str, ...]]:
         """Each tied parameter this stage holds (by its name here) -> all of its names."""
@@ -232,10 +391,13 @@ class Pipeline:
     def trace_events(self) -> list[TimelineEvent]:
         """This rank's recorded actions (``trace=True``), seconds from the common start."""
         events = []
+        several = len(self._stages) > 1
         for record in self._runner.records:
             action = Action.parse(record.action)
+            # With several stages per rank the label names the stage too (0F3 and 2F3 share a track).
+            label = f"{action.stage}{action.kind}{action.microbatch}" if several else f"{action.kind}{action.microbatch}"
             events.append(TimelineEvent(
-                track=self.rank, label=f"{action.kind}{action.microbatch}", action=record.action,
+                track=self.rank, label=label, action=record.action,
                 microbatch=action.microbatch, kind=action.kind,
                 start_s=record.start_s - self._clock_zero, end_s=record.end_s - self._clock_zero,
             ))
@@ -252,8 +414,16 @@ class Pipeline:
 
     # --------------------------------------------------------------- helpers
 
-    def _flatten(self, inputs: Any, target: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """The plan's flat input tensors; without a loss_fn the target joins them as its keyword."""
+    def _flatten(self, inputs: Any, target: Any) -> tuple[tuple[torch.Tensor, ...] | None, Any]:
+        """The plan's flat input tensors (None: not given); without a loss_fn the target joins them as its keyword."""
+        if inputs is None:
+            if self.needs_inputs:
+                names = sorted({n for local in self._stages for n in local.signature.model_inputs})
+                raise AutopartitionError(
+                    f"Rank {self.rank} got inputs=None, but its stages {list(self.stages)} read the model "
+                    f"inputs {names}. Pass the inputs on every rank where Pipeline.needs_inputs is True."
+                )
+            return None, target if self._loss_fn is not None else None
         call = self._stages[0].captured.call
         if self._loss_fn is not None or target is None:
             return call.flatten(inputs), target
@@ -270,21 +440,35 @@ class Pipeline:
             keyword = missing[0]
         return call.flatten(inputs, extra={keyword: target}), None
 
-    def _split(self, inputs: tuple[torch.Tensor, ...], target: Any) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
+    def _split(
+        self, inputs: tuple[torch.Tensor, ...] | None, target: Any
+    ) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
+        """Each micro-batch of this replica's share: (flat inputs, target); placeholders where none are read."""
         plan = self.plan
         expected = [t.shape for t in plan.model.inputs]
         batch = plan.batch_size
-        if len(inputs) != len(expected):
-            raise AutopartitionError(f"The plan's model takes {len(expected)} inputs; step() got {len(inputs)}.")
-        for i, x in enumerate(inputs):
-            if x.shape[0] != batch:
-                raise AutopartitionError(
-                    f"Input {i} has batch {x.shape[0]}, but the plan was made for batches of {batch} "
-                    f"({plan.dp} replicas x {plan.microbatches} micro-batches of {plan.microbatch_size}). "
-                    f"Pass batches of {batch}, or re-plan with --batch-size {x.shape[0]}."
-                )
         per_replica = batch // plan.dp
-        lo = self.replica * per_replica
+        if inputs is None:  # this rank's stages read no input: only the count matters
+            inputs = tuple(None for _ in expected)  # type: ignore[misc]
+        elif len(inputs) != len(expected):
+            raise AutopartitionError(f"The plan's model takes {len(expected)} inputs; step() got {len(inputs)}.")
+        elif self._batch == "replica":
+            for i, x in enumerate(inputs):
+                if x.shape[0] != per_replica:
+                    raise AutopartitionError(
+                        f"Input {i} has batch {x.shape[0]}, but with batch='replica' each rank passes its "
+                        f"replica's {per_replica} samples (the plan's mini-batch of {batch} over {plan.dp} "
+                        f"replicas). Pass batches of {per_replica}, or batch='global' and the whole mini-batch."
+                    )
+        else:
+            for i, x in enumerate(inputs):
+                if x.shape[0] != batch:
+                    raise AutopartitionError(
+                        f"Input {i} has batch {x.shape[0]}, but the plan was made for batches of {batch} "
+                        f"({plan.dp} replicas x {plan.microbatches} micro-batches of {plan.microbatch_size}). "
+                        f"Pass batches of {batch}, or re-plan with --batch-size {x.shape[0]}."
+                    )
+        lo = 0 if self._batch == "replica" else self.replica * per_replica
 
         def piece(value: Any, mb: int) -> Any:
             if not isinstance(value, torch.Tensor):
@@ -296,6 +480,17 @@ class Pipeline:
             (tuple(piece(x, mb) for x in inputs), pytree.tree_map(lambda v, mb=mb: piece(v, mb), target))
             for mb in range(plan.microbatches)
         ]
+
+
+def _runnable(local: LocalStage, precision: str, device: torch.device) -> torch.nn.Module:
+    """What runs a stage's forward: its module, each layer recomputed if planned, under the plan's precision."""
+    module: torch.nn.Module = local.module
+    if local.plan.recompute == "full":
+        module = Recomputed(local.module)
+    if precision != "fp32":
+        module = PrecisionForward(module, precision=precision, device_type=device.type,
+                                  model_inputs=len(local.signature.model_inputs))
+    return module
 
 
 # ---------------------------------------------------------- one plan for all

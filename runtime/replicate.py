@@ -1,32 +1,64 @@
-"""Replication: DDP inside each stage group, and tied parameters shared across stages.
+"""Replication: gradient averaging over each pipeline rank's replicas, and tied parameters across stages.
 
-Rank layout (stage-major, as Megatron orders pipeline ranks): stage s, replica
-r is global rank ``s * dp + r``; ``plan.rank_layout()`` prints it.
+Rank layout (rank-major, as Megatron orders pipeline ranks): pipeline rank p,
+replica r is global rank ``p * dp + r``; ``plan.rank_layout()`` prints it.
+Every stage a pipeline rank holds has the same replicas, so one process group
+per pipeline rank serves all of them.
 
-* With ``dp > 1`` each stage's module is wrapped in ``DistributedDataParallel``
-  on its own process group (the stage's replicas); DDP broadcasts the initial
-  state from the group's first rank, and all-reduces (averages) gradients in
-  buckets of ``plan.bucket_cap_mb``.
+* With ``dp > 1`` and one stage per rank without a split backward (``gpipe``,
+  ``1f1b``) each stage's module is wrapped in ``DistributedDataParallel`` on
+  its group (:func:`wrap_replicas`): DDP broadcasts the initial state from the
+  group's first rank and all-reduces (averages) gradients in buckets of
+  ``plan.bucket_cap_mb`` as the last backward produces them.
+* Otherwise (several stages per rank, or W actions, whose
+  ``torch.autograd.grad`` calls never fire DDP's hooks) :func:`broadcast_replicas`
+  does the initial broadcast, and a :class:`ReplicaReducer` averages each
+  stage's gradients once they are complete in the step, in buckets of the same
+  size, asynchronously, in the same order on every replica.
 * A parameter tied across stages (GPT-2's token embedding is also its LM head)
-  has one copy per stage that uses it; the copies start equal (broadcast from
-  the first stage holding it) and their gradients are summed over those
-  stages, replica by replica, before the optimizer step, so they stay equal.
+  is one Parameter object within a rank (:func:`share_tied_parameters`; its
+  gradients add up there by themselves), and one copy per pipeline rank
+  holding it; the copies start equal (broadcast from the rank of the first
+  stage holding it) and their gradients are summed over those ranks, replica
+  by replica, before the optimizer step, so they stay equal.
 
 All ranks create every group in the same order, as torch.distributed requires.
+
+Example (which way a plan's replicas are averaged)::
+
+    >>> from partitioner.plan import example_plan
+    >>> needs_explicit_reduce(example_plan())
+    False
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from partitioner.plan import Plan
+from runtime.comm import PeerFailure, Work, wait_all
 
-__all__ = ["Groups", "TiedCopy", "make_groups", "sum_tied_grads", "sync_tied_weights", "wrap_replicas"]
+__all__ = [
+    "Groups",
+    "ReplicaReducer",
+    "TiedCopy",
+    "broadcast_replicas",
+    "make_groups",
+    "needs_explicit_reduce",
+    "replica_reducer",
+    "share_tied_parameters",
+    "sum_tied_grads",
+    "sync_tied_weights",
+    "wrap_replicas",
+]
+
+Modules = torch.nn.Module | Sequence[torch.nn.Module]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,36 +66,51 @@ class TiedCopy:
     """This rank's copy of a tied parameter and the group of ranks holding the other copies."""
 
     name: str  # canonical name
-    local_name: str  # the alias this stage holds
+    local_name: str  # the alias this rank's stages hold
     group: dist.ProcessGroup
     source: int  # global rank whose copy wins at start
 
 
 @dataclasses.dataclass(frozen=True)
 class Groups:
-    stage: dist.ProcessGroup | None  # this stage's replicas, when dp > 1
+    stage: dist.ProcessGroup | None  # this pipeline rank's replicas (all its stages), when dp > 1
     tied: tuple[TiedCopy, ...]
+    replicas: tuple[int, ...] = ()  # global ranks of this pipeline rank's replicas, replica order
+
+
+def needs_explicit_reduce(plan: Plan) -> bool:
+    """Whether replicas average gradients with :class:`ReplicaReducer` rather than DDP.
+
+    DDP's reducer fires on gradient accumulation hooks during ``backward()``: it
+    cannot see W actions (``torch.autograd.grad``), and one DDP per stage of a rank
+    would interleave their reductions.
+    """
+    return plan.chunks > 1 or plan.schedule_data().splits_backward
 
 
 def make_groups(plan: Plan, rank: int) -> Groups:
-    stage_index, _ = plan.rank_layout()[rank]
+    """This rank's replica group and tied-parameter groups (every rank creates all of them, in one order)."""
+    pipeline_rank, _ = plan.rank_layout()[rank]
     stage_group = None
+    replicas = tuple(pipeline_rank * plan.dp + r for r in range(plan.dp))
     if plan.dp > 1:
-        for stage in plan.stages:
-            group = dist.new_group(list(stage.ranks))
-            if stage.index == stage_index:
+        for p in range(plan.pp):
+            group = dist.new_group([p * plan.dp + r for r in range(plan.dp)])
+            if p == pipeline_rank:
                 stage_group = group
+    mine = {name for s in plan.stages_of(pipeline_rank) for name in plan.stages[s].parameters}
     tied: list[TiedCopy] = []
     for t in plan.tied:
-        if len(t.stages) < 2:
+        # Pipeline ranks holding a copy, in the order of the stages holding it: one copy per rank.
+        holders = list(dict.fromkeys(plan.stages[s].rank for s in t.stages))
+        if len(holders) < 2:
             continue
         for r in range(plan.dp):
-            ranks = [plan.stages[s].ranks[r] for s in t.stages]
+            ranks = [h * plan.dp + r for h in holders]
             group = dist.new_group(ranks)
             if rank in ranks:
-                mine = set(t.aliases) & set(plan.stages[stage_index].parameters)
-                tied.append(TiedCopy(t.name, min(mine), group, ranks[0]))
-    return Groups(stage=stage_group, tied=tuple(tied))
+                tied.append(TiedCopy(t.name, min(set(t.aliases) & mine), group, ranks[0]))
+    return Groups(stage=stage_group, tied=tuple(tied), replicas=replicas)
 
 
 def wrap_replicas(
@@ -88,15 +135,159 @@ def wrap_replicas(
     )
 
 
-def sync_tied_weights(module: torch.nn.Module, groups: Groups) -> None:
+def broadcast_replicas(modules: Modules, groups: Groups) -> None:
+    """Every replica starts from the first replica's parameters and buffers (what DDP does at construction)."""
+    if groups.stage is None:
+        return
+    with torch.no_grad():
+        for tensor in _unique((*(p for m in _listed(modules) for p in m.parameters()),
+                               *(b for m in _listed(modules) for b in m.buffers()))):
+            dist.broadcast(tensor.data, src=groups.replicas[0], group=groups.stage)
+
+
+class ReplicaReducer:
+    """Averages the gradients of this rank's stages over their replicas with explicit all-reduces.
+
+    ``owned``: stage -> the parameters whose gradients are complete once that
+    stage's are (each parameter under one stage).  :meth:`start` launches a
+    stage's buckets (non-blocking) as soon as the runner reports the stage done;
+    :meth:`finish` waits for them and writes the averages back into ``.grad``.
+    """
+
+    def __init__(
+        self, owned: Mapping[int, Sequence[torch.nn.Parameter]], group: dist.ProcessGroup, *,
+        dp: int, bucket_cap_mb: float, timeout: float,
+    ) -> None:
+        self._owned = {s: list(ps) for s, ps in owned.items()}
+        self._group = group
+        self._dp = dp
+        self._cap = max(1, int(bucket_cap_mb * 2**20))
+        self._timeout = timeout
+        self._pending: list[tuple[list[torch.Tensor], torch.Tensor, Work | None]] = []
+
+    def start(self, stage: int) -> None:
+        grads = [p.grad for p in self._owned.get(stage, ()) if p.grad is not None]
+        for bucket in _buckets(grads, self._cap):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            work = dist.all_reduce(flat, group=self._group, async_op=True)
+            self._pending.append((bucket, flat, work))
+
+    def finish(self) -> None:
+        pending, self._pending = self._pending, []
+        try:
+            wait_all([w for _, _, w in pending if w is not None], timeout=self._timeout)
+        except PeerFailure as exc:
+            raise PeerFailure(
+                f"rank {dist.get_rank()}: the gradient all-reduce over this rank's replicas did not complete "
+                f"(a replica died, raised or hung): {exc}"
+            ) from exc
+        for bucket, flat, _ in pending:
+            flat.div_(self._dp)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def replica_reducer(
+    modules: Mapping[int, torch.nn.Module], finish_order: Sequence[int], groups: Groups, *,
+    bucket_cap_mb: float, timeout: float,
+) -> ReplicaReducer | None:
+    """A reducer for this rank's stages (None without replicas).
+
+    ``finish_order``: the stages in the order their gradients are complete in a
+    step (:func:`runtime.execute.gradient_order`); a parameter two stages share
+    goes with the later one.
+    """
+    if groups.stage is None:
+        return None
+    owned: dict[int, list[torch.nn.Parameter]] = {}
+    claimed: set[int] = set()
+    for stage in reversed(finish_order):
+        for p in modules[stage].parameters():
+            if p.requires_grad and id(p) not in claimed:
+                claimed.add(id(p))
+                owned.setdefault(stage, []).append(p)
+    return ReplicaReducer(owned, groups.stage, dp=len(groups.replicas), bucket_cap_mb=bucket_cap_mb,
+                          timeout=timeout)
+
+
+def share_tied_parameters(plan: Plan, modules: Sequence[torch.nn.Module]) -> None:
+    """A tied parameter held by several stages of this rank becomes one Parameter object in all of them."""
+    for t in plan.tied:
+        first: torch.nn.Parameter | None = None
+        for module in modules:
+            for name in t.aliases:
+                owner, _, leaf = name.rpartition(".")
+                try:
+                    holder = module.get_submodule(owner) if owner else module
+                except AttributeError:
+                    continue
+                param = holder._parameters.get(leaf)
+                if param is None:
+                    continue
+                if first is None:
+                    first = param
+                elif param is not first:
+                    holder._parameters[leaf] = first
+
+
+def sync_tied_weights(modules: Modules, groups: Groups) -> None:
+    """Every copy of a tied parameter starts as the first holder's.
+
+    Pass all of this rank's stage modules at once: a tied parameter none of
+    ``modules`` holds is skipped (one call per module broadcasts each once, as long
+    as one module holds it).
+    """
     with torch.no_grad():
         for t in groups.tied:
-            dist.broadcast(module.get_parameter(t.local_name).data, src=t.source, group=t.group)
+            param = _find_parameter(modules, t.local_name)
+            if param is not None:
+                dist.broadcast(param.data, src=t.source, group=t.group)
 
 
-def sum_tied_grads(module: torch.nn.Module, groups: Groups) -> None:
+def sum_tied_grads(modules: Modules, groups: Groups) -> None:
+    """Sum each tied parameter's gradient over the ranks holding a copy (replica by replica)."""
     for t in groups.tied:
-        param = module.get_parameter(t.local_name)
+        param = _find_parameter(modules, t.local_name)
+        if param is None:
+            continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=t.group)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _listed(modules: Modules) -> list[torch.nn.Module]:
+    return [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+
+
+def _find_parameter(modules: Modules, name: str) -> torch.nn.Parameter | None:
+    for module in _listed(modules):
+        try:
+            return module.get_parameter(name)
+        except AttributeError:
+            continue
+    return None
+
+
+def _unique(tensors: Iterator[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    return list({id(t): t for t in tensors}.values())
+
+
+def _buckets(grads: Sequence[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, up to ``cap`` bytes each (one may exceed it alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        last = buckets[-1] if buckets else None
+        if last is None or size + nbytes > cap or (g.dtype, g.device) != (last[0].dtype, last[0].device):
+            buckets.append([g])
+            size = nbytes
+        else:
+            last.append(g)
+            size += nbytes
+    return buckets

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch import fx
@@ -25,7 +26,7 @@ from partitioner.plan import Plan, StagePlan
 from partitioner.stagegraph import StageSignature, build_stage, stage_signature
 from partitioner.values import propagate_values
 
-__all__ = ["LocalStage", "build_local_stage", "call_spec", "example_microbatch", "recapture"]
+__all__ = ["LocalStage", "build_local_stage", "build_local_stages", "call_spec", "example_microbatch", "recapture"]
 
 
 @dataclasses.dataclass
@@ -79,7 +80,16 @@ def recapture(plan: Plan, model: torch.nn.Module) -> tuple[CapturedModel, dict[s
 
 def build_local_stage(plan: Plan, model: torch.nn.Module, stage_index: int) -> LocalStage:
     """This rank's stage module, after :func:`recapture`'s checks."""
+    return build_local_stages(plan, model, (stage_index,))[0]
+
+
+def build_local_stages(plan: Plan, model: torch.nn.Module, indices: Sequence[int]) -> tuple[LocalStage, ...]:
+    """Several stages of one rank from one capture (a parameter two of them use stays one object)."""
     captured, infos = recapture(plan, model)
+    return tuple(_local_stage(plan, captured, infos, i) for i in indices)
+
+
+def _local_stage(plan: Plan, captured: CapturedModel, infos: dict[str, ValueInfo], stage_index: int) -> LocalStage:
     stage = plan.stages[stage_index]
     statics = {name: info.static for name, info in infos.items() if info.kind == "static"}
     last = stage_index == len(plan.stages) - 1

@@ -62,6 +62,7 @@ from partitioner.capture import CallSpec, model_loss
 from partitioner.errors import AutopartitionError
 from partitioner.ir import dtype_name
 from partitioner.plan import Plan
+from runtime.materialise import InitWeights, materialise_model
 from runtime.stage import call_spec, recapture
 
 __all__ = [
@@ -318,11 +319,14 @@ def verify(
     tolerance: float | None = None,
     dtype: str = "float32",
     progress: Callable[[str], None] | None = None,
+    seed: int = 0,
 ) -> VerifyResult:
     """Train ``steps`` steps with the plan on CPU ranks and with the whole model run the same way; compare.
 
     ``tolerance`` defaults to 1e-5 for float32 and 1e-10 for float64; ``progress``
-    receives a line at each phase.
+    receives a line at each phase.  A model file building on meta is materialised
+    with its ``init_weights`` and base ``seed`` (:mod:`runtime.materialise`): per
+    stage on the ranks, whole for the reference, so both start from the same values.
     """
     from partitioner.modelfile import load_model_file
 
@@ -340,14 +344,18 @@ def verify(
     model = _build(model_file, getattr(torch, dtype))
     captured, _ = recapture(plan, model)  # a plan for another model fails here, before any rank starts
     traits = model_traits(model, captured.graph_module)
+    chunks = f", {plan.chunks} per rank, {plan.schedule}" if plan.chunks > 1 else ""
     say(f"verify: training {_plural(steps, 'step')} on {plan.gpus} CPU ranks "
-        f"({_plural(plan.pp, 'stage')} x {_plural(plan.dp, 'replica')})")
+        f"({_plural(len(plan.stages), 'stage')}{chunks} x {_plural(plan.dp, 'replica')})")
+    if plan.precision != "fp32":
+        say(f"verify: the plan trains in {plan.precision}; verify runs it in {dtype} against the whole model "
+            "in the same precision (autocast runs are compared by the test suite)")
     with tempfile.TemporaryDirectory(prefix="autopartition-verify-") as out:
         port = free_port()
         try:
             mp.start_processes(
                 _rank_main,
-                args=(plan.gpus, port, str(plan_dir), model_spec, steps, lr, out, timeout, dtype),
+                args=(plan.gpus, port, str(plan_dir), model_spec, steps, lr, out, timeout, dtype, seed),
                 nprocs=plan.gpus,
                 start_method="spawn",
             )
@@ -357,7 +365,8 @@ def verify(
             raise AutopartitionError(_rank_exit_message(Path(out), plan, exc)) from exc
         ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(plan.gpus)]
     say("verify: running the unpartitioned model on the same micro-batches")
-    return _compare_steps(plan, model_file, ranks, steps=steps, lr=lr, tolerance=tol, dtype=dtype, traits=traits)
+    return _compare_steps(plan, model_file, ranks, steps=steps, lr=lr, tolerance=tol, dtype=dtype, traits=traits,
+                          seed=seed)
 
 
 def verify_plan(
@@ -582,12 +591,17 @@ def _build(model_file: Any, dtype: torch.dtype) -> nn.Module:
     return model.to(dtype) if dtype != torch.float32 else model
 
 
+def _init_weights(model_file: Any) -> InitWeights | None:
+    """The model file's ``init_weights(module, name)``, if it defines one."""
+    return model_file.init_weights  # type: ignore[no-any-return]
+
+
 # --------------------------------------------------------------------- ranks
 
 
 def _rank_main(
     rank: int, world: int, port: int, plan_dir: str, model_spec: str, steps: int, lr: float, out: str,
-    timeout: float, dtype_text: str,
+    timeout: float, dtype_text: str, seed: int = 0,
 ) -> None:
     from partitioner.modelfile import load_model_file
     from runtime.pipeline import Pipeline
@@ -597,10 +611,13 @@ def _rank_main(
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_text)
     try:
-        plan = plan_in_dtype(Plan.load(plan_dir), dtype)
+        # verify checks the split in full precision against an fp32/fp64 reference; the plan's
+        # training precision (bf16-mixed, bf16) is checked by tests against autocast runs.
+        plan = dataclasses.replace(plan_in_dtype(Plan.load(plan_dir), dtype), precision="fp32")
         model_file = load_model_file(model_spec)
         model = _build(model_file, dtype)
-        pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout)
+        pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout,
+                        init_weights=_init_weights(model_file), seed=seed)
     except AutopartitionError as exc:  # a user error: one paragraph in the verifying process, no traceback
         (Path(out) / f"rank{rank}.error").write_text(str(exc))
         sys.exit(2)
@@ -728,12 +745,12 @@ def _pick(ranks: Sequence[dict[str, Any]], key: str, step: int, *, replica: int 
 
 def _compare_steps(
     plan: Plan, model_file: Any, ranks: list[dict[str, Any]], *, steps: int, lr: float, tolerance: float,
-    dtype: str, traits: ModelTraits,
+    dtype: str, traits: ModelTraits, seed: int = 0,
 ) -> VerifyResult:
     """Run the reference one step at a time from the pipeline's state and compare every step."""
     torch_dtype = getattr(torch, dtype)
     aliases = {name: set(t.aliases) for t in plan.tied for name in t.aliases}
-    model = _build(model_file, torch_dtype)
+    model = materialise_model(_build(model_file, torch_dtype), seed=seed, init_weights=_init_weights(model_file))
     inputs, target = _batch(model_file, plan, torch_dtype)
     call = call_spec(plan)
     inputs = call.flatten(inputs)

@@ -49,3 +49,30 @@ def test_stages_in_one_process_match_whole_model(
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=0, atol=_TOLERANCE, msg=name)
+
+
+def test_two_stages_per_rank_message_only_across_ranks(tmp_path: Path) -> None:
+    """zbv on 2 ranks: stages 1 and 2 share rank 1 (no message), tags name stage, direction and micro-batch."""
+    from chunked import plan_schedule
+
+    spec = str(_MODELS / "mlp.py")
+    M = 4
+    plan = plan_schedule(spec, tmp_path, ranks=2, microbatches=M, schedule="zbv")
+    assert plan.stage_ranks() == (0, 1, 1, 0) and plan.sends_to() == ((1,), (2,), (3,), ())
+    model_file = load_model_file(spec)
+    assert model_file.loss_fn is not None and model_file.example_target is not None
+    messages: list[tuple[int, int, int, int]] = []
+
+    run_stages(plan, model_file.build, model_file.example_inputs(16), model_file.example_target(16),
+               model_file.loss_fn, every_parameter=True, messages=messages)
+
+    def tag(stage: int, direction: str, mb: int) -> int:  # into `stage`: activations 2t, gradients 2s + 1
+        return (2 * stage + (direction == "B")) * M + mb
+
+    expected = sorted(
+        [(0, 1, tag(1, "F", m), 1) for m in range(M)]      # 0 -> 1 activations
+        + [(1, 0, tag(3, "F", m), 1) for m in range(M)]    # 2 -> 3 activations
+        + [(0, 1, tag(2, "B", m), 1) for m in range(M)]    # 3 -> 2 gradients
+        + [(1, 0, tag(0, "B", m), 1) for m in range(M)]    # 1 -> 0 gradients
+    )
+    assert sorted(messages) == expected

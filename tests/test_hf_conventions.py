@@ -173,7 +173,7 @@ def test_pipeline_passes_the_target_as_its_keyword(tmp_path: Path) -> None:
     labels = kwargs.pop("labels")
     pipe = Pipeline.__new__(Pipeline)  # only the flattening: no process group needed
     pipe._loss_fn, pipe._target_keyword = None, None
-    pipe._stage = type("S", (), {"captured": capture(mf.build(), inputs)})()  # type: ignore[assignment]
+    pipe._stages = (type("S", (), {"captured": capture(mf.build(), inputs)})(),)  # type: ignore[assignment]
     flat, target = pipe._flatten(kwargs, labels)
     assert target is None and flat[-1] is labels
     pipe._target_keyword = "labels"

@@ -11,14 +11,12 @@ clear errors.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from partitioner.errors import AutopartitionError
 from partitioner.modelfile import load_model_file
@@ -33,24 +31,7 @@ TOLERANCE = 1e-5
 
 import rank_workers
 from planning_helpers import make_plan
-
-
-def spawn_and_wait(fn: Any, nprocs: int, args: tuple[Any, ...], *, limit_s: float) -> list[int | None]:
-    """Start ``nprocs`` ranks running ``fn(rank, *args)``; wait until all exit or ``limit_s`` passes.
-
-    Returns every rank's exit code (None for a rank still running at the limit; such
-    ranks are then killed).
-    """
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and any(p.is_alive() for p in context.processes):
-        time.sleep(0.1)
-    codes = [p.exitcode for p in context.processes]
-    for p in context.processes:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return codes
+from rank_workers import spawn_and_wait
 
 
 def _perturbed_checkpoint(model_file: Any) -> dict[str, torch.Tensor]:

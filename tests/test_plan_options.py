@@ -28,6 +28,7 @@ from torch import nn
 from partitioner import compile
 from partitioner.capture import capture
 from partitioner.cost import profile
+from partitioner.defaults import SCHEDULES
 from partitioner.devices import DEVICES
 from partitioner.errors import AutopartitionError, InfeasibleError
 from partitioner.formulate import node_times
@@ -202,7 +203,8 @@ def test_precision_is_suggested_when_it_helps(mlp: nn.Module) -> None:
         ({"optimizer": "lion"}, r"Unknown optimizer 'lion'"),
         ({"recompute": "some"}, r"Unknown recomputation 'some'"),
         ({"microbatches": "many"}, r"--microbatches must be a whole number or 'auto'"),
-        ({"schedule": "zerobubble"}, r"Unknown schedule 'zerobubble'; choose one of gpipe, 1f1b, or auto"),
+        ({"schedule": "zerobubble"},
+         r"Unknown schedule 'zerobubble'; choose one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, or auto"),
     ],
 )
 def test_bad_options(mlp: nn.Module, options: dict[str, Any], pattern: str) -> None:
@@ -217,11 +219,13 @@ def test_microbatches_and_schedule_auto(mlp: nn.Module) -> None:
     plan = _plan(mlp, batch=32, gpus=2, microbatches="auto", schedule="auto")
     assert plan.batch_size % (plan.dp * plan.microbatches) == 0
     combos = {(c.pp, c.dp, c.microbatches, c.schedule) for c in plan.candidates}
-    # pp x dp over the divisors, M over the divisors of each replica's batch, both schedules
+    # pp x dp over the divisors, M over the divisors of each replica's batch, every schedule on two
+    # ranks (interleaved with 2 stages per rank: 4 blocks), the one-stage schedules on one
     assert {(c.pp, c.dp) for c in plan.candidates} == {(2, 1), (1, 2)}
     assert {m for p, d, m, s in combos if d == 1} == {1, 2, 4, 8, 16, 32}
     assert {m for p, d, m, s in combos if d == 2} == {1, 2, 4, 8, 16}
-    assert {s for *_, s in combos} == {"gpipe", "1f1b"}
+    assert {s for p, d, m, s in combos if p == 2} == set(SCHEDULES)
+    assert {s for p, d, m, s in combos if p == 1} == {"gpipe", "1f1b"}
     (chosen,) = [c for c in plan.candidates if c.note == "chosen"]
     assert (chosen.pp, chosen.dp, chosen.microbatches, chosen.schedule) == (
         plan.pp, plan.dp, plan.microbatches, plan.schedule)
@@ -231,7 +235,8 @@ def test_microbatches_and_schedule_auto(mlp: nn.Module) -> None:
     for c in plan.candidates:
         if c is chosen:
             continue
-        assert c.note.startswith(("slower: +", "slower: at least +", "does not fit", "same step: one stage")), c
+        assert c.note.startswith(("slower: +", "slower: at least +", "does not fit", "same step: one stage",
+                                  "interleaved-1f1b needs a multiple of 2 micro-batches")), c
         if c.status == "pruned":
             assert c.step_s is None and c.note.endswith("(bound)")
         elif c.simulated_s is not None:
@@ -330,7 +335,7 @@ def test_options_round_trip_into_plan_json(mlp: nn.Module, tmp_path: Path) -> No
     assert data["predicted"]["mfu"] == plan.predicted.mfu and 0 < data["predicted"]["mfu"] < 1
     assert data["predicted"]["model_flops"] > 0
     assert data["cost_model"]["optimizer_states"] == 1 and data["cost_model"]["peak_flops"] == 989e12
-    assert all(c["microbatches"] and c["schedule"] in ("gpipe", "1f1b") for c in data["candidates"])
+    assert all(c["microbatches"] and c["schedule"] in SCHEDULES for c in data["candidates"])
     assert Plan.load(directory) == plan
     # A misspelt name is a corrupt plan.
     data["stages"][0]["recompute"] = "partial"

@@ -148,7 +148,7 @@ def test_reference_slices_the_batch_as_the_pipeline(dp: int, microbatches: int) 
     inputs = (torch.arange(plan.batch_size * 4.0).reshape(plan.batch_size, 4),)
     target = {"labels": torch.arange(plan.batch_size), "scale": 2.0}
     for replica in range(dp):
-        runtime_view = SimpleNamespace(plan=plan, replica=replica, device=torch.device("cpu"))
+        runtime_view = SimpleNamespace(plan=plan, replica=replica, device=torch.device("cpu"), _batch="global")
         want = Pipeline._split(runtime_view, inputs, target)  # type: ignore[arg-type]
         got = reference_microbatches(plan, inputs, target, replica)
         assert len(got) == len(want) == microbatches
@@ -179,7 +179,8 @@ def _pipeline_records(
     model_file, model = _model(spec)
     inputs, target = model_file.example_inputs(plan.batch_size), model_file.example_target(plan.batch_size)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    record: dict[str, Any] = {"stage": 0, "replica": 0, "losses": [], "grads": [], "params": [], "buffers": []}
+    record: dict[str, Any] = {"stage": 0, "stages": (0,), "replica": 0,
+                              "losses": [], "grads": [], "params": [], "buffers": []}
 
     def snapshot() -> None:
         record["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})

@@ -7,6 +7,8 @@ Commands (from the repository root)::
     .venv/bin/python tools/bench_planner.py --no-wall   # only the split tables
     .venv/bin/python tools/bench_planner.py --wall-only # only the wall-time rows
     .venv/bin/python tools/bench_planner.py --cprofile  # + cProfile's top functions per compile
+    .venv/bin/python tools/bench_planner.py --schedules          # best plan per schedule, Llama 3 70B, GPT-3 175B
+    .venv/bin/python tools/bench_planner.py --schedules --quick  # the same on tiny models, < 1 min
 
 The tables go to stdout, progress to stderr.
 

@@ -1,4 +1,4 @@
-"""Run every stage of a plan in one process (a thread each, in-memory channels); for fast tests.
+"""Run every pipeline rank of a plan in one process (a thread each, in-memory channels); for fast tests.
 
 Inputs take the planned structure (tuple, dict of keywords or ``(args, kwargs)``) and are
 flattened by the plan's call spec exactly as :meth:`runtime.Pipeline.step` does.
@@ -21,7 +21,8 @@ from partitioner.ir import dtype_from_name
 from partitioner.plan import Plan
 from runtime.comm import RecvSpec, Work
 from runtime.execute import StepRunner
-from runtime.stage import build_local_stage, call_spec
+from runtime.replicate import share_tied_parameters
+from runtime.stage import build_local_stages, call_spec
 
 __all__ = ["run_stages"]
 
@@ -49,8 +50,9 @@ class _Arrival:
 
 
 class _MemoryComm:
-    def __init__(self, rank: int, channels: dict[_Key, queue.Queue[torch.Tensor]], lock: threading.Lock):
-        self._rank, self._channels, self._lock = rank, channels, lock
+    def __init__(self, rank: int, channels: dict[_Key, queue.Queue[torch.Tensor]], lock: threading.Lock,
+                 log: list[tuple[int, int, int, int]] | None = None):
+        self._rank, self._channels, self._lock, self._log = rank, channels, lock, log
 
     def _channel(self, key: _Key) -> queue.Queue[torch.Tensor]:
         with self._lock:
@@ -58,6 +60,9 @@ class _MemoryComm:
 
     def send_tensors(self, tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> list[Work]:
         channel = self._channel((self._rank, peer, tag))
+        if self._log is not None:
+            with self._lock:
+                self._log.append((self._rank, peer, tag, len(tensors)))
         for t in tensors:
             channel.put(t.detach().clone())
         return [_Done()]
@@ -78,11 +83,16 @@ def run_stages(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
     every_parameter: bool = False,
+    messages: list[tuple[int, int, int, int]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One training step of every stage (dp = 1): (mini-batch loss, gradient by parameter name).
+    """One training step of every pipeline rank (dp = 1): (mini-batch loss, gradient by parameter name).
 
-    Only the last stage returns the loss and every sent tensor is received.  With
-    ``every_parameter``, each parameter is held by one stage only and gets a gradient.
+    Each rank builds its own model and holds all of its stages (several with
+    ``plan.chunks > 1``).  Gradients are keyed by the model's own (first) name; a
+    parameter tied across ranks gets the sum of its copies' gradients, as
+    ``Pipeline.step`` makes it.  Only the rank of the last stage returns the loss
+    and every sent tensor is received.  With ``every_parameter``, every parameter
+    gets a gradient.  ``messages`` collects every send: (rank, peer, tag, tensors).
     """
     flat = call_spec(plan).flatten(inputs)
     size = plan.microbatch_size
@@ -94,26 +104,35 @@ def run_stages(
     channels: dict[_Key, queue.Queue[torch.Tensor]] = defaultdict(queue.Queue)
     lock = threading.Lock()
     runners = []
-    for index in range(plan.pp):
-        stage = build_local_stage(plan, build(), index)
-        rank = plan.stages[index].ranks[0]
+    for pipeline_rank in range(plan.pp):
+        stages = build_local_stages(plan, build(), plan.stages_of(pipeline_rank))
+        share_tied_parameters(plan, [s.module for s in stages])
+        rank = pipeline_rank * plan.dp
         runners.append(StepRunner(
-            plan, stage, stage.module, replica=0, rank=rank, loss_fn=loss_fn,
-            device=torch.device("cpu"), timeout=_TIMEOUT, comm=_MemoryComm(rank, channels, lock),
+            plan, stages, [s.module for s in stages], replica=0, rank=rank, loss_fn=loss_fn,
+            device=torch.device("cpu"), timeout=_TIMEOUT, comm=_MemoryComm(rank, channels, lock, messages),
         ))
     with ThreadPoolExecutor(max_workers=plan.pp) as pool:
         results = [f.result() for f in [pool.submit(r.run, micro, record=False) for r in runners]]
-    for index, result in enumerate(results):
-        assert (result is None) == (index != plan.pp - 1), "only the last stage returns the loss"
+    last = plan.stages[-1].rank
+    for pipeline_rank, result in enumerate(results):
+        assert (result is None) == (pipeline_rank != last), "only the rank of the last stage returns the loss"
     assert all(q.empty() for q in channels.values()), "a tensor was sent but never received"
+    unsplit = [why for r in runners for why in r.unsplit]
+    assert not unsplit, f"a split backward ran whole in B: {unsplit}"
     grads: dict[str, torch.Tensor] = {}
-    for runner in runners:
-        for name, p in runner.stage.module.named_parameters():
-            if every_parameter:
-                assert name not in grads, f"{name} is held by two stages"
-                assert p.grad is not None, f"{name} got no gradient"
-            if p.grad is not None:
-                grads[name] = p.grad
-    loss = results[-1]
+    for pipeline_rank in range(plan.pp):
+        seen: set[int] = set()  # a tied parameter two stages of one rank share counts once
+        for stage in runners[pipeline_rank].local_stages:
+            for name, p in stage.module.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                canonical = stage.captured.parameter_names.get(name, name)
+                if every_parameter:
+                    assert p.grad is not None, f"{name} got no gradient"
+                if p.grad is not None:
+                    grads[canonical] = grads[canonical] + p.grad if canonical in grads else p.grad
+    loss = results[last]
     assert loss is not None
     return loss, grads

@@ -22,6 +22,35 @@ LR = 0.01
 MOMENTUM = 0.9
 
 
+def spawn_and_wait(fn: Any, nprocs: int, args: tuple[Any, ...], *, limit_s: float) -> list[int | None]:
+    """Start ``nprocs`` spawned ranks running ``fn(rank, *args)``; wait until all exit or ``limit_s`` passes.
+
+    Returns every rank's exit code (None for a rank still running at the limit; such
+    ranks are then killed).
+    """
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(p.is_alive() for p in context.processes):
+        time.sleep(0.05)
+    codes = [p.exitcode for p in context.processes]
+    for p in context.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return codes
+
+
+def error_of(call: Any) -> str | None:
+    """``call()``'s exception as ``"Type: message"``, or None when it returns."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the tests check the type and message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def set_rank_env(rank: int, world: int, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

@@ -4,7 +4,8 @@ Run it with ``tools/bench_planner.py`` (its docstring has the commands).  Module
 :mod:`~tools.benchplanner.baselines` (the standard splits), :mod:`~tools.benchplanner.reference`
 (exact optima, independent of the product's solver), :mod:`~tools.benchplanner.zoo` (models
 and their problems), :mod:`~tools.benchplanner.tables` (rows and tables),
-:mod:`~tools.benchplanner.wall` (wall time), :mod:`~tools.benchplanner.cli` (``main``).
+:mod:`~tools.benchplanner.wall` (wall time), :mod:`~tools.benchplanner.schedules` (the best
+plan per pipeline schedule on the large examples), :mod:`~tools.benchplanner.cli` (``main``).
 
 **Step time.**  For each GPT (``examples/gpt.py``) and pipeline width P, every split is
 evaluated by the same cost function, ``partitioner.problem.step_time(problem, stage_of,
@@ -45,4 +46,4 @@ first ``torch.export`` of the process is included), for a 12-layer GPT on 8 GPUs
 under 3 s and under 60 s.
 """
 
-__all__ = ["baselines", "cli", "reference", "tables", "wall", "zoo"]
+__all__ = ["baselines", "cli", "reference", "schedules", "tables", "wall", "zoo"]

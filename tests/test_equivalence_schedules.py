@@ -1,0 +1,281 @@
+"""Interleaved and zero-bubble schedules equal unpartitioned training (issue 11).
+
+* :class:`~runtime.execute.SplitBackward` on a small module: B then W gives a
+  plain backward's gradients, B runs no weight-gradient matrix product, and a
+  forward it cannot follow falls back to a whole backward in B.
+* In one process (``inprocess.run_stages``, a thread per pipeline rank):
+  loss and every gradient of one step equal the whole model's on the same
+  micro-batches, for many shapes of ``interleaved-1f1b``, ``zb-h1`` and ``zbv``.
+* Spawned gloo ranks (one spawn for every plan, ``schedule_workers``): three
+  SGD steps of each schedule with ``pp x dp = 2 x 2`` and a tied embedding / LM
+  head (for ``zbv`` both on rank 0: one shared Parameter), and with four
+  pipeline ranks; every step's loss, gradients and updated parameters match the
+  whole model (fp32, 1e-5).
+
+Plans come from the planner (``chunked.plan_schedule``: ``partitioner.compile``
+with the schedule), with predicted h100 costs so the splits are deterministic.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from chunked import plan_schedule
+from inprocess import run_stages
+from schedule_workers import compare_with_reference, train_plans
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
+from partitioner.modelfile import load_model_file
+from partitioner.plan import Plan
+from runtime.execute import SplitBackward
+
+MODELS = Path(__file__).parent / "models"
+TOLERANCE = 1e-5
+
+
+def _plan(tmp: Path, model: str, schedule: str, *, ranks: int, chunks: int, dp: int = 1,
+          microbatches: int = 4, batch: int = 16, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> Plan:
+    plan = plan_schedule(str(MODELS / f"{model}.py"), tmp, ranks=ranks, dp=dp, chunks=chunks,
+                         microbatches=microbatches, schedule=schedule, batch=batch, bucket_cap_mb=bucket_cap_mb)
+    assert (plan.pp, plan.chunks, plan.dp, plan.schedule) == (ranks, chunks, dp, schedule)
+    assert len(plan.stages) == ranks * chunks
+    return plan
+
+
+# ----------------------------------------------------------- split backward
+
+
+class _Counting(TorchDispatchMode):
+    """Counts aten ops by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Block(torch.nn.Module):
+    """Linears (one used twice), a norm, a parameter-only branch, and an output of parameters alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 6)
+        self.mid = torch.nn.Linear(6, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.gain = torch.nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.inp(x))
+        h = self.mid(h) + self.mid(h * 2)  # one weight at two ops
+        h = self.norm(h) * (self.gain * 2) + self.inp.weight.sum()
+        h += self.mid.bias  # in place, activation and weight meet
+        return h, self.inp(z)  # the second depends on parameters alone (z needs no gradient)
+
+
+class _Double(torch.autograd.Function):
+    """An op the recording cannot see into; on an activation alone it is harmless."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+class _Scale(torch.autograd.Function):
+    """An op the recording cannot see into, mixing an activation and a weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+def _split_run(block: torch.nn.Module, x: torch.Tensor, z: torch.Tensor, grads: list[torch.Tensor],
+               fn: Any = None) -> tuple[torch.Tensor, SplitBackward, collections.Counter[str], collections.Counter[str]]:
+    leaf = x.clone().requires_grad_()
+    split = SplitBackward([leaf])
+    with split.recording():
+        outputs = block(fn(leaf) if fn else leaf, z)
+    with _Counting() as b:
+        (gx,) = split.backward_inputs(list(outputs), grads, [leaf])
+    assert gx is not None
+    with _Counting() as w:
+        split.backward_weights()
+    return gx, split, b.ops, w.ops
+
+
+def _plain(block: torch.nn.Module, x: torch.Tensor, z: torch.Tensor, grads: list[torch.Tensor],
+           fn: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    leaf = x.clone().requires_grad_()
+    torch.autograd.backward(list(block(fn(leaf) if fn else leaf, z)), grads)
+    assert leaf.grad is not None
+    return leaf.grad, {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+
+
+def test_b_then_w_equals_a_plain_backward_and_b_skips_weight_products() -> None:
+    torch.manual_seed(0)
+    block, x, z = _Block(), torch.randn(3, 4), torch.randn(3, 4)
+    grads = [torch.randn(3, 6), torch.randn(3, 6)]
+    want_x, want = _plain(block, x, z, grads)
+    block.zero_grad(set_to_none=True)
+
+    gx, split, b_ops, w_ops = _split_run(block, x, z, grads)
+
+    assert split.unsplit is None
+    torch.testing.assert_close(gx, want_x, rtol=0, atol=TOLERANCE)
+    assert {n for n, p in block.named_parameters() if p.grad is not None} == set(want)
+    for name, p in block.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=0, atol=TOLERANCE, msg=name)
+    # B: the input gradients of the three linears on the activation path (mid twice, inp once);
+    # W: their three weight gradients and the one of inp(z).  No product runs twice.
+    assert b_ops["mm"] == 3, b_ops
+    assert w_ops["mm"] == 4, w_ops
+
+
+@pytest.mark.parametrize("hidden", ["activation only", "activation and weight"])
+def test_ops_the_recording_cannot_see(hidden: str) -> None:
+    """A custom autograd.Function: on an activation alone the split stays; mixing in a weight, B runs whole."""
+    torch.manual_seed(0)
+    block, x, z = _Block(), torch.randn(3, 4), torch.randn(3, 4)
+    scale = torch.nn.Parameter(torch.randn(4))
+    fn = _Double.apply if hidden == "activation only" else (lambda t: _Scale.apply(t, scale))
+    grads = [torch.randn(3, 6), torch.randn(3, 6)]
+    want_x, want = _plain(block, x, z, grads, fn)
+    want_scale = scale.grad
+    block.zero_grad(set_to_none=True)
+    scale.grad = None
+
+    gx, split, _, w_ops = _split_run(block, x, z, grads, fn)
+
+    if hidden == "activation only":
+        assert split.unsplit is None and w_ops["mm"] == 4
+    else:
+        assert split.unsplit is not None and "a parameter of shape (4,)" in split.unsplit, split.unsplit
+        assert w_ops["mm"] == 0, w_ops
+        torch.testing.assert_close(scale.grad, want_scale, rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(gx, want_x, rtol=0, atol=TOLERANCE)
+    for name, p in block.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=0, atol=TOLERANCE, msg=name)
+
+
+# ------------------------------------------------------------------ in process
+
+_SHAPES = [  # model, schedule, pipeline ranks, chunks, micro-batches
+    ("mlp", "interleaved-1f1b", 2, 2, 4),
+    ("mlp", "interleaved-1f1b", 2, 4, 2),
+    ("mlp", "interleaved-1f1b", 4, 2, 8),
+    ("mlp", "zb-h1", 4, 1, 8),
+    ("mlp", "zb-h1", 2, 1, 1),
+    ("mlp", "zbv", 2, 2, 4),
+    ("mlp", "zbv", 4, 2, 8),
+    ("mlp", "zbv", 2, 2, 1),
+    ("skip_mlp", "zb-h1", 4, 1, 4),
+    ("tied_lm", "interleaved-1f1b", 2, 2, 4),
+    ("tied_lm", "zb-h1", 2, 1, 4),
+    ("tied_lm", "zbv", 2, 2, 4),
+]
+
+
+@pytest.mark.parametrize(("model", "schedule", "ranks", "chunks", "microbatches"), _SHAPES)
+def test_one_step_in_process_matches_whole_model(
+    tmp_path: Path, model: str, schedule: str, ranks: int, chunks: int, microbatches: int
+) -> None:
+    batch = 16 if microbatches > 1 else 4
+    plan = _plan(tmp_path, model, schedule, ranks=ranks, chunks=chunks, microbatches=microbatches, batch=batch)
+    mf = load_model_file(str(MODELS / f"{model}.py"))
+    assert mf.loss_fn is not None and mf.example_target is not None
+    inputs, target = mf.example_inputs(batch), mf.example_target(batch)
+
+    loss, grads = run_stages(plan, mf.build, inputs, target, mf.loss_fn, every_parameter=True)
+
+    whole = mf.build()
+    size = plan.microbatch_size
+    want = torch.zeros(())
+    for mb in range(microbatches):  # the same micro-batches, each loss / M
+        part = slice(mb * size, (mb + 1) * size)
+        mb_loss = mf.loss_fn(whole(*(x[part] for x in inputs)), target[part]) / microbatches
+        mb_loss.backward()
+        want += mb_loss.detach()
+    torch.testing.assert_close(loss, want, rtol=0, atol=TOLERANCE)
+    expected = {n: p.grad for n, p in whole.named_parameters()}
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=TOLERANCE, msg=name)
+
+
+# -------------------------------------------------------------- spawned ranks
+
+_DEFAULT = DEFAULT_BUCKET_CAP_MB
+_SPAWNED = {  # name: model, schedule, pipeline ranks, chunks, dp, micro-batches, bucket MiB (4 ranks each)
+    "interleaved 2x2 tied": ("tied_lm", "interleaved-1f1b", 2, 2, 2, 4, _DEFAULT),
+    "zb-h1 2x2 tied": ("tied_lm", "zb-h1", 2, 1, 2, 4, _DEFAULT),
+    # ~1 KiB buckets: the replicas' gradients travel in several all-reduces.
+    "zbv 2x2 tied on one rank": ("tied_lm", "zbv", 2, 2, 2, 4, 0.001),
+    "interleaved P=4": ("mlp", "interleaved-1f1b", 4, 2, 1, 4, _DEFAULT),
+    "zb-h1 P=4 skips": ("skip_mlp", "zb-h1", 4, 1, 1, 4, _DEFAULT),
+    "zbv P=4": ("mlp", "zbv", 4, 2, 1, 4, _DEFAULT),
+}
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Plan, str, list[dict[str, Any]]]]:
+    """Plan every case, then train them all in one spawn of four ranks (shared by the tests below)."""
+    root = tmp_path_factory.mktemp("schedules")
+    jobs: dict[str, tuple[Plan, Path, str]] = {}
+    for k, (name, (model, schedule, ranks, chunks, dp, mbs, bucket)) in enumerate(_SPAWNED.items()):
+        directory = root / f"case{k}"
+        plan = _plan(directory, model, schedule, ranks=ranks, chunks=chunks, dp=dp, microbatches=mbs,
+                     bucket_cap_mb=bucket)
+        jobs[name] = (plan, directory, str(MODELS / f"{model}.py"))
+    records = train_plans([(d, spec) for _, d, spec in jobs.values()], steps=STEPS)
+    return {name: (plan, spec, rec) for (name, (plan, _, spec)), rec in zip(jobs.items(), records)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(_SPAWNED))
+def test_spawned_ranks_match_whole_model(spawned: dict[str, Any], case: str) -> None:
+    plan, spec, ranks = spawned[case]
+    diff = compare_with_reference(plan, spec, ranks)
+    assert diff.largest() <= TOLERANCE, diff
+    held = {n for r in ranks for n in r["grads"][0]}
+    model = load_model_file(spec).build()
+    names = set(dict(model.named_parameters(remove_duplicate=False)))
+    tied = {a for t in plan.tied for a in t.aliases}
+    assert names - tied <= held, f"no rank computed a gradient of {sorted(names - tied - held)}"
+    assert diff.compared >= len(names - tied) * STEPS
+
+
+@pytest.mark.slow
+def test_spawned_layouts_are_what_the_cases_claim(spawned: dict[str, Any]) -> None:
+    """Each case exercises what its name says: several stages per rank, where the tied weight lives, W actions."""
+    plan, _, ranks = spawned["zbv 2x2 tied on one rank"]
+    (tie,) = plan.tied
+    assert tie.stages == (0, 3) and {plan.stages[s].rank for s in tie.stages} == {0}
+    assert [r["stages"] for r in ranks] == [(0, 3), (0, 3), (1, 2), (1, 2)]
+    # Rank 0's embedding and LM head are one Parameter: one gradient, under its first name.
+    assert "wte.weight" in ranks[0]["grads"][0] and "lm_head.weight" not in ranks[0]["grads"][0]
+    plan, _, ranks = spawned["interleaved 2x2 tied"]
+    (tie,) = plan.tied
+    assert {plan.stages[s].rank for s in tie.stages} == {0, 1}, "tied across ranks"
+    assert [r["stages"] for r in ranks] == [(0, 2), (0, 2), (1, 3), (1, 3)]
+    for name in ("zb-h1 2x2 tied", "zb-h1 P=4 skips", "zbv P=4"):
+        assert any("W" in a for row in spawned[name][0].actions for a in row), name
+    plan, _, _ = spawned["zb-h1 P=4 skips"]
+    assert any(b.target >= b.source + 2 for s in plan.stages for b in s.inputs), "a boundary skips a stage"
