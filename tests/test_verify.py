@@ -326,3 +326,21 @@ def test_a_wrong_model_is_still_a_mismatch(tmp_path: Path) -> None:
     assert text.startswith("MISMATCH: first at step 1 of 3: the loss differs by 1.0e-02"), text
     assert " on rank 1 (stage 1, replica 0)" in text and "look at the forward" in text, text
     assert all(line.split()[2] == "MISMATCH" for line in result.report().splitlines()[:3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "schedule", "chunks"),
+    [("tied_lm.py", "zbv", 2), ("meta_gpt.py", "interleaved-1f1b", 2)],
+)
+def test_chunked_schedules_verify(tmp_path: Path, model: str, schedule: str, chunks: int) -> None:
+    """verify runs a plan whose ranks hold several stages (a meta-built model too) and names them."""
+    from chunked import plan_schedule  # type: ignore[import-not-found]  # tests/models, on sys.path
+
+    spec = str(MODELS / model)
+    plan = plan_schedule(spec, tmp_path, ranks=2, chunks=chunks, microbatches=4, schedule=schedule)
+    result = verify(tmp_path, spec, steps=3)
+    assert result.ok, result.report()
+    assert result.max_grad_diff < 1e-5
+    assert any("stages " in place for place in result.rank_places), result.rank_places
+    assert plan.chunks == 2 and len(plan.stages) == 4
