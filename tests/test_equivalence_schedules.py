@@ -1,6 +1,6 @@
 """Interleaved and zero-bubble schedules equal unpartitioned training (issue 11).
 
-* :class:`~runtime.execute.SplitBackward` on a small module: B then W gives a
+* :class:`~runtime.splitbackward.SplitBackward` on a small module: B then W gives a
   plain backward's gradients, B runs no weight-gradient matrix product, and a
   forward it cannot follow falls back to a whole backward in B.
 * In one process (``inprocess.run_stages``, a thread per pipeline rank):
@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from runtime.execute import SplitBackward
+from runtime.splitbackward import SplitBackward
 
 MODELS = Path(__file__).parent / "models"
 TOLERANCE = 1e-5
