@@ -297,7 +297,7 @@ def _candidates(plan: Plan) -> list[str]:
             c.note or c.status,
         ])
     body = _render(["", "pp", "dp", "M", "sched", "recomp", "closed form", "simulated", "why not chosen"],
-                   rows, {1, 2, 3, 6, 7}, shrink=8, indent=2)
+                   rows, {1, 2, 3, 6, 7}, shrink=8, indent=2, keep_head=True)
     title = "candidates: pp x dp x M x schedule (* = chosen; simulated: the best, and the best of each schedule)"
     lines = _wrap(title) + ["  " + line for line in body]
     hidden = len(plan.candidates) - len(shown)
@@ -320,10 +320,10 @@ def _recomputed(c: Candidate) -> str:
 
 def _render(
     headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int], *, shrink: int | None = None,
-    indent: int = 0,
+    indent: int = 0, keep_head: bool = False,
 ) -> list[str]:
-    """Aligned columns; column ``shrink`` is cut short in the middle so that lines indented by
-    ``indent`` stay within :data:`WIDTH`."""
+    """Aligned columns; column ``shrink`` is cut short in the middle (``keep_head``: at its end,
+    for sentences) so that lines indented by ``indent`` stay within :data:`WIDTH`."""
     cells = [list(r) for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     gap = 2
@@ -335,7 +335,7 @@ def _render(
         assert shrink is not None
         room = max(len(headers[shrink]), widths[shrink] - over(), least)
         for r in cells:
-            r[shrink] = _shorten(r[shrink], room)
+            r[shrink] = _head(r[shrink], room) if keep_head else _shorten(r[shrink], room)
         widths[shrink] = max([len(headers[shrink])] + [len(r[shrink]) for r in cells])
 
     # Wide tables (many stages: 4-digit ranks; replicas: one more column) give up, in turn,
@@ -365,6 +365,15 @@ def _shorten(text: str, width: int) -> str:
         return text
     head = (width - 1) // 2
     return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+def _head(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, cut at its end (an ellipsis marks the cut).
+
+    >>> _head("slower: +7.1% (simulated), bubble 22%", 27)
+    'slower: +7.1% (simulated),…'
+    """
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _wrap(text: str, *, indent: str = "", subsequent: str | None = None) -> list[str]:
