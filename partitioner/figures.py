@@ -10,7 +10,15 @@ Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
 Pipeline Parallelism", NeurIPS 2019: forward boxes in one colour, backward
 boxes in another, each labelled with its micro-batch when wide enough; waits
 for a peer's data are thin hatched strips, all-reduce buckets a hatched strip
-under the row, and idle time (the bubble) is left blank.
+under the row, and idle time (the bubble) is left blank.  Where a rank holds
+several stages (interleaved-1f1b, zbv) its boxes say which: the rank's first
+stage in full colour, later ones lighter, and the micro-batch carries the
+chunk's letter (``3b``: micro-batch 3 of the rank's second stage; the row's
+label lists ``a=s0 b=s3``).  With one stage per rank nothing changes.
+
+:func:`stage_bars_png` draws time per micro-batch per stage (``s3 (r0)``:
+stage 3 on pipeline rank 0 when ranks hold several) and peak memory per
+pipeline rank, i.e. per GPU (:func:`rank_memory_bars`), against the GPU limit.
 
 Example::
 
@@ -26,18 +34,27 @@ Example::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partitioner.plan import Plan
+from partitioner.table import schedule_label
 from partitioner.timeline import ALLREDUCE_KIND, COMPUTE_KINDS, TimelineEvent
 from partitioner.units import byte_unit
 
 if TYPE_CHECKING:
     from partitioner.simulate import Simulation
 
-__all__ = ["COLORS", "byte_unit", "stage_bars_png", "timeline_png"]  # byte_unit lives in partitioner.units
+__all__ = [
+    "COLORS",
+    "byte_unit",
+    "rank_memory_bars",
+    "stage_bars_png",
+    "timeline_png",
+    "track_stages",
+]  # byte_unit lives in partitioner.units
 
 COLORS = {
     "F": "#4C72B0",  # forward: blue
@@ -52,6 +69,8 @@ COLORS = {
 _DPI = 150
 _OFF_SCALE = 5.0  # draw the memory limit only when it is within this factor of the usage
 _CHAR_PX = 6.5  # width of one label character at font size 7, in pixels at _DPI
+_LIGHTEST = 0.55  # share of white in the shade of a rank's last stage (its first has none)
+_STAGE_PREFIX = re.compile(r"^(\d+)")  # the stage an action names: 3F0
 
 
 def timeline_png(
@@ -68,6 +87,8 @@ def timeline_png(
     listed = list(events)
     tracks = sorted({e.track for e in listed}) or [0]
     row_of = {t: r for r, t in enumerate(tracks)}
+    held = track_stages(listed)
+    chunks = max((len(stages) for stages in held.values()), default=1)
     end_ms = max((e.end_s for e in listed), default=0.0) * 1e3 or 1.0
 
     fig = Figure(figsize=(11.0, max(2.4, 1.2 + 0.55 * len(tracks))), dpi=_DPI)
@@ -79,12 +100,15 @@ def timeline_png(
         y = row_of[e.track]
         start, width = e.start_s * 1e3, (e.end_s - e.start_s) * 1e3
         if e.kind in COMPUTE_KINDS:
-            ax.broken_barh([(start, width)], (y - 0.35, 0.7), facecolors=COLORS[e.kind],
+            # A rank holding several stages: which of them (its chunk) in the shade and as a letter.
+            stages = held.get(e.track, ())
+            chunk = stages.index(_stage_of(e)) if len(stages) > 1 and _stage_of(e) in stages else 0
+            ax.broken_barh([(start, width)], (y - 0.35, 0.7), facecolors=_lighter(COLORS[e.kind], chunk, chunks),
                            edgecolors="white", linewidth=0.6)
-            text = str(e.microbatch)
+            text = str(e.microbatch) + (_letter(chunk) if len(stages) > 1 else "")
             if width * px_per_ms >= _CHAR_PX * len(text) + 4:
                 ax.text(start + width / 2, y, text, ha="center", va="center", fontsize=7,
-                        color="white", fontweight="bold")
+                        color="white" if chunk == 0 else "#222222", fontweight="bold")
         elif e.kind in ("RF", "RB") and width > 0:
             ax.broken_barh([(start, width)], (y - 0.04, 0.08), facecolors="none",
                            edgecolors=COLORS["wait"], hatch="////", linewidth=0.3)
@@ -95,7 +119,7 @@ def timeline_png(
 
     ax.axvline(end_ms, color="black", linestyle="--", linewidth=0.8)
     ax.text(end_ms, -0.45, f"step {end_ms:.3g} ms ", ha="right", va="center", fontsize=8)
-    ax.set_yticks(range(len(tracks)), [f"{track_name} {t}" for t in tracks])
+    ax.set_yticks(range(len(tracks)), [_track_label(f"{track_name} {t}", held.get(t, ())) for t in tracks])
     ax.set_ylim(len(tracks) - 0.4, -0.7)  # track 0 on top
     ax.set_xlim(0, end_ms * 1.02)
     ax.set_xlabel("time (ms)")
@@ -109,6 +133,9 @@ def timeline_png(
                           Patch(facecolor=COLORS["B"], label="backward")]
     if "W" in kinds:
         handles.append(Patch(facecolor=COLORS["W"], label="weights (W)"))
+    if chunks > 1:
+        handles += [Patch(facecolor=_lighter(COLORS["F"], k, chunks),
+                          label=f"{_letter(k)}: {_ordinal(k + 1)} stage") for k in range(chunks)]
     if kinds & {"RF", "RB"}:
         handles.append(Patch(facecolor="none", edgecolor=COLORS["wait"], hatch="////", label="waiting for data"))
     if ALLREDUCE_KIND in kinds:
@@ -119,18 +146,21 @@ def timeline_png(
 
 
 def stage_bars_png(plan: Plan, path: str | Path, *, simulation: Simulation | None = None) -> Path:
-    """Per-stage time per micro-batch (forward, backward, recomputation, transfers; stacked) and peak memory.
+    """Per-stage time per micro-batch (forward, backward, recomputation, transfers; stacked) and peak memory per GPU.
 
     Transfers are priced on the link each boundary crosses, and static memory at the
     plan's precision, as the simulator does (:func:`partitioner.simulate.boundary_seconds`,
-    :func:`~partitioner.simulate.stage_static_bytes`).
+    :func:`~partitioner.simulate.stage_static_bytes`).  Memory is per pipeline rank
+    (one GPU of each replica: :func:`rank_memory_bars`), so a rank holding several
+    stages (``plan.chunks > 1``) shows them together against the GPU limit.
     """
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from partitioner.simulate import boundary_seconds, simulate, stage_static_bytes
+    from partitioner.simulate import boundary_seconds, simulate
 
     sim = simulation if simulation is not None else simulate(plan)
+    chunked = plan.chunks > 1
     stages = [st.index for st in plan.stages]
     fwd = [st.predicted.forward_s * 1e3 for st in plan.stages]
     redo = [st.predicted.recompute_s * 1e3 for st in plan.stages]
@@ -138,8 +168,8 @@ def stage_bars_png(plan: Plan, path: str | Path, *, simulation: Simulation | Non
     cm = plan.cost_model
     seconds = boundary_seconds(plan)
     comm = [2e3 * sum(seconds[src][st.index] for src in range(len(plan.stages))) for st in plan.stages]
-    static = stage_static_bytes(plan)
-    activations = [max(0.0, peak - base) for peak, base in zip(sim.peak_memory_bytes, static)]
+    static, activations = rank_memory_bars(plan, sim)
+    ranks = list(range(len(static)))
     predicted = list(plan.predicted.peak_memory_bytes)
     limit = cm.memory_limit
     used = max([a + b for a, b in zip(static, activations)] + predicted + [1.0])
@@ -164,16 +194,16 @@ def stage_bars_png(plan: Plan, path: str | Path, *, simulation: Simulation | Non
     left.set_ylim(0, 1.3 * max([b + c for b, c in zip(below, comm)] + [1e-9]))
     left.legend(fontsize=8, frameon=False, loc="upper left", ncol=3)
 
-    right.bar(stages, [s / div for s in static], color=COLORS["static"], label="parameters, grads, optimizer")
-    right.bar(stages, [a / div for a in activations], bottom=[s / div for s in static],
+    right.bar(ranks, [s / div for s in static], color=COLORS["static"], label="parameters, grads, optimizer")
+    right.bar(ranks, [a / div for a in activations], bottom=[s / div for s in static],
               color=COLORS["activations"], label="activations in flight")
-    for x, a, b in zip(stages, static, activations):
+    for x, a, b in zip(ranks, static, activations):
         right.text(x, (a + b) / div, f"{(a + b) / div:.3g}", ha="center", va="bottom", fontsize=8)
     handles: list[Any] = [Patch(color=COLORS["static"], label="parameters, grads, optimizer"),
                           Patch(color=COLORS["activations"], label="activations in flight (simulated)")]
     if predicted:
-        handles.append(right.scatter(stages, [p / div for p in predicted], marker="_", s=400,
-                                     color="black", zorder=3, label="plan's predicted peak"))
+        handles.append(right.scatter(ranks[:len(predicted)], [p / div for p in predicted[:len(ranks)]], marker="_",
+                                     s=400, color="black", zorder=3, label="plan's predicted peak"))
     title = "peak memory per GPU"
     if limit is not None and on_scale:
         handles.append(right.axhline(limit / div, color=COLORS["limit"], linestyle="--",
@@ -185,14 +215,92 @@ def stage_bars_png(plan: Plan, path: str | Path, *, simulation: Simulation | Non
     right.set_ylabel(unit)
     right.set_ylim(0, 1.35 * largest / div)
     right.legend(handles=handles, fontsize=8, frameon=False, loc="upper left", ncol=2)
+    if chunked:
+        small = 8 if len(stages) > 8 else None
+        left.set_xticks(stages, [f"s{st.index} (r{st.rank})" for st in plan.stages], fontsize=small)
+        right.set_xticks(ranks, [f"rank {r}\n" + ", ".join(f"s{s}" for s in plan.stages_of(r)) for r in ranks],
+                         fontsize=small)
+        shape = f"{_count(plan.pp, 'pipeline rank')} x {plan.chunks} stages each x {_count(plan.dp, 'replica')}"
+    else:
+        for ax, xs in ((left, stages), (right, ranks)):
+            ax.set_xticks(xs, [f"stage {s}" for s in xs])
+        shape = f"{_count(plan.pp, 'stage')} x {_count(plan.dp, 'replica')}"
     for ax in (left, right):
-        ax.set_xticks(stages, [f"stage {s}" for s in stages])
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
-    fig.suptitle(f"{plan.model.class_name}: {_count(plan.pp, 'stage')} x {_count(plan.dp, 'replica')}, "
-                 f"{plan.schedule}", fontsize=11)
+    fig.suptitle(f"{plan.model.class_name}: {shape}, {schedule_label(plan.schedule, plan.chunks)}", fontsize=11)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def rank_memory_bars(plan: Plan, simulation: Simulation | None = None) -> tuple[list[float], list[float]]:
+    """Per pipeline rank (one GPU of each replica): (static bytes, activation bytes at its simulated peak).
+
+    Static bytes are the sum of :func:`~partitioner.simulate.stage_static_bytes` over
+    the stages the rank holds (``plan.stages_of``); the activations are what the
+    simulation holds on top at the rank's peak, so the two add up to
+    ``Simulation.peak_memory_bytes`` (the plan's ``predicted.peak_memory_bytes``).
+
+    >>> from partitioner.plan import example_plan
+    >>> static, activations = rank_memory_bars(example_plan())
+    >>> static, activations  # 64 bytes of fp32 weights with Adam; GPipe holds both micro-batches of 32 bytes
+    ([256.0, 256.0], [64.0, 64.0])
+    """
+    from partitioner.simulate import simulate, stage_static_bytes
+
+    sim = simulation if simulation is not None else simulate(plan)
+    per_stage = stage_static_bytes(plan)
+    static = [sum(per_stage[s] for s in plan.stages_of(r)) for r in range(len(sim.peak_memory_bytes))]
+    return static, [max(0.0, peak - held) for peak, held in zip(sim.peak_memory_bytes, static)]
+
+
+def track_stages(events: Iterable[TimelineEvent]) -> dict[int, tuple[int, ...]]:
+    """The stages each track computes (its F, B and W actions name them), ascending: the rank's chunks in order.
+
+    >>> events = [TimelineEvent(0, "F0", "0F0", 0, "F", 0.0, 1.0), TimelineEvent(1, "F0", "1F0", 0, "F", 1.0, 2.0),
+    ...           TimelineEvent(0, "F0", "3F0", 0, "F", 2.0, 3.0), TimelineEvent(0, "SF0", "3SF0", 0, "SF", 3.0, 3.0)]
+    >>> track_stages(events)
+    {0: (0, 3), 1: (1,)}
+    """
+    found: dict[int, set[int]] = {}
+    for e in events:
+        if e.kind in COMPUTE_KINDS:
+            found.setdefault(e.track, set()).add(_stage_of(e))
+    return {track: tuple(sorted(stages)) for track, stages in sorted(found.items())}
+
+
+def _stage_of(event: TimelineEvent) -> int:
+    match = _STAGE_PREFIX.match(event.action)
+    return int(match[1]) if match else event.track
+
+
+def _lighter(color: str, chunk: int, chunks: int) -> str:
+    """``color`` (``#RRGGBB``) mixed with white: chunk 0 as it is, the last chunk :data:`_LIGHTEST` white.
+
+    >>> _lighter("#000000", 0, 2), _lighter("#000000", 1, 2)
+    ('#000000', '#8C8C8C')
+    """
+    if chunk <= 0 or chunks <= 1:
+        return color
+    share = _LIGHTEST * chunk / (chunks - 1)
+    channels = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(c + (255 - c) * share):02X}" for c in channels)
+
+
+def _letter(chunk: int) -> str:
+    """The chunk's marker in box labels: a, b, c, ... (then c26, c27, ...)."""
+    return chr(ord("a") + chunk) if chunk < 26 else f"c{chunk}"
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _track_label(name: str, stages: tuple[int, ...]) -> str:
+    """``rank 0``, or with several stages ``rank 0`` over ``a=s0 b=s3`` (the letters of its boxes)."""
+    if len(stages) <= 1:
+        return name
+    return name + "\n" + " ".join(f"{_letter(k)}=s{s}" for k, s in enumerate(stages))
 
 
 def _count(n: int, noun: str) -> str:

@@ -10,8 +10,9 @@
   pp x dp x M x schedule combination considered and why each lost, the
   solver's status and gap, tied parameters, the rank layout (with the stages
   each pipeline rank holds), and the commands to verify and run it;
-* ``timeline.png`` (one row per stage, GPipe style) and ``stages.png``
-  (time and peak memory per stage);
+* ``timeline.png`` (one row per pipeline rank, GPipe style; a rank holding
+  several stages shades and letters each one's boxes) and ``stages.png``
+  (time per stage, peak memory per pipeline rank against the GPU limit);
 * ``predicted_trace.json``: the simulated step as a Chrome / Perfetto trace.
 
 Example::
@@ -55,14 +56,7 @@ def write_report(plan: Plan, directory: str | Path) -> Path:
     title = (f"{plan.model.class_name}: {plan.pp} x {plan.dp}, {schedule_label(plan.schedule, plan.chunks)}, "
              f"M = {plan.microbatches}")
     timeline_png(sim.events, path / "timeline.png", title=f"{title} (simulated step)")
-    try:
-        stage_bars_png(plan, path / "stages.png", simulation=sim)
-    except ValueError:
-        # Bars per stage against memory per pipeline rank: a figure that cannot draw a rank holding
-        # several stages yet; the report then goes without it (the tables hold the same numbers).
-        if plan.chunks == 1:
-            raise
-        (path / "stages.png").unlink(missing_ok=True)
+    stage_bars_png(plan, path / "stages.png", simulation=sim)
     write_chrome_trace(path / "predicted_trace.json", sim.events, title=f"predicted: {title}")
     target = path / "report.md"
     target.write_text(report_markdown(plan, simulation=sim, directory=path))
@@ -77,7 +71,7 @@ def report_markdown(plan: Plan, *, simulation: Simulation | None = None, directo
         _summary(plan, sim),
         _assumptions(plan),
         "## Stages\n\n" + _stage_table(plan) + _block_graph(directory),
-        _simulation(plan, sim, directory),
+        _simulation(plan, sim),
         _candidates(plan),
         _solver(plan),
         _tied(plan),
@@ -158,7 +152,7 @@ def _stage_table(plan: Plan) -> str:
     return _table(head, rows)
 
 
-def _simulation(plan: Plan, sim: Simulation, directory: str | Path = "plan") -> str:
+def _simulation(plan: Plan, sim: Simulation) -> str:
     closed = plan.solver.objective
     diff = (sim.step_s / closed - 1) if closed > 0 else 0.0
     limit = plan.cost_model.memory_limit
@@ -202,10 +196,13 @@ def _simulation(plan: Plan, sim: Simulation, directory: str | Path = "plan") -> 
                       f"(2 + {plan.cost_model.optimizer_states} optimizer states) plus the activations in flight.")]
     lines += [
         "",
-        f"![timeline: one row per {what}, forward (blue) and backward (orange) per micro-batch](timeline.png)",
+        (f"![timeline: one row per {what}, forward (blue) and backward (orange) per micro-batch"
+         + ("" if plan.chunks == 1 else "; a rank's later stages lighter, lettered (3b: micro-batch 3 of its 2nd)")
+         + "](timeline.png)"),
         "",
-        *(["![time per micro-batch and peak memory per stage](stages.png)", ""]
-          if plan.chunks == 1 or (Path(directory) / "stages.png").exists() else []),
+        ("![time per micro-batch per stage and peak memory per GPU](stages.png)" if plan.chunks > 1
+         else "![time per micro-batch and peak memory per stage](stages.png)"),
+        "",
         ("The simulated step as a trace: `predicted_trace.json` (open it in https://ui.perfetto.dev "
         "or chrome://tracing)."),
     ]

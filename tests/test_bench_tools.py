@@ -1,4 +1,4 @@
-"""Smoke tests of tools/bench_runtime.py and tools/bench_predict.py: their smallest runs work end to end."""
+"""Smoke tests of tools/bench_runtime.py, bench_predict.py and bench_schedules.py: their smallest runs work end to end."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tools import bench_predict, bench_runtime
 
-pytestmark = pytest.mark.slow  # both spawn ranks: about 25 s together
+pytestmark = pytest.mark.slow  # all spawn ranks: about 35 s together
 
 TINY = ["--layers", "2", "--embd", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--microbatches", "2"]
 
@@ -39,3 +39,20 @@ def test_bench_predict_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     (result,) = json.loads((tmp_path / "p.json").read_text())
     assert result["measured_step_s"] > 0 and len(result["stages"]) == 2
     assert all(s["measured_compute_s"] > 0 for s in result["stages"])
+
+
+def test_bench_schedules_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools import bench_schedules
+
+    out = tmp_path / "schedules.json"
+    tiny = [*TINY[:-1], "4"]  # 4 micro-batches: zbv's V needs at least 2P - 1 = 3 to fill
+    assert bench_schedules.main(["--quick", *tiny, "--rounds", "1", "--steps", "1", "--only", "ours_zbv,torch_zbv",
+                                 "--probe-timeout", "5", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "meas/pred" in text and "ours, ZBV vs torch ZBVZeroBubble" in text
+    ours, theirs = json.loads(out.read_text())["rows"]
+    assert (ours["key"], theirs["key"]) == ("ours_zbv", "torch_zbv")
+    assert ours["step_s"] > 0 and ours["predicted_s"] > 0
+    if theirs["error"] is None:  # torch ran (maybe with cloned outputs): same loss, same gradients
+        assert abs(ours["loss"] - theirs["loss"]) < 1e-5
+        assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-5 * ours["grad_norm"]

@@ -141,6 +141,33 @@ def test_hand_made_splits_are_megatron_and_torchtitan() -> None:
     )
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_hand_made_splits_of_a_chunked_plan_use_every_stage(schedule: str) -> None:
+    """About 1 s each: 2 ranks x 2 chunks, so the hand-made splits cut 4 stages (not pp = 2) on the same ranks."""
+    from partitioner.planner import compile
+    from tools import bench_large
+
+    model_file = load_model_file(GPT3)
+    model = model_file.build()
+    recorder = bench_large._Recorder()
+    try:
+        plan = compile(model, model_file.example_inputs(16), gpus=4, pp=2, dp=2, microbatches=4,
+                       schedule=schedule, chunks=2, device="h100", precision="bf16-mixed")
+    finally:
+        recorder.restore()
+    assert (plan.pp, plan.chunks, len(plan.stages)) == (2, 2, 4)
+    assert bench_large._shape(plan) in recorder.calls
+    n_layers = bench_large._n_layers(model)  # 4
+    for split, layers in ((bench_large.equal_layer_split(n_layers, 4), "1x4"),
+                          (bench_large.first_last_lighter_split(n_layers, 4), "1|2|1|0")):
+        assert split is not None
+        result = bench_large._evaluate_split(recorder, plan, split, n_layers)
+        assert "error" not in result, result["error"]
+        assert result["split"] == layers and len(result["stage_compute_s"]) == 4
+        assert result["fits"] and result["peak_bytes"] > 0
+        assert result["step_s"] >= plan.predicted.step_s * (1 - 1e-9)  # ours is never slower
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("spec", "schedule"), [(LLAMA, "1f1b"), (GPT3, "gpipe")])
 def test_tiny_default_plans_and_verifies(tmp_path: Path, spec: str, schedule: str) -> None:

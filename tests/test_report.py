@@ -6,8 +6,9 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from chunked import plan_schedule
 
-from partitioner.figures import stage_bars_png, timeline_png
+from partitioner.figures import rank_memory_bars, stage_bars_png, timeline_png, track_stages
 from partitioner.plan import (
     Boundary,
     Candidate,
@@ -22,11 +23,12 @@ from partitioner.plan import (
 from partitioner.problem import in_flight
 from partitioner.report import REPORT_FILES, report_markdown, write_report
 from partitioner.schedule import compute_order, lower
-from partitioner.simulate import simulate
+from partitioner.simulate import simulate, stage_static_bytes
 from partitioner.timeline import read_events
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIB = 2**20
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def pipeline_plan(stages: int = 4, microbatches: int = 8, *, dp: int = 2, kind: str = "1f1b") -> Plan:
@@ -108,3 +110,30 @@ def test_figures_for_four_stages(tmp_path: Path, suffix: str) -> None:
     for path in (timeline, bars):
         head = path.read_bytes()[:200]
         assert head.startswith(PNG_MAGIC) if suffix == ".png" else b"<svg" in head
+
+
+@pytest.mark.parametrize(("schedule", "ranks", "microbatches"), [("interleaved-1f1b", 2, 4), ("zbv", 2, 4)])
+def test_report_of_a_chunked_plan_draws_both_figures(
+    tmp_path: Path, schedule: str, ranks: int, microbatches: int
+) -> None:
+    """A plan with two stages per pipeline rank (from the planner): timeline and stages.png, memory per rank."""
+    directory = tmp_path / "plan"
+    plan = plan_schedule(str(ROOT / "examples" / "gpt.py"), directory, ranks=ranks, chunks=2,
+                         microbatches=microbatches, schedule=schedule)
+    assert plan.chunks == 2 and len(plan.stages) == 2 * ranks
+    for name in REPORT_FILES:
+        (directory / name).unlink(missing_ok=True)
+    text = write_report(plan, directory).read_text()
+    for name in ("timeline.png", "stages.png"):
+        assert (directory / name).read_bytes()[:8] == PNG_MAGIC, name
+        assert f"({name})" in text
+    sim = simulate(plan)
+    # The memory panel: one bar per pipeline rank, the static bytes of every stage it holds + activations.
+    static, activations = rank_memory_bars(plan, sim)
+    per_stage = stage_static_bytes(plan)
+    assert static == [sum(per_stage[s] for s in plan.stages_of(r)) for r in range(ranks)]
+    assert [a + b for a, b in zip(static, activations)] == pytest.approx(list(sim.peak_memory_bytes))
+    assert list(sim.peak_memory_bytes) == pytest.approx(list(plan.predicted.peak_memory_bytes))
+    assert all(a > 0 for a in activations)
+    # The timeline tells a rank's chunks apart by the stages its boxes name.
+    assert track_stages(sim.events) == {r: plan.stages_of(r) for r in range(ranks)}

@@ -32,8 +32,9 @@ model on the meta device and runs ``partitioner.compile``; it reports
   it (``ru_maxrss``, imports and the model file included; the parent also reads the
   whole child's peak through ``os.wait4``);
 * the chosen pp x dp x M, schedule, recomputation per stage, predicted MFU and step;
-* the hand-made splits people use today, at the *same* pp x dp x M and schedule,
-  with the same cost model, the same per-stage recomputation rule and the same
+* the hand-made splits people use today, at the *same* pp x dp x M, schedule and
+  stages per rank (an interleaved or zbv plan's pp x chunks stages are split by
+  hand over the same ranks), with the same cost model, the same per-stage recomputation rule and the same
   simulator: **equal layers** (Megatron-LM's default: L / pp transformer layers per
   stage, the embedding with the first stage, the final norm and LM head with the
   last; ``tools.benchplanner.baselines.equal_layers``) and **first/last lighter**
@@ -273,7 +274,28 @@ class _Recorder:
 
 
 def _shape(plan: Any) -> tuple[Any, ...]:
-    return (plan.pp, plan.dp, plan.microbatches, plan.schedule)
+    """The recorder's key: pp x dp x M, schedule and stages per rank (a planner before chunks: 1)."""
+    return (plan.pp, plan.dp, plan.microbatches, plan.schedule, getattr(plan, "chunks", 1))
+
+
+def _stage_count(plan: Any) -> int:
+    """Stages of a plan or a solved combination: pp x chunks (``len(plan.stages)``; ``Solved.stages``)."""
+    stages = getattr(plan, "stages", None)
+    if isinstance(stages, int):
+        return stages
+    return len(stages) if stages is not None else int(plan.pp)
+
+
+def _gpu_peak(plan: Any) -> float:
+    """Peak bytes on the fullest GPU: the largest stage with one stage per rank, else the fullest rank's.
+
+    A rank holding several stages holds them all at once, so its simulated peak
+    (``predicted.peak_memory_bytes``, per pipeline rank) is what has to fit.
+    """
+    stage_peak = max(s.predicted.memory_bytes for s in plan.stages)
+    if getattr(plan, "chunks", 1) == 1:
+        return float(stage_peak)
+    return float(max(plan.predicted.peak_memory_bytes, default=stage_peak))
 
 
 def _find(values: Sequence[Any], test: Callable[[Any], bool]) -> tuple[int, Any]:
@@ -300,7 +322,7 @@ def _evaluate_split(
     index, solved = _find(values, lambda v: type(v).__name__ in ("Solved", "_Solved"))
     _, graph = _find(values, lambda v: hasattr(v, "blocks") and hasattr(v, "node_time_s"))
     _, captured = _find(values, lambda v: hasattr(v, "graph_module") and hasattr(v, "nodes"))
-    problem, stages = solved.problem, solved.pp
+    problem, stages = solved.problem, _stage_count(solved)  # pp x chunks stages, placed by problem.stage_rank
     nodes = captured.nodes()
     units = block_units([module_path(nodes[members[0]]) for members in graph.blocks], n_layers)
     stage_of = _repair([unit_stage[u] for u in units], problem.edges)
@@ -335,15 +357,15 @@ def _evaluate_split(
     else:
         key = list(kwargs)[index - len(args)]
         built = recorder.original(*args, **{**kwargs, key: replaced})
-    memory = [s.predicted.memory_bytes for s in built.stages]
+    peak = _gpu_peak(built)
     limit = built.cost_model.memory_limit
     return {
         "split": layers_per_stage(unit_stage, stages),
         "closed_s": closed,
         "step_s": built.predicted.step_s,
         "mfu": getattr(built.predicted, "mfu", None),
-        "peak_bytes": max(memory),
-        "fits": limit is None or max(memory) <= limit * (1 + 1e-9),
+        "peak_bytes": peak,
+        "fits": limit is None or peak <= limit * (1 + 1e-9),
         "recompute": summarize_recompute(_stage_recompute(built)),
         "stage_compute_s": _stage_compute(built),
     }
@@ -437,20 +459,20 @@ def run_child(case: Case) -> dict[str, Any]:
     rss = _self_rss()
     recorder.restore()
     n_layers = _n_layers(model)
+    stages = _stage_count(plan)  # a hand-made split has as many stages as ours, on the same ranks
     baselines: dict[str, Any] = {}
     for name, split in (
-        ("equal layers", equal_layer_split(n_layers, plan.pp)),
-        ("first/last lighter", first_last_lighter_split(n_layers, plan.pp)),
+        ("equal layers", equal_layer_split(n_layers, stages)),
+        ("first/last lighter", first_last_lighter_split(n_layers, stages)),
     ):
         if split is None:
-            baselines[name] = {"error": f"pp {plan.pp} > {n_layers} layers"}
+            baselines[name] = {"error": f"{stages} stages > {n_layers} layers"}
             continue
         try:
             baselines[name] = _evaluate_split(recorder, plan, split, n_layers)
         except Exception as exc:  # noqa: BLE001 - reported in the table
             baselines[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     predicted = plan.predicted
-    memory = [s.predicted.memory_bytes for s in plan.stages]
     return {
         "case": case.name,
         "parameters": parameters,
@@ -461,12 +483,13 @@ def run_child(case: Case) -> dict[str, Any]:
         "dp": plan.dp,
         "microbatches": plan.microbatches,
         "schedule": plan.schedule,
+        "chunks": getattr(plan, "chunks", 1),
         "precision": getattr(plan, "precision", None),
         "recompute": summarize_recompute(_stage_recompute(plan)),
         "step_s": predicted.step_s,
         "closed_s": plan.solver.objective,
         "mfu": getattr(predicted, "mfu", None),
-        "peak_bytes": max(memory),
+        "peak_bytes": _gpu_peak(plan),
         "memory_limit": plan.cost_model.memory_limit,
         "solver": f"{plan.solver.name} ({plan.solver.status}, {plan.solver.blocks} blocks)",
         "candidates": len(plan.candidates),
@@ -540,6 +563,17 @@ def _s(x: float | None) -> str:
 
 def _gb(x: float | None) -> str:
     return "-" if x is None else f"{x / 1e9:.2f}"
+
+
+def _schedule_cell(result: dict[str, Any]) -> str:
+    """The schedule, with its stages per rank where it chooses them (``interleaved-1f1b x2``).
+
+    >>> _schedule_cell({"schedule": "interleaved-1f1b", "chunks": 2}), _schedule_cell({"schedule": "zbv", "chunks": 2})
+    ('interleaved-1f1b x2', 'zbv')
+    """
+    chunks = result.get("chunks") or 1
+    schedule = str(result["schedule"])
+    return f"{schedule} x{chunks}" if schedule == "interleaved-1f1b" and chunks > 1 else schedule
 
 
 def _baseline_cell(b: dict[str, Any], ours: float | None) -> str:
@@ -635,7 +669,7 @@ def print_results(results: list[dict[str, Any]], cases: dict[str, Case]) -> bool
                 f"{_s(r['wall_s'])}{target_s}",
                 f"{_gb(r['rss_bytes'])}{target_b}",
                 f"{r['pp']} x {r['dp']} x {r['microbatches']}",
-                str(r["schedule"]),
+                _schedule_cell(r),
                 r["recompute"],
                 mfu,
                 _s(ours),
