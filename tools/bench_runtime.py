@@ -83,7 +83,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["BenchConfig", "Row", "format_table", "main", "run_benchmark"]
+__all__ = ["BenchConfig", "Row", "format_table", "main", "run_benchmark", "timed_steps"]
 
 WORLD = 2
 # A step is "uncontended" when no participating rank spent more than this share of
@@ -315,6 +315,24 @@ def sched_times() -> tuple[float, float]:
         return time.process_time(), 0.0
 
 
+def timed_steps(step: Callable[[], Any], *, steps: int, times: list[float], waits: list[float],
+                totals: list[float]) -> None:
+    """Run ``step`` ``steps`` times: append each one's wall time and CPU wait (``sched_times``) to
+    ``times`` / ``waits``, and add the run's wall, on-CPU and waiting seconds to ``totals``."""
+    run0, wait0 = sched_times()
+    wall0 = time.perf_counter()
+    for _ in range(steps):
+        before = sched_times()[1]
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        waits.append(sched_times()[1] - before)
+    run1, wait1 = sched_times()
+    totals[0] += time.perf_counter() - wall0
+    totals[1] += run1 - run0
+    totals[2] += wait1 - wait0
+
+
 def _zero(params: Any) -> None:
     for p in params:
         p.grad = None
@@ -461,19 +479,8 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
                 loss = case.step()  # untimed: warm-up (and torch's shape inference on the first round)
                 if loss is not None and case.key not in losses:
                     losses[case.key] = loss
-                run0, wait0 = sched_times()
-                wall0 = time.perf_counter()
-                for _ in range(cfg.steps):
-                    before = sched_times()[1]
-                    start = time.perf_counter()
-                    case.step()
-                    times[case.key].append(time.perf_counter() - start)
-                    waits[case.key].append(sched_times()[1] - before)
-                run1, wait1 = sched_times()
-                acc = sched[case.key]
-                acc[0] += time.perf_counter() - wall0
-                acc[1] += run1 - run0
-                acc[2] += wait1 - wait0
+                timed_steps(case.step, steps=cfg.steps, times=times[case.key], waits=waits[case.key],
+                            totals=sched[case.key])
             dist.barrier()
             if rank not in case.ranks and round_ == cfg.rounds - 1:
                 idle_cpu[case.key] = (time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)

@@ -84,7 +84,7 @@ from tools.bench_runtime import (
     batch_data,
     build_gpt,
     describe_split,
-    sched_times,
+    timed_steps,
 )
 
 __all__ = ["CONFIGS", "ConfigSpec", "Row", "default_config", "format_table", "main", "run_benchmark", "verdicts"]
@@ -419,19 +419,8 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
         for case in cases:
             dist.barrier()
             case.step()  # untimed
-            run0, wait0 = sched_times()
-            wall0 = time.perf_counter()
-            for _ in range(cfg.steps):
-                before = sched_times()[1]
-                start = time.perf_counter()
-                case.step()
-                times[case.key].append(time.perf_counter() - start)
-                waits[case.key].append(sched_times()[1] - before)
-            run1, wait1 = sched_times()
-            acc = sched[case.key]
-            acc[0] += time.perf_counter() - wall0
-            acc[1] += run1 - run0
-            acc[2] += wait1 - wait0
+            timed_steps(case.step, steps=cfg.steps, times=times[case.key], waits=waits[case.key],
+                        totals=sched[case.key])
             dist.barrier()
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "times": times, "waits": waits, "losses": losses, "grads": grads, "errors": errors, "cloned": cloned,
