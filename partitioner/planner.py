@@ -202,7 +202,9 @@ def compile(
     for key, draft in drafts.items():
         by_key[key].simulated(draft)
     best, plan, captured = _choose(model, example_inputs, captured, micro, scaled, ranked, drafts, by_key, options)
-    say(f"chose {plural(best.pp, 'stage')} x {plural(best.dp, 'replica')}, "
+    ranks = plural(best.pp, 'stage') if best.chunks == 1 else \
+        f"{plural(best.pp, 'pipeline rank')} ({best.pp * best.chunks} stages)"
+    say(f"chose {ranks} x {plural(best.dp, 'replica')}, "
         f"{plural(best.microbatches, 'micro-batch', 'micro-batches')}, {schedule_label(best.schedule, best.chunks)}")
     # Stage code is for people to read: generated once, for the chosen plan only.
     graph = scaled.at(best.microbatches)
@@ -311,7 +313,7 @@ def _refine_in_simulation(
                 trials[key].partition, trials[key].status = partition, partition.status
         done[key] = Refinement(before, after, moves, found.simulations, found.wall_s)
         if moves:
-            say(f"refined {c.pp} stages x {c.dp} replicas, M {c.microbatches}, {schedule_label(c.schedule, c.chunks)} in simulation: "
+            say(f"refined {c.pp} {'stages' if c.chunks == 1 else 'pipeline ranks'} x {c.dp} replicas, M {c.microbatches}, {schedule_label(c.schedule, c.chunks)} in simulation: "
                 f"{percent_more(after, before)} in {moves} moves")
         out.append(c)
     return out, done

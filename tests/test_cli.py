@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -71,7 +72,9 @@ def test_plan_show_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert "plan saved to plan/" in out
     assert f"autopartition verify plan --model {GPT}" in out
     assert f"autopartition run plan -- {ROOT / 'examples' / 'train_gpt.py'}" in out  # a file that exists
-    assert "[autopartition] capturing GPT" in err and "[autopartition] chose 2 stages x 1 replica," in err
+    assert "[autopartition] capturing GPT" in err
+    # The schedule is the planner's pick: one stage per rank, or several (interleaved, zbv).
+    assert re.search(r"\[autopartition\] chose 2 (stages|pipeline ranks \(\d+ stages\)) x 1 replica,", err), err
     for banner in ("Running HiGHS", "Copyright (c)", "HiGHS run time"):
         assert banner not in out and banner not in err
 
