@@ -239,8 +239,12 @@ class _Contiguous(nn.Module):
     def forward(self, *args: torch.Tensor) -> Any:
         out = self.inner(*args)
         if isinstance(out, (tuple, list)):
-            return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in out)
-        return out.contiguous()
+            return tuple(self._copy(t) if isinstance(t, torch.Tensor) else t for t in out)
+        return self._copy(out)
+
+    @staticmethod
+    def _copy(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous()
 
 
 # ------------------------------------------------------------------ plans

@@ -226,7 +226,7 @@ def _ours(key: str, plan_dir: str, cfg: BenchConfig, x: torch.Tensor, y: torch.T
     return _Measured(_Case(key, (0, 1), step), lambda: list(pipe.named_parameters()))
 
 
-class _Cloned(nn.Module):
+class _Cloned(_Contiguous):
     """Returns copies of ``inner``'s outputs, so that nothing inside the stage saved them for its backward.
 
     torch's split backward (``stage_backward_input``) detaches each stage output
@@ -237,15 +237,9 @@ class _Cloned(nn.Module):
     a tensor no op saved.
     """
 
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: torch.Tensor) -> Any:
-        out = self.inner(*args)
-        if isinstance(out, (tuple, list)):
-            return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
-        return out.clone()
+    @staticmethod
+    def _copy(t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
 
 
 def _theirs(key: str, rank: int, plan_dir: str, class_name: str, cfg: BenchConfig, x: torch.Tensor,

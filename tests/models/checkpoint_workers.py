@@ -75,20 +75,25 @@ def _optimizer_state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, dict[st
     return out
 
 
+def _training(rank: int, world: int, port: int, plan_dir: str, spec: str) -> tuple[Any, Any, Any, Any]:
+    """This rank's process group, Pipeline, the model file's mini-batch and an Adam optimizer."""
+    from partitioner.modelfile import load_model_file
+
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    model_file = load_model_file(spec)
+    pipe = _pipeline(plan_dir, spec)
+    inputs = model_file.example_inputs(pipe.plan.batch_size)
+    target = model_file.example_target(pipe.plan.batch_size)  # type: ignore[misc]
+    return pipe, inputs, target, torch.optim.Adam(pipe.parameters(), lr=LR)
+
+
 def save_worker(
     rank: int, world: int, port: int, plan_dir: str, spec: str, out_dir: str, checkpoints: dict[str, str],
     foreign_plan: str, foreign_spec: str,
 ) -> None:
     """Train ``STEPS_BEFORE`` Adam steps; save with the optimizer, and without; save another model too."""
-    set_rank_env(rank, world, port)
-    torch.set_num_threads(1)
-    from partitioner.modelfile import load_model_file
-
-    model_file = load_model_file(spec)
-    pipe = _pipeline(plan_dir, spec)
-    inputs = model_file.example_inputs(pipe.plan.batch_size)
-    target = model_file.example_target(pipe.plan.batch_size)  # type: ignore[misc]
-    opt = torch.optim.Adam(pipe.parameters(), lr=LR)
+    pipe, inputs, target, opt = _training(rank, world, port, plan_dir, spec)
     losses = []
     for _ in range(STEPS_BEFORE):
         opt.zero_grad()
@@ -109,15 +114,7 @@ def resume_worker(
     not_a_checkpoint: str,
 ) -> None:
     """Under another plan: the error cases first, then resume, record, take one more step and save."""
-    set_rank_env(rank, world, port)
-    torch.set_num_threads(1)
-    from partitioner.modelfile import load_model_file
-
-    model_file = load_model_file(spec)
-    pipe = _pipeline(plan_dir, spec)
-    inputs = model_file.example_inputs(pipe.plan.batch_size)
-    target = model_file.example_target(pipe.plan.batch_size)  # type: ignore[misc]
-    opt = torch.optim.Adam(pipe.parameters(), lr=LR)
+    pipe, inputs, target, opt = _training(rank, world, port, plan_dir, spec)
     # State that loading must replace: moved weights and one step of optimizer state.
     with torch.no_grad():
         for p in pipe.parameters():
@@ -151,15 +148,7 @@ def continue_worker(
     rank: int, world: int, port: int, plan_dir: str, spec: str, out_dir: str, checkpoint: str,
 ) -> None:
     """Resume from ``checkpoint`` (a rank may hold several stages here); record, then take one more step."""
-    set_rank_env(rank, world, port)
-    torch.set_num_threads(1)
-    from partitioner.modelfile import load_model_file
-
-    model_file = load_model_file(spec)
-    pipe = _pipeline(plan_dir, spec)
-    inputs = model_file.example_inputs(pipe.plan.batch_size)
-    target = model_file.example_target(pipe.plan.batch_size)  # type: ignore[misc]
-    opt = torch.optim.Adam(pipe.parameters(), lr=LR)
+    pipe, inputs, target, opt = _training(rank, world, port, plan_dir, spec)
     result: dict[str, Any] = {"stages": pipe.stages, "step": pipe.load_checkpoint(checkpoint, optimizer=opt)}
     result["parameters"] = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
     result["optimizer"] = _optimizer_state(pipe, opt)
