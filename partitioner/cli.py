@@ -181,7 +181,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunks", type=_positive_int, metavar="V",
                         help="stages per pipeline rank of interleaved-1f1b (default: try 2 and 4 where the "
                         "model has the blocks; zbv always holds 2, the others 1)")
-    parser.add_argument("--pp", type=_positive_int, metavar="P", help="fix the number of pipeline stages")
+    parser.add_argument("--pp", type=_positive_int, metavar="P", help="fix the number of pipeline ranks (stages = pp x chunks)")
     parser.add_argument("--dp", type=_positive_int, metavar="D", help="fix the number of replicas per stage")
     parser.add_argument("--device", choices=_DEVICES, default="auto", type=str.lower,
                         help="auto/cpu/cuda measure here; a100/h100/h200 predict for that GPU (default auto)")
