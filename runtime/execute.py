@@ -45,6 +45,7 @@ from partitioner.capture import model_loss
 from partitioner.plan import Boundary, Plan
 from partitioner.schedule import Action
 from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
+from runtime.meetings import MarkedGraph, mark_meetings
 from runtime.splitbackward import SplitBackward
 from runtime.stage import LocalStage
 
@@ -168,6 +169,7 @@ class StepRunner:
         self.records: list[ActionRecord] = []
         self.unsplit: list[str] = []  # why a split backward ran whole (the first time)
         self._checked: set[int] = set()  # stages whose split backward's graph was checked
+        self._marked: dict[int, MarkedGraph] = {}  # stage graphs marked for the split backward
         self._receives = [i for i, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
         self._posted: dict[tuple[str, int, int], _Posted] = {}
         self._pending: list[Work] = []
@@ -249,11 +251,12 @@ class StepRunner:
         args = [inputs[i] for i in held.input_index] + [batch.received[n] for n in sig.received]
         recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.split:
+            marked = self._marked_graph(held, batch)
             # The graph check costs a walk over it: once per stage (captured graphs do not branch on data).
             check = a.stage not in self._checked
             self._checked.add(a.stage)
-            batch.split = SplitBackward([t for t in batch.received.values() if t.requires_grad], check=check)
-            recording = batch.split.recording()
+            batch.split = SplitBackward(check=check, unsplit=marked.unsplit)
+            recording = batch.split.recording(marked.log)
         with recording:
             if isinstance(held.module, DistributedDataParallel):
                 with held.module.no_sync():  # gradients are reduced once, on the last backward
@@ -263,6 +266,16 @@ class StepRunner:
             batch.sent = dict(zip(sig.sent, outputs[: len(sig.sent)]))
             if held.stage.is_last:
                 batch.loss = self._loss(held.stage, outputs[len(sig.sent) :], target)
+
+    def _marked_graph(self, held: _Held, batch: _MicroBatch) -> MarkedGraph:
+        """The stage module marked for the split backward (:mod:`runtime.meetings`), once per stage."""
+        stage = held.stage.plan.index
+        if stage not in self._marked:
+            sig, module = held.stage.signature, held.stage.module
+            placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"][len(sig.model_inputs):]
+            active = [p for p, n in zip(placeholders, sig.received) if batch.received[n].requires_grad]
+            self._marked[stage] = mark_meetings(module, active=active)
+        return self._marked[stage]
 
     def _loss(self, stage: LocalStage, outputs: Sequence[Any], target: Any) -> torch.Tensor:
         model_out = stage.captured.unflatten_outputs(outputs)
@@ -285,15 +298,20 @@ class StepRunner:
     def _backward(self, a: Action) -> None:
         held = self._held[a.stage]
         batch = self._state[a.stage, a.microbatch]
+        named: list[tuple[str, torch.Tensor, Any]]
         if held.stage.is_last:
             assert batch.loss is not None
-            tensors, grads = [batch.loss], [None]
+            named = [("", batch.loss, None)]
         else:
-            pairs = [(t, batch.grads[n]) for n, t in batch.sent.items() if t.requires_grad and n in batch.grads]
-            tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]  # type: ignore[misc]
+            named = [(n, t, batch.grads[n]) for n, t in batch.sent.items() if t.requires_grad and n in batch.grads]
+        tensors, grads = [t for _, t, _ in named], [g for _, _, g in named]
         leaves = [(n, t) for n, t in batch.received.items() if t.requires_grad]
         if batch.split is not None:
-            got = batch.split.backward_inputs(tensors, grads, [t for _, t in leaves]) if tensors else []
+            sent = held.stage.signature.sent
+            weights = self._marked[a.stage].weight_outputs
+            weight_only = {i for i, (n, _, _) in enumerate(named) if n in sent and sent.index(n) in weights}
+            got = (batch.split.backward_inputs(tensors, grads, [t for _, t in leaves], weight_only=weight_only)
+                   if tensors else [])
             if batch.split.unsplit is not None and not self.unsplit:
                 self._note_unsplit(a.stage, batch.split.unsplit)
         else:

@@ -1,8 +1,5 @@
 """Interleaved and zero-bubble schedules equal unpartitioned training (issue 11).
 
-* :class:`~runtime.splitbackward.SplitBackward` on a small module: B then W gives a
-  plain backward's gradients, B runs no weight-gradient matrix product, and a
-  forward it cannot follow falls back to a whole backward in B.
 * In one process (``inprocess.run_stages``, a thread per pipeline rank):
   loss and every gradient of one step equal the whole model's on the same
   micro-batches, for many shapes of ``interleaved-1f1b``, ``zb-h1`` and ``zbv``.
@@ -18,7 +15,6 @@ with the schedule), with predicted h100 costs so the splits are deterministic.
 
 from __future__ import annotations
 
-import collections
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +23,10 @@ import torch
 from chunked import plan_schedule
 from inprocess import run_stages
 from schedule_workers import compare_with_reference, train_plans
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from runtime.splitbackward import SplitBackward
 
 MODELS = Path(__file__).parent / "models"
 TOLERANCE = 1e-5
@@ -45,133 +39,6 @@ def _plan(tmp: Path, model: str, schedule: str, *, ranks: int, chunks: int, dp: 
     assert (plan.pp, plan.chunks, plan.dp, plan.schedule) == (ranks, chunks, dp, schedule)
     assert len(plan.stages) == ranks * chunks
     return plan
-
-
-# ----------------------------------------------------------- split backward
-
-
-class _Counting(TorchDispatchMode):
-    """Counts aten ops by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class _Block(torch.nn.Module):
-    """Linears (one used twice), a norm, a parameter-only branch, and an output of parameters alone."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = torch.nn.Linear(4, 6)
-        self.mid = torch.nn.Linear(6, 6)
-        self.norm = torch.nn.LayerNorm(6)
-        self.gain = torch.nn.Parameter(torch.randn(6))
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch.tanh(self.inp(x))
-        h = self.mid(h) + self.mid(h * 2)  # one weight at two ops
-        h = self.norm(h) * (self.gain * 2) + self.inp.weight.sum()
-        h += self.mid.bias  # in place, activation and weight meet
-        return h, self.inp(z)  # the second depends on parameters alone (z needs no gradient)
-
-
-class _Double(torch.autograd.Function):
-    """An op the recording cannot see into; on an activation alone it is harmless."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g * 2
-
-
-class _Scale(torch.autograd.Function):
-    """An op the recording cannot see into, mixing an activation and a weight."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, w = ctx.saved_tensors
-        return g * w, (g * x).sum(0)
-
-
-def _split_run(block: torch.nn.Module, x: torch.Tensor, z: torch.Tensor, grads: list[torch.Tensor],
-               fn: Any = None) -> tuple[torch.Tensor, SplitBackward, collections.Counter[str], collections.Counter[str]]:
-    leaf = x.clone().requires_grad_()
-    split = SplitBackward([leaf])
-    with split.recording():
-        outputs = block(fn(leaf) if fn else leaf, z)
-    with _Counting() as b:
-        (gx,) = split.backward_inputs(list(outputs), grads, [leaf])
-    assert gx is not None
-    with _Counting() as w:
-        split.backward_weights()
-    return gx, split, b.ops, w.ops
-
-
-def _plain(block: torch.nn.Module, x: torch.Tensor, z: torch.Tensor, grads: list[torch.Tensor],
-           fn: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    leaf = x.clone().requires_grad_()
-    torch.autograd.backward(list(block(fn(leaf) if fn else leaf, z)), grads)
-    assert leaf.grad is not None
-    return leaf.grad, {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
-
-
-def test_b_then_w_equals_a_plain_backward_and_b_skips_weight_products() -> None:
-    torch.manual_seed(0)
-    block, x, z = _Block(), torch.randn(3, 4), torch.randn(3, 4)
-    grads = [torch.randn(3, 6), torch.randn(3, 6)]
-    want_x, want = _plain(block, x, z, grads)
-    block.zero_grad(set_to_none=True)
-
-    gx, split, b_ops, w_ops = _split_run(block, x, z, grads)
-
-    assert split.unsplit is None
-    torch.testing.assert_close(gx, want_x, rtol=0, atol=TOLERANCE)
-    assert {n for n, p in block.named_parameters() if p.grad is not None} == set(want)
-    for name, p in block.named_parameters():
-        torch.testing.assert_close(p.grad, want[name], rtol=0, atol=TOLERANCE, msg=name)
-    # B: the input gradients of the three linears on the activation path (mid twice, inp once);
-    # W: their three weight gradients and the one of inp(z).  No product runs twice.
-    assert b_ops["mm"] == 3, b_ops
-    assert w_ops["mm"] == 4, w_ops
-
-
-@pytest.mark.parametrize("hidden", ["activation only", "activation and weight"])
-def test_ops_the_recording_cannot_see(hidden: str) -> None:
-    """A custom autograd.Function: on an activation alone the split stays; mixing in a weight, B runs whole."""
-    torch.manual_seed(0)
-    block, x, z = _Block(), torch.randn(3, 4), torch.randn(3, 4)
-    scale = torch.nn.Parameter(torch.randn(4))
-    fn = _Double.apply if hidden == "activation only" else (lambda t: _Scale.apply(t, scale))
-    grads = [torch.randn(3, 6), torch.randn(3, 6)]
-    want_x, want = _plain(block, x, z, grads, fn)
-    want_scale = scale.grad
-    block.zero_grad(set_to_none=True)
-    scale.grad = None
-
-    gx, split, _, w_ops = _split_run(block, x, z, grads, fn)
-
-    if hidden == "activation only":
-        assert split.unsplit is None and w_ops["mm"] == 4
-    else:
-        assert split.unsplit is not None and "a parameter of shape (4,)" in split.unsplit, split.unsplit
-        assert w_ops["mm"] == 0, w_ops
-        torch.testing.assert_close(scale.grad, want_scale, rtol=0, atol=TOLERANCE)
-    torch.testing.assert_close(gx, want_x, rtol=0, atol=TOLERANCE)
-    for name, p in block.named_parameters():
-        torch.testing.assert_close(p.grad, want[name], rtol=0, atol=TOLERANCE, msg=name)
 
 
 # ------------------------------------------------------------------ in process

@@ -103,6 +103,7 @@ class BenchConfig:
     rounds: int = 4
     steps: int = 5
     timeout: float = 300.0
+    warmup: int = 0  # untimed steps per configuration before the rounds (the allocator settles over ~10)
 
     @staticmethod
     def quick() -> BenchConfig:

@@ -35,7 +35,9 @@ micro-batches M for every configuration:
   next to the measurement.
 
 Every step is forward + backward of one mini-batch with the gradients set to
-None before it and no optimizer step.  Configurations are interleaved in rounds
+None before it and no optimizer step.  Each configuration first runs
+``warmup`` untimed steps (8; the first ~10 steps of a process run up to 1.4x
+slower while the allocator maps its memory).  Configurations are interleaved in rounds
 (a barrier, one untimed step, ``--steps`` timed steps, a barrier) so that load
 from other work spreads over all of them; a step time is rank 0's wall time of
 the step call (for ours it also covers the tied-weight all-reduce the
@@ -133,7 +135,9 @@ def default_config(*, quick: bool) -> BenchConfig:
     >>> cfg.layers, cfg.embd, cfg.seq, cfg.batch, cfg.microbatches
     (8, 96, 64, 32, 8)
     """
-    return BenchConfig.quick() if quick else BenchConfig(embd=96, rounds=4, steps=5)
+    if quick:
+        return dataclasses.replace(BenchConfig.quick(), warmup=2)
+    return BenchConfig(embd=96, rounds=4, steps=5, warmup=8)
 
 
 @dataclasses.dataclass
@@ -404,6 +408,8 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
         if loss is not None:
             losses[key] = loss
         grads[key] = _grad_sums(measured.named())
+        for _ in range(cfg.warmup):  # the first steps run slower (memory still being mapped)
+            measured.case.step()
         cases.append(measured.case)
     times: dict[str, list[float]] = {c.key: [] for c in cases}
     waits: dict[str, list[float]] = {c.key: [] for c in cases}
