@@ -23,6 +23,7 @@ from torch import fx
 
 from partitioner.capture import CapturedModel
 from partitioner.commcost import allreduce_crosses_nodes, p2p_crosses_nodes
+from partitioner.defaults import splits_backward
 from partitioner.errors import InternalError
 from partitioner.formulate import GraphCosts
 from partitioner.ir import (
@@ -52,6 +53,7 @@ from partitioner.precision import activation_scale, compute_dtype
 from partitioner.problem import (
     allreduce_latencies,
     choose_recompute,
+    split_backward,
     stage_costs,
     stage_memory,
     stage_rank_of,
@@ -104,6 +106,7 @@ def build_plan(
             memory_limit=options.memory_limit, optimizer_states=options.optimizer_states,
             inter_node_bandwidth=spec.inter_node_bandwidth, inter_node_latency=spec.inter_node_latency,
             peak_flops=spec.peak(compute_dtype(options.precision)),
+            message_host_s=spec.message_host_s,
         ),
         candidates=(),  # compile: every combination's row, on the chosen plan
         bucket_cap_mb=options.bucket_cap_mb,
@@ -169,6 +172,12 @@ def _stages(
     latency = allreduce_latencies(problem, count)
     memory = stage_memory(problem, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute)
     layout = stage_layout(solved.pp, dp)
+    # W per stage, and the host seconds a split backward adds to it (problem.split_backward).
+    block_forward = [sum(graph.node_forward_s[n] for n in members) / dp for members in graph.blocks]
+    block_forward[-1] += graph.loss_s[0] / dp
+    weight, added = split_backward(problem, partition.stage_of, count, forward_s=block_forward)
+    if not splits_backward(kind):
+        added = [0.0] * count
     stages: list[StagePlan] = []
     for s in range(count):
         names = closure(gm, compute_sets[s])
@@ -202,7 +211,7 @@ def _stages(
             modules=(paths[0], paths[-1]),
             predicted=StagePrediction(
                 forward_s=forward,
-                backward_s=total - forward + again,
+                backward_s=(backward := total - forward + again + added[s]),
                 memory_bytes=memory[s],
                 parameter_bytes=sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params),
                 activation_bytes=sum(kept),
@@ -211,7 +220,7 @@ def _stages(
                 recompute_s=again,
                 recompute_peak_bytes=max((problem.activation_bytes[b] for b in blocks_of[s]), default=0.0)
                 if recompute[s] else 0.0,
-                weight_s=sum(graph.node_weight_s.get(n, 0.0) for n in compute) / dp,
+                weight_s=min(weight[s], backward),  # the same seconds, summed per block or per node
             ),
             recompute="full" if recompute[s] else "none",
             allreduce_link="inter" if allreduce_crosses_nodes(rank[s], dp=dp, gpus_per_node=per_node) else "intra",

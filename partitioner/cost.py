@@ -8,7 +8,9 @@ compute node it
 * counts the activation bytes autograd saves for backward (saved-tensor hooks,
   parameters excluded), which is what a stage keeps per micro-batch in flight;
 * times forward and backward (``torch.autograd.grad`` on that node alone),
-  warmed up, median of repeats, when ``measure=True``.
+  warmed up, median of repeats, when ``measure=True``; for a node reading
+  parameters, also the backward to its parameters alone (the W a split
+  backward runs later).
 
 Every node runs on the values the real forward gives it: its output comes from one
 real call, and what a node writes in place (an index built by ``+=`` on an
@@ -94,6 +96,7 @@ class NodeCost:
     dtype: str  # dtype of the output, chooses the peak for predictions
     weight_bytes: int = 0  # parameter bytes read (part of io_bytes; independent of the batch)
     saved_float32_bytes: int | None = None  # the float32 part of saved_bytes (None: not known)
+    weight_backward_s: float = 0.0  # measured: the backward to the node's parameters alone (W)
 
 
 def predicted_times(cost: NodeCost, spec: DeviceSpec) -> tuple[float, float]:
@@ -144,9 +147,10 @@ def profile(
     runner = _CostInterpreter(gm, measure=True, device=device, warmup=warmup, repeats=repeats, progress=progress)
     with _rank_threads(device), torch.enable_grad():
         runner.run(*inputs)
-        forward, backward = _in_situ(gm, inputs, device=device, repeats=max(3, repeats), reset=start.restore)
+        forward, backward_nodes, backward = _in_situ(
+            gm, inputs, device=device, repeats=max(3, repeats), reset=start.restore)
     start.restore()
-    return _calibrated(runner.costs, forward, backward)
+    return _calibrated(runner.costs, forward, backward_nodes, backward)
 
 
 def _count(gm: fx.GraphModule, inputs: tuple[Any, ...], *, progress: Progress | None) -> dict[str, NodeCost]:
@@ -173,6 +177,11 @@ def _rank_threads(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+# Whole-graph passes run before timing: a process's first passes run up to 1.5x slower on CPU
+# while the allocator maps fresh memory (pipelined steps show the same).
+_WARM_PASSES = 3
+
+
 def _in_situ(
     gm: fx.GraphModule,
     inputs: tuple[Any, ...],
@@ -180,21 +189,25 @@ def _in_situ(
     device: torch.device,
     repeats: int,
     reset: Callable[[], None] = lambda: None,
-) -> tuple[dict[str, float], float]:
-    """Per-node forward seconds inside real whole-graph passes, and the whole backward's seconds.
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """Per-node forward and backward seconds inside real whole-graph passes, and the whole backward's seconds.
 
     Ops timed alone run with hot caches and without their neighbours; inside the
-    real pass they can be several times slower (seen here: a 64x256 addmm 5x), so
-    forward times come from real passes and backward times are rescaled to the
-    real backward's total.
+    real pass they can be several times slower (seen here: a 64x256 addmm 5x;
+    a pipeline stage's backward reads activations its forward wrote long before,
+    from memory, not from cache).  So forward times come from real passes, and so
+    do backward times: a hook on each node's output gradient marks when
+    autograd reaches that node's backward (:class:`_BackwardClock`).
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     samples: dict[str, list[float]] = {}
+    back_samples: dict[str, list[float]] = {}
     backward: list[float] = []
     params = [p for p in gm.parameters() if p.requires_grad]
-    for _ in range(repeats + 1):
+    for _ in range(_WARM_PASSES + repeats):
         reset()
-        timer = _NodeTimer(gm, sync)
+        clock = _BackwardClock(sync)
+        timer = _NodeTimer(gm, sync, clock)
         with torch.enable_grad():
             outputs = timer.run(*inputs)
             leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -204,26 +217,70 @@ def _in_situ(
                 # autograd.grad, not backward: the user's .grad stays as it was.
                 torch.autograd.grad(leaves, params, [torch.ones_like(t) for t in leaves], allow_unused=True)
             sync()
-        backward.append(time.perf_counter() - start)
+            end = time.perf_counter()
+        backward.append(end - start)
         for name, seconds in timer.seconds.items():
             samples.setdefault(name, []).append(seconds)
-    # The first pass is a warm-up.
-    return {k: statistics.median(v[1:]) for k, v in samples.items()}, statistics.median(backward[1:])
+        for name, seconds in clock.seconds(end).items():
+            back_samples.setdefault(name, []).append(seconds)
+    w = _WARM_PASSES
+    forward = {k: statistics.median(v[w:]) for k, v in samples.items()}
+    backward_nodes = {k: statistics.median(v[w:]) for k, v in back_samples.items() if len(v) > w}
+    return forward, backward_nodes, statistics.median(backward[w:])
 
 
-def _calibrated(costs: dict[str, NodeCost], forward: dict[str, float], backward_total: float) -> dict[str, NodeCost]:
-    isolated = sum(c.backward_s for c in costs.values())
-    scale = backward_total / isolated if isolated > 0 else 1.0
-    return {
-        name: dataclasses.replace(c, forward_s=forward.get(name, c.forward_s), backward_s=c.backward_s * scale)
-        for name, c in costs.items()
-    }
+def _calibrated(
+    costs: dict[str, NodeCost], forward: dict[str, float], backward_nodes: dict[str, float], backward_total: float
+) -> dict[str, NodeCost]:
+    """Costs with in-situ times: a node's own where its backward was clocked, else its isolated backward
+    scaled so that the unclocked ones fill the rest of the real backward."""
+    clocked = {k: v for k, v in backward_nodes.items() if k in costs and costs[k].backward_s > 0}
+    isolated = sum(c.backward_s for k, c in costs.items() if k not in clocked)
+    rest = max(0.0, backward_total - sum(clocked.values()))
+    scale = rest / isolated if isolated > 0 else 1.0
+    calibrated = {}
+    for name, c in costs.items():
+        factor = clocked[name] / c.backward_s if name in clocked else scale
+        calibrated[name] = dataclasses.replace(
+            c, forward_s=forward.get(name, c.forward_s), backward_s=c.backward_s * factor,
+            weight_backward_s=c.weight_backward_s * factor)
+    return calibrated
+
+
+class _BackwardClock:
+    """Times each node's backward inside a real backward pass.
+
+    A hook on each of a node's output tensors fires when autograd is about to run
+    the op that made it (its gradient is complete); the node's backward lasts
+    until the next hook fires, or the pass ends.
+    """
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.marks: list[tuple[float, str]] = []
+
+    def watch(self, name: str, value: Any) -> None:
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                t.register_hook(functools.partial(self._mark, name))
+
+    def _mark(self, name: str, grad: torch.Tensor) -> None:
+        self.sync()
+        self.marks.append((time.perf_counter(), name))
+
+    def seconds(self, end: float) -> dict[str, float]:
+        """Each marked node's backward seconds (a node marked twice, by two outputs, gets both spans)."""
+        spans: dict[str, float] = {}
+        for (at, name), (after, _) in zip(self.marks, [*self.marks[1:], (end, "")]):
+            spans[name] = spans.get(name, 0.0) + after - at
+        return spans
 
 
 class _NodeTimer(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, sync: Callable[[], None]) -> None:
+    def __init__(self, gm: fx.GraphModule, sync: Callable[[], None], clock: _BackwardClock | None = None) -> None:
         super().__init__(gm)
         self.sync = sync
+        self.clock = clock
         self.seconds: dict[str, float] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -234,6 +291,8 @@ class _NodeTimer(fx.Interpreter):
         result = super().run_node(n)
         self.sync()
         self.seconds[n.name] = time.perf_counter() - start
+        if self.clock is not None:
+            self.clock.watch(n.name, result)
         return result
 
 
@@ -504,7 +563,7 @@ class _CostInterpreter(StandIns):
         ]
         wrt = leaves + params
         backward_flops = 0.0
-        forward_s = backward_s = 0.0
+        forward_s = backward_s = weight_backward_s = 0.0
         if diff_out and wrt:
             grads = [torch.ones_like(t) for t in diff_out]
 
@@ -516,6 +575,13 @@ class _CostInterpreter(StandIns):
             backward_flops = float(counter.total)
             if self.measure:
                 backward_s = self._time(backward)
+                weight_backward_s = backward_s
+                if params and leaves:  # a split backward's W: the parameters' gradients alone
+
+                    def weight_backward() -> Any:
+                        return torch.autograd.grad(diff_out, params, grads, retain_graph=True, allow_unused=True)
+
+                    weight_backward_s = self._time(weight_backward)
         if self.measure:
             forward_s = self._time(call, reset=before.restore)
             after.restore()  # the real call's result, whatever the re-runs left
@@ -536,6 +602,7 @@ class _CostInterpreter(StandIns):
             dtype=dtype,
             weight_bytes=weight_bytes,
             saved_float32_bytes=sum(saved_float32),
+            weight_backward_s=weight_backward_s if params else 0.0,
         )
         return pytree.tree_map(_detach, out), cost
 

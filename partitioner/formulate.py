@@ -26,13 +26,17 @@ Transformer Models", MLSys 2023, full recomputation): a recomputed block keeps
 only its inputs from other blocks and the graph (``recompute_bytes``) and runs
 its forward again during backward (``recompute_s``).
 
-Split backward (``zb-h1``, ``zbv``): a node that reads parameters spends about
-half of its backward on their gradients (W) and half on its input's (B).  For a
-matrix product ``y = x w`` the two are ``dx = dy w^T`` and ``dw = x^T dy``, the
-same FLOPs; Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024, section 2)
-take ``T_B = T_W`` for a transformer layer on that ground.  A parameter-free node
-(activation, softmax, residual add, the loss) has no W: its whole backward is B.
-``weight_s`` is that share per block (:func:`weight_seconds`).
+Split backward (``zb-h1``, ``zbv``): a node that reads parameters spends part
+of its backward on their gradients (W) and the rest on its input's (B).
+Measured costs time both (:attr:`~partitioner.cost.NodeCost.weight_backward_s`);
+otherwise the share is half: for a matrix product ``y = x w`` the two are
+``dx = dy w^T`` and ``dw = x^T dy``, the same FLOPs; Qi et al., "Zero Bubble
+Pipeline Parallelism" (ICLR 2024, section 2) take ``T_B = T_W`` for a
+transformer layer on that ground.  A parameter-free node (activation, softmax,
+residual add, the loss) has no W: its whole backward is B.  ``weight_s`` is that
+share per block (:func:`weight_seconds`); ``split_s`` is the host time the split
+adds per block, ``split_overhead_s`` (:mod:`partitioner.splitcost`) per
+parameter-reading node.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class GraphCosts:
     node_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # forward + backward FLOPs
     node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
+    split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
 
     def saved_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
         """Activation bytes ``names`` save for backward at ``precision`` (one micro-batch, dp = 1).
@@ -213,6 +218,7 @@ def graph_costs(
     times: dict[str, tuple[float, float]],
     *,
     loss_s: tuple[float, float] = (0.0, 0.0),
+    split_overhead_s: float = 0.0,
 ) -> GraphCosts:
     """Aggregate node costs per block; ``times`` gives (forward, backward) seconds per node (:func:`node_times`).
 
@@ -267,20 +273,29 @@ def graph_costs(
             k: c.saved_float32_bytes for k, c in costs.items() if c.saved_float32_bytes is not None
         },
         node_weight_s={
-            name: weight_seconds(times[name][1], reads_parameters=True)
+            name: weight_seconds(times[name][1], reads_parameters=True, cost=costs.get(name))
             for members in blocks for name in members
             if name in times and node_parameters(gm, nodes[name])
         },
+        split_overhead_s=split_overhead_s,
     )
 
 
-def weight_seconds(backward_s: float, *, reads_parameters: bool) -> float:
-    """The weight-gradient (W) part of a node's backward: half where it reads parameters, else none.
+def weight_seconds(backward_s: float, *, reads_parameters: bool, cost: NodeCost | None = None) -> float:
+    """The weight-gradient (W) part of a node's backward: none without parameters; else the measured
+    share (``cost.weight_backward_s`` of ``cost.backward_s``), or half when not measured.
 
     >>> weight_seconds(2e-3, reads_parameters=True), weight_seconds(2e-3, reads_parameters=False)
     (0.001, 0.0)
+    >>> c = NodeCost(1e-3, 3e-3, 0.0, 0.0, 0, 0, "float32", weight_backward_s=1e-3)
+    >>> round(weight_seconds(6e-3, reads_parameters=True, cost=c), 6)   # a third, measured
+    0.002
     """
-    return WEIGHT_SHARE * backward_s if reads_parameters else 0.0
+    if not reads_parameters:
+        return 0.0
+    if cost is not None and cost.weight_backward_s > 0 and cost.backward_s > 0:
+        return min(1.0, cost.weight_backward_s / cost.backward_s) * backward_s
+    return WEIGHT_SHARE * backward_s
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -356,9 +371,14 @@ def formulate(
             scale * sum(graph.node_forward_s[m] for m in members) for members in graph.blocks
         ) if recomputable else None,
         "recompute": recompute,
+        "message_host_s": spec.message_host_s,
         "weight_s": tuple(
             scale * sum(graph.node_weight_s.get(m, 0.0) for m in members) for members in graph.blocks
         ) if graph.node_weight_s else None,
+        # Host time per call: the same whatever the replicas' share of the micro-batch (no scale).
+        "split_s": tuple(
+            graph.split_overhead_s * sum(1 for m in members if m in graph.node_weight_s) for members in graph.blocks
+        ) if graph.split_overhead_s else None,
     }
     return PartitionProblem(
         time_s=tuple(

@@ -236,6 +236,7 @@ class CostModelInfo:
     inter_node_bandwidth: float | None = None  # bytes/s per GPU between nodes; None: link_bandwidth
     inter_node_latency: float | None = None  # seconds per message between nodes; None: link_latency
     peak_flops: float | None = None  # FLOP/s of one GPU in the compute dtype, for the MFU
+    message_host_s: float = 0.0  # seconds of a rank's own time per message sent or received
 
 
 @dataclasses.dataclass(frozen=True)

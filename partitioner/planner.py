@@ -56,7 +56,7 @@ from partitioner.blockgraph import block_graph
 from partitioner.capture import CallSpec, CapturedModel, CaptureMethod, capture
 from partitioner.coarsen import coarsen
 from partitioner.cost import NodeCost, profile, time_loss
-from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE
+from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, SCHEDULES, splits_backward
 from partitioner.errors import AutopartitionError, ScheduleError
 from partitioner.formulate import GraphCosts, node_times
 from partitioner.ir import compute_nodes, graph_fingerprint, module_path
@@ -94,6 +94,7 @@ from partitioner.search import (
     search,
 )
 from partitioner.solve import solve
+from partitioner.splitcost import split_overhead_s
 from partitioner.table import schedule_label
 from partitioner.units import plural
 from partitioner.values import propagate_values
@@ -188,7 +189,9 @@ def compile(
     loss_s = (0.0, 0.0)
     if loss_fn is not None and target is not None and measure:
         loss_s = time_loss(captured, micro, loss_fn, microbatch_inputs_any(target, batch // reference), device=local)
-    scaled = ScaledCosts(captured, blocks, costs, options, loss_s=loss_s)
+    # A split backward's host cost, measured with the runtime's code (predicted devices: not modelled).
+    split_s = split_overhead_s(local) if measure and _may_split(schedule) else 0.0
+    scaled = ScaledCosts(captured, blocks, costs, options, loss_s=loss_s, split_overhead_s=split_s)
 
     trials, solved = search(scaled, options, say=say)
     if not solved:
@@ -216,6 +219,11 @@ def compile(
         block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
     )
 
+
+
+def _may_split(schedule: str) -> bool:
+    """Whether a schedule the search may try splits its backward (``auto`` tries them all)."""
+    return schedule == "auto" or (schedule in SCHEDULES and splits_backward(schedule))  # type: ignore[arg-type]
 
 
 def _drafts(

@@ -51,9 +51,11 @@ pipeline ranks: GPipe and 1F1B ``sum t + (M-1) max t``; interleaved 1F1B
 ``M max T + (P-1)/(P v) sum t`` (the bubble is ``(P-1)/v`` of a rank's time
 per micro-batch: Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM", SC 2021, section 2.2.2); ZB-H1
-``M max t + (sum u - max u)`` with ``u_s = t_s - 2 w_s`` (1F1B's fill and
+``M max t + (sum u - max u)`` with ``u_s = t_s - 2 min(w_s, b_s)`` (1F1B's fill and
 drain shrink from ``(P-1)(F+B)`` to ``(P-1)(F+B-2W)``: Qi et al., "Zero Bubble
-Pipeline Parallelism", ICLR 2024, section 3.1); ZB-V ``M max T + (P-1)/(2P)
+Pipeline Parallelism", ICLR 2024, section 3.1; a W fills a bubble only as far
+as its stage's input-gradient B ``b_s`` does, so the first stage, all W, fills
+none); ZB-V ``M max T + (P-1)/(2P)
 sum max(t_s - 2 w_s, t_s / 3)``: a bubble of ``P - 1`` chunk forwards when F =
 B = W, the case the V is built for (same paper, section 6), growing towards
 a chunk's whole time as W vanishes; the first four are exact for equal stages
@@ -101,6 +103,7 @@ __all__ = [
     "in_flight",
     "rank_memory",
     "relative_gap",
+    "split_backward",
     "stage_costs",
     "stage_links",
     "stage_memory",
@@ -145,7 +148,9 @@ class PartitionProblem:
     "full" (every stage) or "auto" (per stage, only where keeping does not fit).
 
     Schedules (optional): ``weight_s[v]`` the weight-gradient (W) part of
-    ``time_s[v]`` (None: none can be split off); ``stage_rank[s]`` the pipeline
+    ``time_s[v]`` (None: none can be split off); ``split_s[v]`` the host seconds
+    a split backward adds to block v (its W calls; see :func:`split_backward`);
+    ``stage_rank[s]`` the pipeline
     rank of stage s when the problem is solved for a schedule with several stages
     per rank (None: stage s on rank s; see :func:`stage_rank_of`);
     ``rank_memory_limit`` the GPU's own limit, which every rank's exact peak
@@ -172,6 +177,8 @@ class PartitionProblem:
     recompute_s: tuple[float, ...] | None = None
     recompute: RecomputeMode = "none"
     weight_s: tuple[float, ...] | None = None
+    split_s: tuple[float, ...] | None = None
+    message_host_s: float = 0.0  # a rank's own seconds per message it sends or receives (the simulator's)
     stage_rank: tuple[int, ...] | None = None
     rank_memory_limit: float | None = None
 
@@ -190,7 +197,7 @@ class PartitionProblem:
         n = len(self.time_s)
         for field in (
             "static_bytes", "activation_bytes", "allreduce_s", "transfer_s",
-            "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s", "weight_s",
+            "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s", "weight_s", "split_s",
         ):
             value = getattr(self, field)
             if value is not None and len(value) != n:
@@ -411,7 +418,7 @@ class _Parts:
     kept: list[float]  # kept per micro-batch when recomputing (block inputs)
     peak: list[float]  # one block's activations, live again during its backward
     extra: list[float]  # recomputation seconds
-    weight: list[float]  # weight-gradient (W) seconds
+    weight: list[float]  # weight-gradient (W) seconds under a split backward, its host cost included
 
 
 def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _Parts:
@@ -423,12 +430,58 @@ def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _
         if problem.recompute_bytes is not None and problem.recompute_s is not None:
             parts.kept[s] += problem.recompute_bytes[v]
             parts.extra[s] += problem.recompute_s[v]
-        if problem.weight_s is not None:
-            parts.weight[s] += problem.weight_s[v]
     for nbytes, _, readers in problem.shared:
         for s in {stage_of[r] for r in readers}:
             parts.static[s] += nbytes
+    parts.weight[:] = split_backward(problem, stage_of, stages)[0]
     return parts
+
+
+def _block_forward(problem: PartitionProblem) -> tuple[float, ...]:
+    """Each block's forward seconds: its recomputation where known, else a third of its time."""
+    return problem.recompute_s or tuple(t / 3 for t in problem.time_s)
+
+
+def _stage_forward(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> list[float]:
+    forward = [0.0] * stages
+    for v, f in enumerate(_block_forward(problem)):
+        forward[stage_of[v]] += f
+    return forward
+
+
+def split_backward(
+    problem: PartitionProblem, stage_of: Sequence[int], stages: int, *, forward_s: Sequence[float] | None = None
+) -> tuple[list[float], list[float]]:
+    """Per stage, under a split backward (``zb-h1``, ``zbv``): (W seconds, seconds the split adds).
+
+    A stage that receives tensors from another stage computes their gradients in
+    B and its blocks' ``weight_s`` in W, which also pays each block's
+    ``split_s`` (host time of the W calls; the stage's time grows by as much).  A
+    stage that receives nothing (the first) has no input gradient to compute: its
+    whole backward is W, run as one call, so it adds nothing.  ``forward_s``
+    (per block) separates the backward from ``time_s``; default: the
+    recomputation seconds where known, else a third of the block's time (as
+    :class:`partitioner.refine.StepModel`).
+
+        >>> p = PartitionProblem(time_s=(3.0, 3.0), static_bytes=(0.0,) * 2, activation_bytes=(0.0,) * 2,
+        ...     allreduce_s=(0.0,) * 2, transfer_s=(0.0,) * 2, edges=((0, 1),), weight_s=(1.0, 1.0),
+        ...     split_s=(0.5, 0.5))
+        >>> split_backward(p, (0, 1), 2)   # stage 0: its whole backward (3 - 1); stage 1: W + host cost
+        ([2.0, 1.5], [0.0, 0.5])
+    """
+    weight, extra = [0.0] * stages, [0.0] * stages
+    if problem.weight_s is None:
+        return weight, extra
+    forward = forward_s or _block_forward(problem)
+    receives = {stage_of[v] for u, v in problem.edges if stage_of[u] != stage_of[v]}
+    for v, s in enumerate(stage_of):
+        if s in receives:
+            added = problem.split_s[v] if problem.split_s is not None else 0.0
+            weight[s] += problem.weight_s[v] + added
+            extra[s] += added
+        else:
+            weight[s] += problem.time_s[v] - forward[v]
+    return weight, extra
 
 
 def _memory(parts: _Parts, s: int, flight: int, recompute: bool) -> float:
@@ -522,7 +575,8 @@ def stage_costs(
     microbatches: int | None = None,
     schedule: ScheduleKind = DEFAULT_SCHEDULE,
 ) -> tuple[list[float], list[float]]:
-    """Per-stage time (compute + recomputation + transfers in) and all-reduce seconds (latency excluded).
+    """Per-stage time (compute + recomputation + a split backward's host cost + transfers in) and
+    all-reduce seconds (latency excluded).
 
     Transfers and all-reduces are priced on the link each stage's traffic crosses
     (:func:`stage_links`).  ``recompute``: the per-stage choice; None applies the
@@ -540,6 +594,9 @@ def stage_costs(
         if chosen[s]:
             assert problem.recompute_s is not None
             times[s] += problem.recompute_s[v]
+    if splits_backward(schedule):
+        for s, added in enumerate(split_backward(problem, stage_of, stages)[1]):
+            times[s] += added
     received: set[tuple[int, int]] = set()
     transfer = [_transfer_prices(problem, slow) for slow in (False, True)]
     rank = stage_rank_of(problem, stages)
@@ -656,7 +713,8 @@ def step_time(
         ...     weight_s=(1 / 3,) * 8)
         >>> step_time(p, (0, 0, 1, 1, 2, 2, 3, 3), microbatches=8, schedule="1f1b")[0]  # (8 + 3) x 2
         22.0
-        >>> round(step_time(p, (0, 0, 1, 1, 2, 2, 3, 3), microbatches=8, schedule="zb-h1")[0], 6)  # 16 + 3 x 2/3
+        >>> # 16 + 3 x 2/3 (stage 0, receiving nothing, is all W: it fills no bubble)
+        >>> round(step_time(p, (0, 0, 1, 1, 2, 2, 3, 3), microbatches=8, schedule="zb-h1")[0], 6)
         18.0
         >>> v2 = dataclasses.replace(p, stage_rank=(0, 1, 2, 3, 0, 1, 2, 3))
         >>> step_time(v2, tuple(range(8)), microbatches=8, schedule="interleaved-1f1b")[0]  # 16 + 3 x 1
@@ -686,7 +744,8 @@ def step_time(
     weight = _parts(problem, stage_of, stages).weight
     M = microbatches
     if schedule == "zb-h1":
-        useful = [t - 2 * w for t, w in zip(times, weight, strict=True)]
+        forward = _stage_forward(problem, stage_of, stages)
+        useful = [t - 2 * min(w, t - f - w) for t, w, f in zip(times, weight, forward, strict=True)]
         total = M * max(times) + max(0.0, sum(useful) - max(useful))
     elif schedule == "zbv":
         total = M * max(per_rank) + (ranks - 1) / stages * sum(

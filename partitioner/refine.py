@@ -65,6 +65,7 @@ from partitioner.problem import (
     check_assignment,
     choose_recompute,
     rank_memory,
+    split_backward,
     stage_costs,
     stage_memory,
     stage_rank_of,
@@ -216,15 +217,17 @@ class SplitSimulator:
         """Simulated step seconds of ``stage_of`` (a valid assignment)."""
         p, n, model, where = self.problem, self.stages, self.model, self.where
         chosen = tuple(recompute) if recompute else self.recompute(stage_of)
-        forward, backward, weight = [0.0] * n, [0.0] * n, [0.0] * n
+        forward, backward = [0.0] * n, [0.0] * n
         for v, s in enumerate(stage_of):
             forward[s] += model.forward_s[v]
             backward[s] += p.time_s[v] - model.forward_s[v]
             if chosen[s]:
                 assert p.recompute_s is not None
                 backward[s] += p.recompute_s[v]
-            if p.weight_s is not None:
-                weight[s] += p.weight_s[v]
+        weight = [0.0] * n
+        if self.split:
+            weight, extra = split_backward(p, stage_of, n, forward_s=model.forward_s)
+            backward = [b + x for b, x in zip(backward, extra, strict=True)]
         seconds = [[0.0] * n for _ in range(n)]
         sent: set[tuple[int, int]] = set()
         dp, per_node = p.replicas, p.gpus_per_node
@@ -247,7 +250,7 @@ class SplitSimulator:
         self.simulations += 1
         try:
             return _replay(self._compiled(sends_to, receives_from), _Stages(
-                where, forward, backward, weight if self.split else [0.0] * n, seconds, reduce, buckets))
+                where, forward, backward, weight, seconds, reduce, buckets, p.message_host_s))
         except _Deadlock:
             # Several stages per rank with a skip connection can order their messages into a deadlock:
             # such a split cannot run, so it never wins (validate() rejects its plan as well).
@@ -333,6 +336,7 @@ class _Stages:
     seconds: list[list[float]]  # [src][dst] one message of a micro-batch
     allreduce: list[float]
     buckets: list[int]
+    message_host_s: float = 0.0  # the rank's own seconds per message sent or received
 
 
 def _replay(rows: _Rows, st: _Stages) -> float:
@@ -341,7 +345,7 @@ def _replay(rows: _Rows, st: _Stages) -> float:
     ``rows``: per pipeline rank, from :func:`compile_rows`.
     """
     ranks, n = len(rows), len(st.where)
-    where, forward, weight, seconds = st.where, st.forward, st.weight, st.seconds
+    where, forward, weight, seconds, host = st.where, st.forward, st.weight, st.seconds, st.message_host_s
     partial = [b - w for b, w in zip(st.backward, weight, strict=True)]
     whole = st.backward
     clock = [0.0] * ranks
@@ -377,7 +381,7 @@ def _replay(rows: _Rows, st: _Stages) -> float:
                             break
                         end = max(end, t)
                     else:
-                        now = end
+                        now = end + host * len(payload)
                         c += 1
                         continue
                     break
@@ -387,6 +391,7 @@ def _replay(rows: _Rows, st: _Stages) -> float:
                         free = max(free, now) + seconds[a][b]
                         link_free[link] = free
                         arrival[key] = free
+                    now += host * len(payload)
                 c += 1
             if c != cursor[r]:
                 progressed = True

@@ -37,8 +37,10 @@ class ScaledCosts:
         options: PlanOptions,
         *,
         loss_s: tuple[float, float],
+        split_overhead_s: float = 0.0,
     ) -> None:
         self.captured, self.blocks, self.costs, self.options, self.loss_s = captured, blocks, costs, options, loss_s
+        self.split_overhead_s = split_overhead_s  # host seconds per parameter-reading node (partitioner.splitcost)
         self._graphs: dict[int, GraphCosts] = {}
         self._problems: dict[tuple[int, int], PartitionProblem] = {}  # formulated once per (dp, M)
 
@@ -50,7 +52,8 @@ class ScaledCosts:
             costs = self.costs if factor == 1 else {k: _scaled(c, factor) for k, c in self.costs.items()}
             times = node_times(costs, o.spec, precision=o.precision, measure=o.measure)
             loss = (self.loss_s[0] * factor, self.loss_s[1] * factor)
-            graph = graph_costs(self.captured, self.blocks, costs, times, loss_s=loss)
+            graph = graph_costs(self.captured, self.blocks, costs, times, loss_s=loss,
+                                split_overhead_s=self.split_overhead_s)
             if factor != 1:  # values read across blocks (sent, kept for recomputation): at the captured size
                 graph = dataclasses.replace(
                     graph,
@@ -96,4 +99,5 @@ def _scaled(cost: NodeCost, factor: float) -> NodeCost:
         saved_bytes=round(cost.saved_bytes * factor),
         io_bytes=round(cost.weight_bytes + (cost.io_bytes - cost.weight_bytes) * factor),
         saved_float32_bytes=None if cost.saved_float32_bytes is None else round(cost.saved_float32_bytes * factor),
+        weight_backward_s=cost.weight_backward_s * factor,
     )

@@ -8,14 +8,15 @@ the runtime executes.  Each pipeline rank runs its row of actions in order
   backward seconds, or, when the schedule splits the backward (it has ``W``
   actions), ``backward_s - weight_s``: the input gradient; ``W`` then takes
   ``weight_s``, the weight gradient;
-* ``SF`` / ``SB`` are non-blocking sends: they take no time on the sender; the
-  data reaches each peer after its transfer time.  A directed link between two
+* ``SF`` / ``SB`` are non-blocking sends: the sender spends only
+  ``message_host_s`` per message on them (0 on GPUs; CPU ranks copy and wake
+  gloo's threads themselves); the data reaches each peer after its transfer time.  A directed link between two
   ranks carries one message at a time, in the order the sender posted them, so
   a slow link queues (the alpha-beta model per message,
   :func:`partitioner.commcost.message_seconds`, as the solver prices it).  Two
   stages on one rank hand their boundary over in memory, for free;
-* ``RF`` / ``RB`` wait until the matching data of every peer has arrived; their
-  event spans the wait.
+* ``RF`` / ``RB`` wait until the matching data of every peer has arrived, then
+  take ``message_host_s`` per message; their event spans both.
 
 Data parallelism: a stage's gradients are all-reduced in ``buckets`` equal
 buckets (by default DDP's, :func:`partitioner.commcost.bucket_count`) that
@@ -206,6 +207,7 @@ def simulate_schedule(
     static_bytes: Sequence[float] | None = None,
     activation_bytes: Sequence[float] | None = None,
     backward_bytes: Sequence[float] | None = None,
+    message_host_s: float = 0.0,
 ) -> Simulation:
     """Run ``schedule`` in simulated time; raise :class:`ScheduleError` if it deadlocks.
 
@@ -220,7 +222,8 @@ def simulate_schedule(
     one per stage; 1 = no overlap with the backward).  ``static_bytes`` and
     ``activation_bytes`` (per micro-batch in flight) drive the memory timeline;
     ``backward_bytes`` are held on top while each backward runs (a recomputing
-    stage's re-made activations).
+    stage's re-made activations).  ``message_host_s``: the rank's own seconds per
+    message it sends (after posting) or receives (after the data arrives).
     """
     where = tuple(range(schedule.ranks)) if stage_rank is None else tuple(stage_rank)
     stages = len(where)
@@ -250,7 +253,7 @@ def simulate_schedule(
     seconds = transfer_matrix(transfer_s, stages)
 
     run = _Run(schedule, where, _Costs(forward, backward, weight, static, activation, during_backward),
-               sends_to, receives_from, seconds)
+               sends_to, receives_from, seconds, message_host_s=message_host_s)
     run.execute()
 
     events: list[TimelineEvent] = [e for row in run.events for e in row]
@@ -309,6 +312,7 @@ def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simul
         static_bytes=stage_static_bytes(plan),
         activation_bytes=[st.predicted.activation_bytes for st in stages],
         backward_bytes=[float(getattr(st.predicted, "recompute_peak_bytes", 0.0)) for st in stages],
+        message_host_s=plan.cost_model.message_host_s,
     )
 
 
@@ -408,8 +412,11 @@ class _Run:
         sends_to: Sequence[Sequence[int]],
         receives_from: Sequence[Sequence[int]],
         seconds: list[list[float]],
+        *,
+        message_host_s: float = 0.0,
     ) -> None:
         stages, ranks = len(where), schedule.ranks
+        self.host = message_host_s
         if len(sends_to) != stages or len(receives_from) != stages:
             raise ScheduleError(f"The schedule has {stages} stages but the topology has {len(sends_to)}.")
         self.rows = schedule.actions
@@ -456,17 +463,19 @@ class _Run:
             )
             if not all(k in self.arrival for k in keys):
                 return False
-            end = max([now] + [self.arrival[k] for k in keys])
+            end = max([now] + [self.arrival[k] for k in keys]) + self.host * len(keys)
             self._record(r, a, now, end)
             self.clock[r] = end
         elif a.kind == "SF":
             for t in self.remote_out[s]:
                 self._send("F", s, t, i, self.seconds[s][t])
-            self._record(r, a, now, now)
+            self._record(r, a, now, now + self.host * len(self.remote_out[s]))
+            self.clock[r] = now + self.host * len(self.remote_out[s])
         elif a.kind == "SB":
             for p in self.remote_in[s]:
                 self._send("B", s, p, i, self.seconds[p][s])
-            self._record(r, a, now, now)
+            self._record(r, a, now, now + self.host * len(self.remote_in[s]))
+            self.clock[r] = now + self.host * len(self.remote_in[s])
         elif a.kind == "F":
             self._record(r, a, now, now + c.forward[s])
             self._hold(r, now, +1, c.activation[s])

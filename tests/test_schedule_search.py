@@ -32,6 +32,7 @@ from partitioner.problem import (
     PartitionProblem,
     in_flight,
     rank_memory,
+    split_backward,
     stage_links,
     stage_memory,
     step_time,
@@ -211,12 +212,16 @@ def test_closed_forms_match_the_simulator_on_equal_stages(
     chain = {"sends_to": tuple((s + 1,) if s + 1 < stages else () for s in range(stages)),
              "receives_from": tuple((s - 1,) if s else () for s in range(stages))}
     sched = lower(compute_order(kind, ranks=ranks, microbatches=m, chunks=chunks), stage_rank=where, **chain)
-    sim = simulate_schedule(sched, forward_s=[f] * stages, backward_s=[b] * stages, weight_s=[w] * stages,
-                            stage_rank=where, **chain)
     problem = PartitionProblem(time_s=(f + b,) * stages, static_bytes=(0.0,) * stages,
                                activation_bytes=(0.0,) * stages, allreduce_s=(0.0,) * stages,
                                transfer_s=(0.0,) * stages, edges=tuple((s, s + 1) for s in range(stages - 1)),
-                               weight_s=(w,) * stages, stage_rank=where if chunks > 1 else None)
+                               weight_s=(w,) * stages, stage_rank=where if chunks > 1 else None,
+                               recompute_s=(f,) * stages, recompute_bytes=(0.0,) * stages)
+    # The W each stage runs: w, except stage 0's, which receives nothing and is all W (split_backward).
+    weight, _ = split_backward(problem, tuple(range(stages)), stages)
+    assert weight == [b] + [w] * (stages - 1)
+    sim = simulate_schedule(sched, forward_s=[f] * stages, backward_s=[b] * stages, weight_s=weight,
+                            stage_rank=where, **chain)
     closed, _ = step_time(problem, tuple(range(stages)), microbatches=m, schedule=kind)  # type: ignore[arg-type]
     assert closed == pytest.approx(sim.step_s)
 
