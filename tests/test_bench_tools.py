@@ -11,7 +11,7 @@ from tools import bench_predict, bench_runtime
 
 pytestmark = pytest.mark.slow  # all spawn ranks: about 35 s together
 
-TINY = ["--layers", "2", "--embd", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--microbatches", "2"]
+TINY = ["--layers", "4", "--embd", "32", "--heads", "2", "--seq", "16", "--batch", "8", "--microbatches", "2"]
 
 
 def test_bench_runtime_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,8 +39,9 @@ TORCH_FREE = (
 )
 _REQUIRED = {"partitioner.problem", "partitioner.interval", "partitioner.solve"}
 
-# The one partitioner module allowed to import the runtime: it launches it.
-RUNTIME_IMPORTERS = {"partitioner.cli"}
+# The partitioner modules allowed to import the runtime, inside functions only (importing the
+# partitioner loads none of it): the CLI launches it; splitcost times its split backward.
+RUNTIME_IMPORTERS = {"partitioner.cli", "partitioner.splitcost"}
 
 # What the runtime must not import: the passes that solve, and the names that lead to them.
 SOLVING_PASSES = (

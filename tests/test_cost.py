@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from partitioner.capture import CapturedModel, capture
-from partitioner.cost import COST_KEY, NodeCost, predicted_times, profile
+from partitioner.cost import COST_KEY, NodeCost, _calibrated, predicted_times, profile
 from partitioner.devices import DEVICES, device_spec
 from partitioner.values import propagate_values
 
@@ -224,3 +224,28 @@ def test_cpu_flash_attention_counts_its_matmuls() -> None:
     with _FlopCount() as backward:
         out.sum().backward()
     assert backward.total == 5 * (b * h * t * t * d) * 2  # 5 matmuls of the same size
+
+
+def test_weight_gradient_share_is_measured() -> None:
+    """A linear on an activation times its parameters' backward alone (about half its backward);
+    one on the graph's input has no input gradient to compute: its whole backward is W."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    inputs = (torch.randn(64, 256),)
+    costs = profile(_captured(model, inputs), inputs, measure=True, warmup=1, repeats=5)
+    first, second = [n for n, c in costs.items() if c.weight_bytes]
+    assert costs[first].weight_backward_s == pytest.approx(costs[first].backward_s)
+    assert 0 < costs[second].weight_backward_s < costs[second].backward_s
+    assert all(c.weight_backward_s == 0 for c in costs.values() if not c.weight_bytes)
+
+
+def test_in_situ_backward_times_replace_isolated_ones() -> None:
+    """Nodes clocked inside the real backward take those seconds; the others share the rest of it."""
+    def cost(backward: float) -> NodeCost:
+        return NodeCost(1.0, backward, 0.0, 0.0, 0, 0, "float32", weight_backward_s=backward / 2)
+
+    costs = {"a": cost(1.0), "b": cost(2.0), "c": cost(1.0)}
+    got = _calibrated(costs, {"a": 0.5}, {"a": 3.0}, 7.0)
+    assert [got[k].backward_s for k in "abc"] == pytest.approx([3.0, 8 / 3, 4 / 3])  # rest 4 over b, c's 3
+    assert [got[k].weight_backward_s for k in "abc"] == pytest.approx([1.5, 4 / 3, 2 / 3])  # same share
+    assert (got["a"].forward_s, got["b"].forward_s) == (0.5, 1.0)

@@ -42,9 +42,10 @@ def test_zoo_plans(name: str, device: str) -> None:
     assert names == list(inputs), "flat inputs keep the keyword order"
     assert plan.model.capture == "export" and plan.pp == 2
     assert all(s.nodes for s in plan.stages)
-    # labels feed the loss, computed in the graph by the last stage (BART's decoder reads them too).
+    # labels feed the loss, computed in the graph by the last stage (BART's decoder reads them too:
+    # its inputs are the labels shifted, so stage 0 reads them as well when it holds decoder layers).
     readers = [s.index for s in plan.stages if "labels" in s.model_inputs]
-    assert readers == ([0, 1] if name == "bart" else [1]), readers
+    assert readers in (([0, 1], [1]) if name == "bart" else ([1],)), readers
 
 
 @pytest.mark.slow  # spawns 2 ranks, each importing transformers and capturing the model

@@ -73,12 +73,14 @@ def test_replay_matches_the_simulator(seed: int) -> None:
     seconds = [[rng.uniform(0.0, 3.0) for _ in range(stages)] for _ in range(stages)]
     allreduce = [rng.choice([0.0, rng.uniform(0.0, 5.0)]) for _ in range(stages)]
     buckets = [rng.randint(1, 4) for _ in range(stages)]
+    host = rng.choice([0.0, rng.uniform(0.0, 0.5)])  # the ranks' own seconds per message
     expected = simulate_schedule(schedule, forward_s=forward, backward_s=backward, weight_s=weight,
                                  stage_rank=where, sends_to=sends_to, receives_from=receives_from,
-                                 transfer_s=seconds, allreduce_s=allreduce, buckets=buckets).step_s
+                                 transfer_s=seconds, allreduce_s=allreduce, buckets=buckets,
+                                 message_host_s=host).step_s
     split = weight if splits_backward(kind) else [0.0] * stages
     rows = compile_rows(schedule, where, sends_to, receives_from)
-    got = _replay(rows, _Stages(where, forward, backward, split, seconds, allreduce, buckets))
+    got = _replay(rows, _Stages(where, forward, backward, split, seconds, allreduce, buckets, host))
     assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 

@@ -78,6 +78,21 @@ def test_transfers_overlap_with_compute_on_two_stages(microbatches: int) -> None
     assert waits["0RB0"] == pytest.approx((microbatches * f, (microbatches + 1) * f + b + 2 * c))
 
 
+def test_each_message_takes_its_ranks_own_time() -> None:
+    # One micro-batch through 2 stages: the activation costs its sender h after posting (the transfer
+    # runs meanwhile) and its receiver h after arrival, the gradient likewise on the way back: the two
+    # receivers' 2 h are on the critical path.
+    f, b, c, h = 1.0, 2.0, 0.25, 0.1
+    plain = simulate_schedule(_schedule("gpipe", 2, 1), forward_s=[f, f], backward_s=[b, b], transfer_s=c)
+    sim = simulate_schedule(_schedule("gpipe", 2, 1), forward_s=[f, f], backward_s=[b, b], transfer_s=c,
+                            message_host_s=h)
+    assert plain.step_s == pytest.approx(2 * (f + b) + 2 * c)
+    assert sim.step_s == pytest.approx(plain.step_s + 2 * h)
+    spans = {e.action: (e.start_s, e.end_s) for e in sim.events}
+    assert spans["0SF0"] == pytest.approx((f, f + h))
+    assert spans["1RF0"] == pytest.approx((0.0, f + c + h))
+
+
 def test_a_slow_link_queues_messages() -> None:
     # f = b = 1, c = 3, M = 2: the second activation waits for the first on the link
     # (arrives at 7, not 5), and likewise the second gradient (15, not 13).
