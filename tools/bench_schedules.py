@@ -34,6 +34,10 @@ micro-batches M for every configuration:
 * the simulator's prediction for each of our plans (``plan.predicted.step_s``)
   next to the measurement.
 
+When ``auto`` picks the very plan of another configuration (same schedule, same
+split), that plan is measured twice: the pick is judged on the median of both
+measurements, and the gap between them is printed, the run's own noise.
+
 Every step is forward + backward of one mini-batch with the gradients set to
 None before it and no optimizer step.  Each configuration first runs
 ``warmup`` untimed steps (8; the first ~10 steps of a process run up to 1.4x
@@ -532,6 +536,33 @@ def _pick(rows: Sequence[Row], clean: bool) -> dict[str, float]:
     return {k: v for k, v in got.items() if v is not None}
 
 
+def _twin(rows: Sequence[Row], key: str) -> Row | None:
+    """Another of our configurations whose plan is the same as ``key``'s (same schedule, same split)."""
+    row = next(r for r in rows if r.key == key)
+    return next((r for r in rows if r.key != key and CONFIGS[r.key].torch_schedule is None
+                 and (r.schedule, r.split) == (row.schedule, row.split)), None)
+
+
+def _auto_verdict(rows: Sequence[Row], times: dict[str, float], which: str) -> str:
+    """Auto's pick against the fastest of ours.  When auto chose the very plan of another configuration,
+    that plan was measured twice: both measurements count (their median), and their gap is the run's noise."""
+    by_key = {r.key: r for r in rows}
+    auto, twin = by_key["ours_auto"], _twin(rows, "ours_auto")
+    mine, noise = times["ours_auto"], ""
+    others = {k: v for k, v in times.items() if k != "ours_auto"}
+    if twin is not None and twin.key in others:
+        both = [*auto.step_times, *twin.step_times] if which == "all steps" else [mine, others[twin.key]]
+        mine = statistics.median(both)
+        noise = (f"; the plan of '{twin.label}' (same schedule and split), measured twice: "
+                 f"{times['ours_auto'] * 1e3:.1f} and {others.pop(twin.key) * 1e3:.1f} ms, median of both "
+                 f"{mine * 1e3:.1f} ms")
+    best = min(others, key=others.__getitem__)
+    ratio = mine / min(mine, others[best])
+    return (f"{'MET ' if ratio <= 1.05 else 'MISS'} [{which}] auto's pick ({auto.schedule}) is {ratio:.2f}x "
+            f"the fastest of ours ({by_key[best].label if others[best] < mine else 'itself'}) "
+            f"(target <= 1.05){noise}")
+
+
 def verdicts(rows: Sequence[Row]) -> list[str]:
     """The issue's targets, on all steps and on the uncontended ones, plus agreement of losses and gradients."""
     by_key = {r.key: r for r in rows}
@@ -554,10 +585,7 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
                 out.append(f"n/a  [{which}] {by_key[ours].label} vs {r.label}: too few uncontended steps")
         ours_times = {k: v for k, v in times.items() if CONFIGS[k].torch_schedule is None}
         if "ours_auto" in ours_times and len(ours_times) > 1:
-            best = min(ours_times, key=ours_times.__getitem__)
-            ratio = ours_times["ours_auto"] / ours_times[best]
-            out.append(f"{'MET ' if ratio <= 1.05 else 'MISS'} [{which}] auto's pick ({by_key['ours_auto'].schedule}) "
-                       f"is {ratio:.2f}x the fastest of ours ({by_key[best].label}) (target <= 1.05)")
+            out.append(_auto_verdict(rows, ours_times, which))
         theirs_times = {k: v for k, v in times.items() if CONFIGS[k].torch_schedule is not None}
         if ours_times and theirs_times:
             a = min(ours_times, key=ours_times.__getitem__)
