@@ -177,9 +177,21 @@ def _rank_threads(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-# Whole-graph passes run before timing: a process's first passes run up to 1.5x slower on CPU
-# while the allocator maps fresh memory (pipelined steps show the same).
-_WARM_PASSES = 3
+# Whole-graph passes run before timing until two in a row are within 10% of the fastest (at least
+# 3, at most 20, at most 5 s): a process's first passes run up to 1.6x slower on CPU while the
+# allocator maps fresh memory (pipelined steps show the same).
+_WARM_PASSES = (3, 20)
+_WARM_BUDGET_S = 5.0
+_SETTLED = 1.10
+
+
+def _settled(passes: list[float]) -> bool:
+    """Whether the last two whole passes are within :data:`_SETTLED` of the fastest one.
+
+    >>> _settled([3.0, 2.0, 1.6]), _settled([3.0, 1.6, 1.5, 1.55])
+    (False, True)
+    """
+    return len(passes) >= 2 and max(passes[-2:]) <= _SETTLED * min(passes)
 
 
 def _in_situ(
@@ -204,8 +216,15 @@ def _in_situ(
     back_samples: dict[str, list[float]] = {}
     backward: list[float] = []
     params = [p for p in gm.parameters() if p.requires_grad]
-    for _ in range(_WARM_PASSES + repeats):
+    least, most = _WARM_PASSES
+    walls: list[float] = []  # every pass's wall time, warm-up included
+    warming, timed, began = True, 0, time.perf_counter()
+    while timed < repeats:
+        if warming and len(walls) >= least and (
+                _settled(walls) or len(walls) >= most or time.perf_counter() - began > _WARM_BUDGET_S):
+            warming = False  # from here on, passes are timed
         reset()
+        pass_start = time.perf_counter()
         clock = _BackwardClock(sync)
         timer = _NodeTimer(gm, sync, clock)
         with torch.enable_grad():
@@ -218,15 +237,18 @@ def _in_situ(
                 torch.autograd.grad(leaves, params, [torch.ones_like(t) for t in leaves], allow_unused=True)
             sync()
             end = time.perf_counter()
+        walls.append(end - pass_start)
+        if warming:
+            continue
+        timed += 1
         backward.append(end - start)
         for name, seconds in timer.seconds.items():
             samples.setdefault(name, []).append(seconds)
         for name, seconds in clock.seconds(end).items():
             back_samples.setdefault(name, []).append(seconds)
-    w = _WARM_PASSES
-    forward = {k: statistics.median(v[w:]) for k, v in samples.items()}
-    backward_nodes = {k: statistics.median(v[w:]) for k, v in back_samples.items() if len(v) > w}
-    return forward, backward_nodes, statistics.median(backward[w:])
+    forward = {k: statistics.median(v) for k, v in samples.items()}
+    backward_nodes = {k: statistics.median(v) for k, v in back_samples.items()}
+    return forward, backward_nodes, statistics.median(backward)
 
 
 def _calibrated(
