@@ -531,6 +531,17 @@ def percent_more(value: float, base: float) -> str:
 def infeasible_error(scaled: ScaledCosts, options: PlanOptions, trials: list[Trial]) -> AutopartitionError:
     """Why nothing fits, under which assumptions, and what would: GPUs, memory, precision, recomputation."""
     gpus = options.gpus
+    unordered = sorted({schedule_label(t.schedule, t.chunks) for t in trials
+                        if t.status == "skipped" and "cannot order" in (t.reason or "")})
+    if unordered and all(t.status in ("skipped", "pruned") for t in trials):
+        first = next(t.reason for t in trials if t.status == "skipped" and "cannot order" in (t.reason or ""))
+        return AutopartitionError(
+            f"No plan for {gpus} GPUs: {' and '.join(unordered)} could not order the messages of any split "
+            "found (a stage receives tensors from stages on several pipeline ranks at once, such as "
+            "position embeddings or a mask computed once and sent to every later stage). Use a schedule "
+            "with one stage per rank (--schedule zb-h1 or 1f1b), or --schedule auto to let the planner "
+            f"choose. First refusal: {first}"
+        )
     if not any(t.status == "infeasible" for t in trials):
         reasons = "; ".join(dict.fromkeys(f"{t.pp}x{t.dp}: {t.reason or t.status}" for t in trials))
         most = len(scaled.blocks)

@@ -284,3 +284,16 @@ def test_schedule_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
     print_schedule_table(rows)
     out = capsys.readouterr().out
     assert "zbv" in out and "vs chosen" in out
+
+
+def test_a_schedule_that_cannot_order_any_split_names_the_schedules_that_can() -> None:
+    """Qwen2 sends values made once in stage 0 (rotary tables, the mask) on to later stages: under ZB-V
+    two stages of one rank receive them from the other rank, and no split orders those messages; the
+    error says which schedules can run it."""
+    from partitioner.modelfile import load_model_file
+
+    model_file = load_model_file(str(Path(__file__).parent / "models" / "zoo_qwen2.py"))
+    with pytest.raises(AutopartitionError, match=r"zbv could not order the messages of any split(.|\n)*"
+                                                 r"--schedule zb-h1 or 1f1b"):
+        compile(model_file.build(), model_file.example_inputs(4), gpus=2, pp=2, microbatches=2, schedule="zbv",
+                device="h100")
