@@ -122,10 +122,13 @@ def profile(
     warmup: int = 1,
     repeats: int = 5,
     progress: Progress | None = None,
+    weight_share: bool = True,
 ) -> dict[str, NodeCost]:
     """Cost every compute and constant node of ``captured`` on ``inputs`` (one micro-batch).
 
     ``measure=False`` counts on fake tensors (no compute, no allocation); times are zero.
+    ``weight_share``: also time each parameter node's backward to its parameters alone
+    (``NodeCost.weight_backward_s``; only schedules that split the backward use it).
     """
     gm = captured.graph_module
     if not measure:
@@ -144,7 +147,8 @@ def profile(
     with torch.no_grad():  # first calls of an op pay one-time set-up costs; keep them out of the timings
         gm(*inputs)
     start.restore()
-    runner = _CostInterpreter(gm, measure=True, device=device, warmup=warmup, repeats=repeats, progress=progress)
+    runner = _CostInterpreter(gm, measure=True, device=device, warmup=warmup, repeats=repeats, progress=progress,
+                              weight_share=weight_share)
     with _rank_threads(device), torch.enable_grad():
         runner.run(*inputs)
         forward, backward_nodes, backward = _in_situ(
@@ -466,10 +470,12 @@ class _CostInterpreter(StandIns):
         repeats: int,
         progress: Progress | None,
         state: Callable[[str], Any] | None = None,
+        weight_share: bool = True,
     ) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.extra_traceback = False  # our errors are one paragraph; fx would append the graph's traceback
         self.measure = measure
+        self.weight_share = weight_share
         self.device = device
         self.warmup = warmup
         self.repeats = repeats
@@ -598,7 +604,7 @@ class _CostInterpreter(StandIns):
             if self.measure:
                 backward_s = self._time(backward)
                 weight_backward_s = backward_s
-                if params and leaves:  # a split backward's W: the parameters' gradients alone
+                if params and leaves and self.weight_share:  # a split backward's W: the parameters' alone
 
                     def weight_backward() -> Any:
                         return torch.autograd.grad(diff_out, params, grads, retain_graph=True, allow_unused=True)

@@ -56,7 +56,7 @@ from partitioner.blockgraph import block_graph
 from partitioner.capture import CallSpec, CapturedModel, CaptureMethod, capture
 from partitioner.coarsen import coarsen
 from partitioner.cost import NodeCost, profile, time_loss
-from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, SCHEDULES, splits_backward
+from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
 from partitioner.errors import AutopartitionError, ScheduleError
 from partitioner.formulate import GraphCosts, node_times
 from partitioner.ir import compute_nodes, graph_fingerprint, module_path
@@ -181,7 +181,9 @@ def compile(
         phase = f"{'measuring' if measure else 'counting'} costs"
         report_progress(say, phase, nodes if done >= total else nodes * done // total, nodes, unit="nodes")
 
-    costs = _profile(captured, micro, measure=measure, device=local, progress=progress)
+    # W shares and the split's host cost matter only to schedules that split the backward.
+    costs = _profile(captured, micro, measure=measure, device=local, progress=progress,
+                     weight_share=_may_split(schedule))
     times = node_times(costs, spec, precision=options.precision, measure=measure)
     blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
     if not blocks:
@@ -189,7 +191,7 @@ def compile(
     loss_s = (0.0, 0.0)
     if loss_fn is not None and target is not None and measure:
         loss_s = time_loss(captured, micro, loss_fn, microbatch_inputs_any(target, batch // reference), device=local)
-    # A split backward's host cost, measured with the runtime's code (predicted devices: not modelled).
+    # The split's host cost is measured with the runtime's code (predicted devices: not modelled).
     split_s = split_overhead_s(local) if measure and _may_split(schedule) else 0.0
     scaled = ScaledCosts(captured, blocks, costs, options, loss_s=loss_s, split_overhead_s=split_s)
 
@@ -223,7 +225,7 @@ def compile(
 
 def _may_split(schedule: str) -> bool:
     """Whether a schedule the search may try splits its backward (``auto`` tries them all)."""
-    return schedule == "auto" or (schedule in SCHEDULES and splits_backward(schedule))  # type: ignore[arg-type]
+    return schedule == "auto" or splits_backward(schedule)
 
 
 def _drafts(
@@ -438,10 +440,11 @@ def _profile(
     measure: bool,
     device: torch.device,
     progress: Callable[[int, int], None],
+    weight_share: bool = True,
 ) -> dict[str, NodeCost]:
     # Counting (measure=False) runs on fake tensors, so it counts the real micro-batch directly:
     # exact for tensors that do not grow with the batch (positions, masks), and as fast.
-    return profile(captured, micro, measure=measure, device=device, progress=progress)
+    return profile(captured, micro, measure=measure, device=device, progress=progress, weight_share=weight_share)
 
 
 

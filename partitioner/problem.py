@@ -418,11 +418,10 @@ class _Parts:
     kept: list[float]  # kept per micro-batch when recomputing (block inputs)
     peak: list[float]  # one block's activations, live again during its backward
     extra: list[float]  # recomputation seconds
-    weight: list[float]  # weight-gradient (W) seconds under a split backward, its host cost included
 
 
 def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _Parts:
-    parts = _Parts(*([0.0] * stages for _ in range(6)))
+    parts = _Parts(*([0.0] * stages for _ in range(5)))
     for v, s in enumerate(stage_of):
         parts.static[s] += problem.static_bytes[v]
         parts.activation[s] += problem.activation_bytes[v]
@@ -433,7 +432,6 @@ def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _
     for nbytes, _, readers in problem.shared:
         for s in {stage_of[r] for r in readers}:
             parts.static[s] += nbytes
-    parts.weight[:] = split_backward(problem, stage_of, stages)[0]
     return parts
 
 
@@ -741,7 +739,7 @@ def step_time(
     for s in range(stages):
         per_rank[rank[s]] += times[s]
         reduce[rank[s]] += allreduce[s] + latency[s]
-    weight = _parts(problem, stage_of, stages).weight
+    weight, _ = split_backward(problem, stage_of, stages)
     M = microbatches
     if schedule == "zb-h1":
         forward = _stage_forward(problem, stage_of, stages)

@@ -466,16 +466,16 @@ class _Run:
             end = max([now] + [self.arrival[k] for k in keys]) + self.host * len(keys)
             self._record(r, a, now, end)
             self.clock[r] = end
-        elif a.kind == "SF":
-            for t in self.remote_out[s]:
-                self._send("F", s, t, i, self.seconds[s][t])
-            self._record(r, a, now, now + self.host * len(self.remote_out[s]))
-            self.clock[r] = now + self.host * len(self.remote_out[s])
-        elif a.kind == "SB":
-            for p in self.remote_in[s]:
-                self._send("B", s, p, i, self.seconds[p][s])
-            self._record(r, a, now, now + self.host * len(self.remote_in[s]))
-            self.clock[r] = now + self.host * len(self.remote_in[s])
+        elif a.kind in ("SF", "SB"):
+            peers = self.remote_out[s] if a.kind == "SF" else self.remote_in[s]
+            for peer in peers:
+                if a.kind == "SF":
+                    self._send("F", s, peer, i, self.seconds[s][peer])
+                else:
+                    self._send("B", s, peer, i, self.seconds[peer][s])
+            end = now + self.host * len(peers)
+            self._record(r, a, now, end)
+            self.clock[r] = end
         elif a.kind == "F":
             self._record(r, a, now, now + c.forward[s])
             self._hold(r, now, +1, c.activation[s])

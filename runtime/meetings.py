@@ -295,12 +295,11 @@ def _functional(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, list[fx.Nod
         w, b = param("weight"), param("bias")
         new = graph.call_function(F.layer_norm, (node.args[0], tuple(ln.normalized_shape), w, b, ln.eps))
         own = [w, b]
-    elif simple and type(module).forward is nn.Embedding.forward and getattr(module, "max_norm", 1) is None:
-        e = module
-        assert isinstance(e, nn.Embedding)
+    elif simple and isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward \
+            and module.max_norm is None:  # max_norm renormalises the weight in place: left to the module
         w = param("weight")
-        new = graph.call_function(F.embedding, (node.args[0], w, e.padding_idx, None, e.norm_type,
-                                                e.scale_grad_by_freq, e.sparse))
+        new = graph.call_function(F.embedding, (node.args[0], w, module.padding_idx, None, module.norm_type,
+                                                module.scale_grad_by_freq, module.sparse))
         own = [w]
     else:
         both = graph.call_function(_aliased_call, (graph.get_attr(target), *node.args), dict(node.kwargs))

@@ -180,6 +180,27 @@ def test_b_then_w_equals_a_plain_backward_and_b_skips_weight_products() -> None:
     assert w_ops["mm"] == 4, w_ops
 
 
+def test_w_takes_linear_and_norm_gradients_without_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W calls autograd once per other meeting op (`* gain`, `+ weight.sum()`, `+= bias`), never for the
+    three linears and the norm, whose weight gradients it computes from their input and output gradient."""
+    torch.manual_seed(0)
+    block = _Block()
+    x, z, grads = _inputs()
+    calls = []
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or grad(*a, **k))
+    gm = fx.symbolic_trace(block)
+    marked = mark_meetings(gm, active=["x"])
+    split = SplitBackward(unsplit=marked.unsplit)
+    leaf = x.clone().requires_grad_()
+    with split.recording(marked.log):
+        outputs = gm(leaf, z)
+    split.backward_inputs(list(outputs), grads, [leaf], weight_only=marked.weight_outputs)
+    calls.clear()
+    split.backward_weights()
+    assert len(calls) == 3
+
+
 def test_an_exported_graph_splits_the_same() -> None:
     """Exported graphs hold aten ops on parameters read by get_attr: the same meetings, the same gradients."""
     from partitioner.capture import capture
