@@ -63,7 +63,7 @@ from partitioner.search import Solved
 from partitioner.simulate import simulate
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
 
-__all__ = ["build_plan", "model_flops_utilization", "stage_codes", "stage_layout"]
+__all__ = ["build_plan", "model_flops_utilization", "predict", "stage_codes", "stage_layout"]
 
 
 def stage_layout(pp: int, dp: int) -> list[tuple[int, ...]]:
@@ -97,7 +97,7 @@ def build_plan(
         stages=stages,
         actions=(),  # _lower
         tied=_tied(captured, stages),
-        predicted=StepPrediction(0.0, 0.0, 0.0, (), model_flops=model_flops or None),  # _predict
+        predicted=StepPrediction(0.0, 0.0, 0.0, (), model_flops=model_flops or None),  # predict
         solver=SolverInfo(partition.solver, partition.status, partition.objective, partition.lower_bound,
                           partition.wall_s, len(graph.blocks)),
         cost_model=CostModelInfo(
@@ -107,6 +107,7 @@ def build_plan(
             inter_node_bandwidth=spec.inter_node_bandwidth, inter_node_latency=spec.inter_node_latency,
             peak_flops=spec.peak(compute_dtype(options.precision)),
             message_host_s=spec.message_host_s,
+            calibration_scale=options.calibration.scale, action_host_s=options.calibration.action_s,
         ),
         candidates=(),  # compile: every combination's row, on the chosen plan
         bucket_cap_mb=options.bucket_cap_mb,
@@ -115,7 +116,7 @@ def build_plan(
         optimizer=options.optimizer,
         gpus_per_node=options.gpus_per_node,
     )
-    return _predict(_lower(assembled))
+    return predict(_lower(assembled))
 
 
 
@@ -192,6 +193,8 @@ def _stages(
         last = s == count - 1
         forward = (sum(graph.node_forward_s[n] for n in compute) + (graph.loss_s[0] if last else 0.0)) / dp
         total = (sum(graph.node_time_s[n] for n in compute) + (sum(graph.loss_s) if last else 0.0)) / dp
+        # The runtime's host time per action (a calibration's): once in F, once in B (W's is in added).
+        forward, total = forward + problem.action_s, total + 2 * problem.action_s
         kept = [problem.activation_bytes[b] for b in blocks_of[s]]
         again = 0.0
         if recompute[s]:
@@ -239,7 +242,7 @@ def _lower(plan: Plan) -> Plan:
 
 
 
-def _predict(plan: Plan) -> Plan:
+def predict(plan: Plan) -> Plan:
     """The step prediction, from a discrete-event simulation of the lowered plan, and the MFU it implies."""
     sim = simulate(plan)
     flops, peak = plan.predicted.model_flops, plan.cost_model.peak_flops

@@ -51,6 +51,8 @@ examples:
   autopartition show plan/                         # the report again, from plan.json
   autopartition verify plan/ --model model.py      # run on CPU ranks, compare with the model
   autopartition run plan/ --nproc-per-node 8 -- train.py --epochs 1
+  autopartition calibrate plan/ trace.json -o calib.json   # fit the costs to a traced run
+  autopartition model.py --gpus 8 --calibration calib.json   # plan again with them
 
 model file: build_model() (or a module-level `model`), example_inputs(batch_size) (or a
 module-level tuple), optionally loss_fn(outputs, target) and example_target(batch_size).
@@ -90,6 +92,7 @@ def _dispatch(args: list[str]) -> int:
     handlers: dict[str, tuple[Callable[[], argparse.ArgumentParser], Callable[[Any], int]]] = {
         "show": (_show_parser, _show),
         "verify": (_verify_parser, _verify),
+        "calibrate": (_calibrate_parser, _calibrate),
     }
     if args and args[0] == "run":
         return _run(args[1:])
@@ -203,6 +206,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="plan", metavar="DIR", help="plan directory to write (default plan/)")
     parser.add_argument("--force", action="store_true",
                         help="write --out even if it holds a plan for another model, or other files")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="costs fitted to a traced run (autopartition calibrate): node times scaled, "
+                        "the runtime's host time per action charged")
     parser.add_argument("--time-limit", type=_positive_float, default=10.0, metavar="S",
                         help="time limit of each ILP solve, seconds (default 10)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
@@ -220,6 +226,44 @@ def _show_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("plan", metavar="DIR", help="plan directory (or its plan.json)")
     return parser
+
+
+def _calibrate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopartition calibrate",
+        description=_fill("Fit the plan's costs to a traced run of it: each stage's mean F, B and W against "
+        "its prediction, measured = scale x predicted + host seconds per action (least squares). Plan "
+        "again with --calibration FILE to use the fit; steps of the trace's first half are left out "
+        "(a process's first steps run slow)."),
+        epilog="example:\n  autopartition run plan/ -- examples/train_gpt.py --steps 20 --trace trace.json\n"
+        "  autopartition calibrate plan/ trace.json -o calibration.json\n"
+        "  autopartition examples/gpt.py --gpus 4 --calibration calibration.json",
+        formatter_class=_formatter,
+    )
+    parser.add_argument("plan", metavar="DIR", help="the plan the trace was recorded with (its directory or plan.json)")
+    parser.add_argument("trace", metavar="TRACE", help="the run's trace (Pipeline.write_trace, train_gpt.py --trace)")
+    parser.add_argument("-o", "--out", metavar="FILE", default="calibration.json",
+                        help="where to write the calibration (default calibration.json)")
+    return parser
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from partitioner.calibration import calibrate, stage_pairs
+    from partitioner.plan import Plan
+    from partitioner.timeline import read_events
+
+    plan = Plan.load(args.plan)
+    found = calibrate(plan, args.trace, plan_label=f"plan {args.plan}")
+    saved = found.save(args.out)
+    pairs = stage_pairs(plan, read_events(args.trace))
+    measured = sum(m for _, m in pairs)
+    predicted = sum(p for p, _ in pairs)
+    print(f"{found.samples} stage actions: measured {1e3 * measured:.2f} ms vs predicted {1e3 * predicted:.2f} ms "
+          f"in all ({100 * (measured / predicted - 1):+.0f}%)")
+    print(f"fit: measured = {found.scale:.3f} x predicted + {1e6 * found.action_s:.0f} us per action "
+          "(from the plan's uncalibrated costs)")
+    print(f"calibration saved to {saved}; plan with it: autopartition MODEL --gpus N --calibration {shlex.quote(str(saved))}")
+    return 0
 
 
 def _verify_parser() -> argparse.ArgumentParser:
@@ -301,6 +345,7 @@ def _plan(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             gpus_per_node=args.gpus_per_node,
             chunks=args.chunks,
+            calibration=args.calibration,
             loss_fn=model_file.loss_fn,
             target=model_file.example_target(batch) if model_file.example_target else None,
             status=say,

@@ -106,6 +106,7 @@ class GraphCosts:
     node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
     split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
+    action_s: float = 0.0  # host seconds the runtime adds per compute action (a calibration's; partitioner.calibration)
 
     def saved_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
         """Activation bytes ``names`` save for backward at ``precision`` (one micro-batch, dp = 1).
@@ -219,6 +220,7 @@ def graph_costs(
     *,
     loss_s: tuple[float, float] = (0.0, 0.0),
     split_overhead_s: float = 0.0,
+    action_s: float = 0.0,
 ) -> GraphCosts:
     """Aggregate node costs per block; ``times`` gives (forward, backward) seconds per node (:func:`node_times`).
 
@@ -278,6 +280,7 @@ def graph_costs(
             if name in times and node_parameters(gm, nodes[name])
         },
         split_overhead_s=split_overhead_s,
+        action_s=action_s,
     )
 
 
@@ -379,6 +382,7 @@ def formulate(
         "split_s": tuple(
             graph.split_overhead_s * sum(1 for m in members if m in graph.node_weight_s) for members in graph.blocks
         ) if graph.split_overhead_s else None,
+        "action_s": graph.action_s,
     }
     return PartitionProblem(
         time_s=tuple(

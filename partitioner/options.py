@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from partitioner.calibration import Calibration
 from partitioner.capture import CaptureMethod
 from partitioner.defaults import SCHEDULES, schedule_chunks, splits_backward
 from partitioner.devices import DEVICES, DeviceSpec, device_spec
@@ -92,6 +93,7 @@ class PlanOptions:
     time_limit: float  # solver seconds per ILP
     refine_simulations: int = REFINE_SIMULATIONS  # simulated steps of local search per candidate (0: none)
     chunks: int | None = None  # stages per pipeline rank for interleaved-1f1b; None: CHUNK_CHOICES
+    calibration: Calibration = dataclasses.field(default_factory=Calibration)  # from a traced run (partitioner.calibration); default: none
 
     def schedule_variants(self, pp: int, blocks: int) -> list[tuple[ScheduleKind, int]]:
         """The (schedule, stages per rank) pairs tried with ``pp`` pipeline ranks and ``blocks`` blocks.

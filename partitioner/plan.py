@@ -237,6 +237,9 @@ class CostModelInfo:
     inter_node_latency: float | None = None  # seconds per message between nodes; None: link_latency
     peak_flops: float | None = None  # FLOP/s of one GPU in the compute dtype, for the MFU
     message_host_s: float = 0.0  # seconds of a rank's own time per message sent or received
+    # A calibration from a traced run (partitioner.calibration): node times x scale, + action_host_s per action.
+    calibration_scale: float = dataclasses.field(default=1.0, metadata={ADDED_IN_VERSION: 3})
+    action_host_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)

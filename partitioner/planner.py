@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from partitioner import assemble
 from partitioner.agree import solved_on_rank0
 from partitioner.assemble import model_flops_utilization, stage_codes, stage_layout
 from partitioner.blockgraph import block_graph
+from partitioner.calibration import Calibration, load_calibration
 from partitioner.capture import CallSpec, CapturedModel, CaptureMethod, capture
 from partitioner.coarsen import coarsen
 from partitioner.cost import NodeCost, profile, time_loss
@@ -60,6 +62,7 @@ from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits
 from partitioner.errors import AutopartitionError, ScheduleError
 from partitioner.formulate import GraphCosts, node_times
 from partitioner.ir import compute_nodes, graph_fingerprint, module_path
+from partitioner.measured import Measured, measurement_key, recall, remember
 from partitioner.meta import layer_of
 from partitioner.options import (
     AUTO,
@@ -142,6 +145,8 @@ def compile(
     recompute: str = "auto",
     gpus_per_node: int | None = None,
     chunks: int | None = None,
+    calibration: Calibration | str | Path | None = None,
+    remeasure: bool = False,
 ) -> Plan:
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
@@ -153,6 +158,11 @@ def compile(
     that picks each link; ``chunks`` the stages per pipeline rank of
     ``interleaved-1f1b`` (default: 2 and 4 are tried).  With ``loss_fn`` and ``target`` (one mini-batch of
     targets) the loss's cost is charged to the last stage, which computes it.
+    ``calibration`` (a :class:`~partitioner.calibration.Calibration` or its
+    file, from ``autopartition calibrate``) scales every node time and charges
+    the runtime's host time per action, as fitted on a traced run.  Measured
+    costs are kept per process (:mod:`partitioner.measured`): planning the same
+    model again reuses them unless ``remeasure``.
     """
     say = status or (lambda _msg: None)
     # A tuple, a dict of keywords or (args, kwargs): from here on, the flat tuple of its tensors.
@@ -166,6 +176,7 @@ def compile(
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
         refine_simulations=refine_simulations,
+        calibration=_calibration(calibration),
     )
 
     reference = options.reference_microbatches
@@ -181,19 +192,17 @@ def compile(
         phase = f"{'measuring' if measure else 'counting'} costs"
         report_progress(say, phase, nodes if done >= total else nodes * done // total, nodes, unit="nodes")
 
-    # W shares and the split's host cost matter only to schedules that split the backward.
-    costs = _profile(captured, micro, measure=measure, device=local, progress=progress,
-                     weight_share=_may_split(schedule))
+    target = microbatch_inputs_any(target, batch // reference) if loss_fn is not None and target is not None else None
+    found = _costs(captured, micro, loss_fn, target, measure=measure, device=local, progress=progress,
+                   weight_share=_may_split(schedule), remeasure=remeasure, say=say)
+    costs = found.costs
     times = node_times(costs, spec, precision=options.precision, measure=measure)
     blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
     if not blocks:
         raise AutopartitionError(f"{type(model).__name__} has no compute to partition.")
-    loss_s = (0.0, 0.0)
-    if loss_fn is not None and target is not None and measure:
-        loss_s = time_loss(captured, micro, loss_fn, microbatch_inputs_any(target, batch // reference), device=local)
-    # The split's host cost is measured with the runtime's code (predicted devices: not modelled).
-    split_s = split_overhead_s(local) if measure and _may_split(schedule) else 0.0
-    scaled = ScaledCosts(captured, blocks, costs, options, loss_s=loss_s, split_overhead_s=split_s)
+    scaled = ScaledCosts(captured, blocks, costs, options, loss_s=found.loss_s,
+                         split_overhead_s=found.split_s if _may_split(schedule) else 0.0,
+                         calibration=options.calibration)
 
     trials, solved = search(scaled, options, say=say)
     if not solved:
@@ -221,6 +230,44 @@ def compile(
         block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
     )
 
+
+
+def _costs(
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    target: Any,
+    *,
+    measure: bool,
+    device: torch.device,
+    progress: Callable[[int, int], None],
+    weight_share: bool,
+    remeasure: bool,
+    say: Status,
+) -> Measured:
+    """Node, loss and split costs: measured (or kept from an earlier compile of this model), or counted."""
+    key = measurement_key(captured, micro, device=device, loss_fn=loss_fn, target=target) if measure else None
+    if key is not None and not remeasure:
+        kept = recall(key, weight_share=weight_share)
+        if kept is not None:
+            say("costs: as measured earlier in this process (remeasure=True measures again)")
+            return kept
+    # W shares and the split's host cost matter only to schedules that split the backward.
+    costs = _profile(captured, micro, measure=measure, device=device, progress=progress, weight_share=weight_share)
+    loss_s = (0.0, 0.0)
+    if loss_fn is not None and target is not None and measure:
+        loss_s = time_loss(captured, micro, loss_fn, target, device=device)
+    # The split's host cost is measured with the runtime's code (predicted devices: not modelled).
+    found = Measured(costs, loss_s, split_overhead_s(device) if measure and weight_share else 0.0, weight_share)
+    if key is not None:
+        remember(key, found)
+    return found
+
+
+def _calibration(value: Calibration | str | Path | None) -> Calibration:
+    if value is None:
+        return Calibration()
+    return value if isinstance(value, Calibration) else load_calibration(value)
 
 
 def _may_split(schedule: str) -> bool:

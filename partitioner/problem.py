@@ -150,6 +150,8 @@ class PartitionProblem:
     Schedules (optional): ``weight_s[v]`` the weight-gradient (W) part of
     ``time_s[v]`` (None: none can be split off); ``split_s[v]`` the host seconds
     a split backward adds to block v (its W calls; see :func:`split_backward`);
+    ``action_s`` the host seconds the runtime adds to every compute action (F, B
+    and, split, W) of every stage (a calibration's, :mod:`partitioner.calibration`);
     ``stage_rank[s]`` the pipeline
     rank of stage s when the problem is solved for a schedule with several stages
     per rank (None: stage s on rank s; see :func:`stage_rank_of`);
@@ -179,6 +181,7 @@ class PartitionProblem:
     weight_s: tuple[float, ...] | None = None
     split_s: tuple[float, ...] | None = None
     message_host_s: float = 0.0  # a rank's own seconds per message it sends or receives (the simulator's)
+    action_s: float = 0.0  # a rank's own seconds per compute action (F, B, W), beyond its blocks' time
     stage_rank: tuple[int, ...] | None = None
     rank_memory_limit: float | None = None
 
@@ -456,7 +459,8 @@ def split_backward(
     B and its blocks' ``weight_s`` in W, which also pays each block's
     ``split_s`` (host time of the W calls; the stage's time grows by as much).  A
     stage that receives nothing (the first) has no input gradient to compute: its
-    whole backward is W, run as one call, so it adds nothing.  ``forward_s``
+    whole backward is W, run as one call, so it adds nothing.  Every stage's W is
+    one more action: ``action_s`` more, in both lists.  ``forward_s``
     (per block) separates the backward from ``time_s``; default: the
     recomputation seconds where known, else a third of the block's time (as
     :class:`partitioner.refine.StepModel`).
@@ -479,7 +483,7 @@ def split_backward(
             extra[s] += added
         else:
             weight[s] += problem.time_s[v] - forward[v]
-    return weight, extra
+    return [w + problem.action_s for w in weight], [x + problem.action_s for x in extra]
 
 
 def _memory(parts: _Parts, s: int, flight: int, recompute: bool) -> float:
@@ -573,8 +577,8 @@ def stage_costs(
     microbatches: int | None = None,
     schedule: ScheduleKind = DEFAULT_SCHEDULE,
 ) -> tuple[list[float], list[float]]:
-    """Per-stage time (compute + recomputation + a split backward's host cost + transfers in) and
-    all-reduce seconds (latency excluded).
+    """Per-stage time (compute + recomputation + a split backward's host cost + the runtime's host
+    time per action + transfers in) and all-reduce seconds (latency excluded).
 
     Transfers and all-reduces are priced on the link each stage's traffic crosses
     (:func:`stage_links`).  ``recompute``: the per-stage choice; None applies the
@@ -583,9 +587,9 @@ def stage_costs(
     """
     chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
     inbound, outbound = stage_links(problem, stages)
-    times = [0.0] * stages
     allreduce = [0.0] * stages
     block_allreduce = [_allreduce_prices(problem, slow)[0] for slow in (False, True)]
+    times = [2 * problem.action_s] * stages  # F and B (a split backward's W: split_backward)
     for v, s in enumerate(stage_of):
         times[s] += problem.time_s[v]
         allreduce[s] += block_allreduce[outbound[s]][v]
@@ -742,7 +746,7 @@ def step_time(
     weight, _ = split_backward(problem, stage_of, stages)
     M = microbatches
     if schedule == "zb-h1":
-        forward = _stage_forward(problem, stage_of, stages)
+        forward = [f + problem.action_s for f in _stage_forward(problem, stage_of, stages)]
         useful = [t - 2 * min(w, t - f - w) for t, w, f in zip(times, weight, forward, strict=True)]
         total = M * max(times) + max(0.0, sum(useful) - max(useful))
     elif schedule == "zbv":

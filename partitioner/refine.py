@@ -217,7 +217,7 @@ class SplitSimulator:
         """Simulated step seconds of ``stage_of`` (a valid assignment)."""
         p, n, model, where = self.problem, self.stages, self.model, self.where
         chosen = tuple(recompute) if recompute else self.recompute(stage_of)
-        forward, backward = [0.0] * n, [0.0] * n
+        forward, backward = [p.action_s] * n, [p.action_s] * n  # the runtime's host time per F and B
         for v, s in enumerate(stage_of):
             forward[s] += model.forward_s[v]
             backward[s] += p.time_s[v] - model.forward_s[v]

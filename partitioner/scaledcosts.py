@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from partitioner.calibration import Calibration
 from partitioner.capture import CapturedModel
 from partitioner.cost import NodeCost
 from partitioner.formulate import GraphCosts, formulate, graph_costs, node_times
@@ -38,9 +39,11 @@ class ScaledCosts:
         *,
         loss_s: tuple[float, float],
         split_overhead_s: float = 0.0,
+        calibration: Calibration | None = None,
     ) -> None:
         self.captured, self.blocks, self.costs, self.options, self.loss_s = captured, blocks, costs, options, loss_s
         self.split_overhead_s = split_overhead_s  # host seconds per parameter-reading node (partitioner.splitcost)
+        self.calibration = calibration or Calibration()  # node times x scale, + action_s per compute action
         self._graphs: dict[int, GraphCosts] = {}
         self._problems: dict[tuple[int, int], PartitionProblem] = {}  # formulated once per (dp, M)
 
@@ -50,10 +53,12 @@ class ScaledCosts:
             o = self.options
             factor = o.reference_microbatches / microbatches
             costs = self.costs if factor == 1 else {k: _scaled(c, factor) for k, c in self.costs.items()}
-            times = node_times(costs, o.spec, precision=o.precision, measure=o.measure)
-            loss = (self.loss_s[0] * factor, self.loss_s[1] * factor)
+            scale = self.calibration.scale
+            times = {k: (f * scale, b * scale)
+                     for k, (f, b) in node_times(costs, o.spec, precision=o.precision, measure=o.measure).items()}
+            loss = (self.loss_s[0] * factor * scale, self.loss_s[1] * factor * scale)
             graph = graph_costs(self.captured, self.blocks, costs, times, loss_s=loss,
-                                split_overhead_s=self.split_overhead_s)
+                                split_overhead_s=self.split_overhead_s, action_s=self.calibration.action_s)
             if factor != 1:  # values read across blocks (sent, kept for recomputation): at the captured size
                 graph = dataclasses.replace(
                     graph,

@@ -578,3 +578,49 @@ def test_hugging_face_example_command_plans(tmp_path: Path, capsys: pytest.Captu
     # winner now lies at the costed size); any that was is skipped for its graph.
     skipped = [c for c in plan.candidates if c.status == "skipped" and c.note.startswith("graph differs")]
     assert all(c.note == "graph differs at 1 sample per micro-batch" for c in skipped)
+
+
+# ----------------------------------------------------------------- calibrate
+
+
+def test_calibrate_then_plan_with_the_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from partitioner.schedule import Action
+    from partitioner.timeline import TimelineEvent, write_chrome_trace
+
+    model = _model(tmp_path, layers=4)
+    first, second = tmp_path / "plan", tmp_path / "again"
+    common = ["--gpus", "2", "--pp", "2", "--batch-size", "8", "--microbatches", "2", "--schedule", "gpipe",
+              "--device", "h100", "--quiet"]
+    assert main([model, *common, "--out", str(first)]) == 0
+    plan = Plan.load(first)
+    # A run whose every compute action took 1.5x its prediction + 20 us, twice (two steps).
+    events, clock = [], 0.0
+    for _ in range(2):
+        for rank, row in enumerate(plan.actions):
+            for name in row:
+                a = Action.parse(name)
+                if a.kind in "FB":
+                    p = plan.stages[a.stage].predicted
+                    d = 1.5 * (p.forward_s if a.kind == "F" else p.backward_s) + 20e-6
+                    events.append(TimelineEvent(rank, name, name, a.microbatch, a.kind, clock, clock + d))
+                    clock += d
+    trace = write_chrome_trace(tmp_path / "trace.json", events, title="measured", pid=1)
+    capsys.readouterr()
+    assert main(["calibrate", str(first), str(trace), "-o", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "fit: measured = 1.500 x predicted + 20 us per action" in out and "--calibration" in out
+    assert main([model, *common, "--out", str(second), "--calibration", str(tmp_path / "c.json")]) == 0
+    again = Plan.load(second)
+    assert (again.cost_model.calibration_scale, again.cost_model.action_host_s) == pytest.approx((1.5, 20e-6))
+    for old, new in zip(plan.stages, again.stages, strict=True):  # the same split, costs as the run showed
+        assert new.predicted.forward_s == pytest.approx(1.5 * old.predicted.forward_s + 20e-6)
+        assert new.predicted.backward_s == pytest.approx(1.5 * old.predicted.backward_s + 20e-6)
+    assert again.predicted.step_s > plan.predicted.step_s
+
+
+def test_a_missing_calibration_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([_model(tmp_path), "--gpus", "2", "--device", "h100", "--out", str(tmp_path / "p"),
+                 "--calibration", str(tmp_path / "nope.json")])
+    assert code == 2
+    error = _error_of(capsys)
+    assert "calibration file" in error and "does not exist" in error and "autopartition calibrate" in error

@@ -249,3 +249,19 @@ def test_in_situ_backward_times_replace_isolated_ones() -> None:
     assert [got[k].backward_s for k in "abc"] == pytest.approx([3.0, 8 / 3, 4 / 3])  # rest 4 over b, c's 3
     assert [got[k].weight_backward_s for k in "abc"] == pytest.approx([1.5, 4 / 3, 2 / 3])  # same share
     assert (got["a"].forward_s, got["b"].forward_s) == (0.5, 1.0)
+
+
+def test_measured_times_sum_to_a_plain_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clocks say how a pass divides among nodes; plain passes (no clocks) say how long it takes."""
+    from partitioner import cost
+
+    inputs = (torch.randn(B, IN),)
+    captured = _captured(_mlp(), inputs)
+    forward_s, backward_s = 1.0, 3.0  # a plain pass far slower than any clocked one: the scale must follow
+    monkeypatch.setattr(cost, "_plain_pass", lambda *_args: (forward_s, backward_s))
+    costs = profile(captured, inputs, measure=True)
+    # Medians of nodes against the mean of sums: equal up to the spread of the clocked passes.
+    assert sum(c.forward_s for c in costs.values()) == pytest.approx(forward_s, rel=0.3)
+    # The backward's nodes share it, less what runs before the first node's backward (autograd's
+    # start, large against this tiny MLP's microseconds; unscaled, they would sum to microseconds).
+    assert 0.3 * backward_s < sum(c.backward_s for c in costs.values()) <= 1.01 * backward_s

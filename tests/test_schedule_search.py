@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from _examples import example
 from torch import nn
 
 from partitioner import compile
+from partitioner.defaults import splits_backward
 from partitioner.errors import AutopartitionError, InfeasibleError
 from partitioner.formulate import weight_seconds
 from partitioner.plan import Plan
@@ -37,7 +39,8 @@ from partitioner.problem import (
     stage_memory,
     step_time,
 )
-from partitioner.schedule import compute_order, lower, stage_ranks, validate
+from partitioner.refine import SplitSimulator
+from partitioner.schedule import Schedule, compute_order, lower, stage_ranks, validate
 from partitioner.search import rank_in_flight
 from partitioner.simulate import simulate, simulate_schedule
 from partitioner.table import format_plan
@@ -199,13 +202,10 @@ def test_rank_memory_is_the_simulators_and_within_the_stage_sums() -> None:
 # ----------------------------------------------------------------- closed forms and links
 
 
-@pytest.mark.parametrize(("kind", "ranks", "m", "f", "b", "w"), [
-    (kind, ranks, m, *t) for kind in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
-    for ranks, m in ((2, 4), (4, 8)) for t in ((1.0, 2.0, 1.0), (1.0, 3.0, 0.5))
-] + [("zbv", ranks, m, 1.0, 2.0, 1.0) for ranks, m in ((2, 4), (4, 8), (4, 16))])
-def test_closed_forms_match_the_simulator_on_equal_stages(
-    kind: str, ranks: int, m: int, f: float, b: float, w: float
-) -> None:
+def _equal_stages(kind: str, ranks: int, m: int, f: float, b: float, w: float,
+                  action_s: float = 0.0) -> tuple[Schedule, PartitionProblem, dict[str, Any]]:
+    """``kind``'s lowered schedule on a chain of equal stages, the problem of one block per stage, and the
+    keywords (placement, chain) the simulator takes."""
     chunks = CHUNKS[kind]
     stages = ranks * chunks
     where = stage_ranks(kind, ranks=ranks, chunks=chunks)
@@ -216,14 +216,44 @@ def test_closed_forms_match_the_simulator_on_equal_stages(
                                activation_bytes=(0.0,) * stages, allreduce_s=(0.0,) * stages,
                                transfer_s=(0.0,) * stages, edges=tuple((s, s + 1) for s in range(stages - 1)),
                                weight_s=(w,) * stages, stage_rank=where if chunks > 1 else None,
-                               recompute_s=(f,) * stages, recompute_bytes=(0.0,) * stages)
+                               recompute_s=(f,) * stages, recompute_bytes=(0.0,) * stages, action_s=action_s)
+    return sched, problem, {"stage_rank": where, **chain}
+
+
+@pytest.mark.parametrize(("kind", "ranks", "m", "f", "b", "w"), [
+    (kind, ranks, m, *t) for kind in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+    for ranks, m in ((2, 4), (4, 8)) for t in ((1.0, 2.0, 1.0), (1.0, 3.0, 0.5))
+] + [("zbv", ranks, m, 1.0, 2.0, 1.0) for ranks, m in ((2, 4), (4, 8), (4, 16))])
+def test_closed_forms_match_the_simulator_on_equal_stages(
+    kind: str, ranks: int, m: int, f: float, b: float, w: float
+) -> None:
+    sched, problem, placed = _equal_stages(kind, ranks, m, f, b, w)
+    stages = problem.size
     # The W each stage runs: w, except stage 0's, which receives nothing and is all W (split_backward).
     weight, _ = split_backward(problem, tuple(range(stages)), stages)
     assert weight == [b] + [w] * (stages - 1)
-    sim = simulate_schedule(sched, forward_s=[f] * stages, backward_s=[b] * stages, weight_s=weight,
-                            stage_rank=where, **chain)
+    sim = simulate_schedule(sched, forward_s=[f] * stages, backward_s=[b] * stages, weight_s=weight, **placed)
     closed, _ = step_time(problem, tuple(range(stages)), microbatches=m, schedule=kind)  # type: ignore[arg-type]
     assert closed == pytest.approx(sim.step_s)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"])
+def test_the_runtime_s_host_time_per_action_is_charged_alike_everywhere(kind: str) -> None:
+    """A calibration's ``action_s``: once per F and B (and W, split), in the closed form and both simulators."""
+    m, f, b, w, a = 4, 1.0, 2.0, 1.0, 0.25
+    sched, problem, placed = _equal_stages(kind, 2, m, f, b, w, action_s=a)
+    stages, split = problem.size, splits_backward(kind)
+    weight, _ = split_backward(problem, tuple(range(stages)), stages)
+    assert weight == [b + a] + [w + a] * (stages - 1)
+    sim = simulate_schedule(sched, forward_s=[f + a] * stages, backward_s=[b + (2 if split else 1) * a] * stages,
+                            weight_s=weight, **placed)
+    closed, times = step_time(problem, tuple(range(stages)), microbatches=m, schedule=kind)  # type: ignore[arg-type]
+    assert times == pytest.approx([f + b + (3 if split else 2) * a] * stages)
+    assert closed == pytest.approx(sim.step_s)
+    refined = SplitSimulator(problem, stages, microbatches=m, schedule=kind)  # type: ignore[arg-type]
+    assert refined.step(tuple(range(stages))) == pytest.approx(sim.step_s)
+    without = dataclasses.replace(problem, action_s=0.0)
+    assert closed > step_time(without, tuple(range(stages)), microbatches=m, schedule=kind)[0]  # type: ignore[arg-type]
 
 
 def test_links_and_transfers_follow_the_ranks() -> None:

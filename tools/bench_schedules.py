@@ -6,6 +6,7 @@ Commands (from the repository root)::
     .venv/bin/python tools/bench_schedules.py --quick         # small configuration, < 90 s
     .venv/bin/python tools/bench_schedules.py --rounds 6 --steps 5 --json schedules.json
     .venv/bin/python tools/bench_schedules.py --only ours_zbv,torch_zbv   # a subset
+    .venv/bin/python tools/bench_schedules.py --no-calibration    # predictions as planned only
 
 One run, two processes (gloo, one thread each, ``torch.set_num_threads(1)``),
 one GPT (tools/bench_runtime.py's model and batch) and one number of
@@ -13,7 +14,8 @@ micro-batches M for every configuration:
 
 * ours: :class:`runtime.Pipeline` on plans from ``partitioner.compile(...,
   gpus=2, pp=2, dp=1, schedule=..., chunks=..., device="cpu")`` (costs measured
-  on this machine) for ``1f1b``, ``interleaved-1f1b`` with v=2 (4 stages,
+  on this machine, once: every compile of the model in this process plans from
+  the same measurement, :mod:`partitioner.measured`) for ``1f1b``, ``interleaved-1f1b`` with v=2 (4 stages,
   stage s on rank s % 2), ``zb-h1`` and ``zbv`` (4 stages in a V: rank 0 holds
   stages 0 and 3); and the plan ``schedule="auto"`` picks (same M);
 * torch's ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` on
@@ -31,8 +33,24 @@ micro-batches M for every configuration:
   split backward detaches stage outputs in place, which fails on our splits
   (a view output, or one a layer norm of the same stage saved).  Its exact
   errors are printed; where both attempts fail they replace its time;
-* the simulator's prediction for each of our plans (``plan.predicted.step_s``)
-  next to the measurement.
+* the simulator's prediction for each of our plans next to the measurement:
+  calibrated (below) and as planned (``plan.predicted.step_s``).
+
+Predictions are calibrated on a plan none of the measured configurations
+uses, in the same run: our GPipe plan (2 stages) runs traced in every round
+beside the configurations, and :func:`partitioner.calibration.fit` relates
+its stages' measured F and B to their predictions (``measured = scale x
+predicted + host seconds per action``, over the later half of its steps);
+each measured plan's step is then simulated again with its stage costs
+calibrated (:func:`partitioner.calibration.recalibrated`), as
+``autopartition calibrate`` and ``--calibration`` do for users.  Why: this
+machine's speed drifts (a fixed matmul loop ran 1,900 to 3,000 times a second
+within one minute; one 2-rank step measured 172 ms and 251 ms fifteen minutes
+apart), and a plan's costs are measured in the few seconds of its compile,
+one process alone, while its steps run later, in two processes that also
+run the runtime's own host work per action.  Fed with its actions' measured
+means, the simulator gives the measured step within 4-9% (1F1B, ZB-H1, ZBV,
+interleaved v=2); the costs are what a calibration fixes.
 
 When ``auto`` picks the very plan of another configuration (same schedule, same
 split), that plan is measured twice: the pick is judged on the median of both
@@ -97,6 +115,7 @@ __all__ = ["CONFIGS", "ConfigSpec", "Row", "default_config", "format_table", "ma
 
 WORLD = 2
 PROBE_TIMEOUT = 15.0  # seconds a torch schedule's first step may wait on a peer that failed
+CALIBRATION_PLAN = "gpipe"  # the plan of the calibration run: one no measured configuration uses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +129,15 @@ class ConfigSpec:
 
 
 # Plans compiled per run: key -> (schedule, chunks).
+# Compiled in this order: auto first, so that the one measurement every plan shares
+# (partitioner.measured) holds the W shares the zero-bubble schedules need.
 PLANS: dict[str, tuple[str, int | None]] = {
+    "auto": ("auto", None),
+    "gpipe": ("gpipe", None),  # the calibration run's (CALIBRATION_PLAN)
     "1f1b": ("1f1b", None),
     "interleaved": ("interleaved-1f1b", 2),
     "zbh1": ("zb-h1", None),
     "zbv": ("zbv", None),
-    "auto": ("auto", None),
 }
 
 CONFIGS: dict[str, ConfigSpec] = {
@@ -156,7 +178,8 @@ class Row:
     clean_s: float | None = None  # median over the uncontended steps
     clean_steps: int = 0
     steps: int = 0
-    predicted_s: float | None = None  # the simulator's step (ours)
+    predicted_s: float | None = None  # the simulator's step (ours), calibrated where a calibration was fitted
+    planned_s: float | None = None  # the plan's own prediction (uncalibrated)
     loss: float | None = None  # first step
     grad_norm: float | None = None  # after the first step, over every parameter name of both ranks
     error: str | None = None  # why a torch schedule could not run
@@ -354,6 +377,31 @@ def _describe(exc: BaseException) -> str:
     return " <- caused by ".join(parts)
 
 
+@dataclasses.dataclass
+class _Calibrating:
+    case: _Case
+    pipe: Any  # runtime.Pipeline, tracing its steps after the warm-up
+
+
+def _calibration_case(plan_dir: str, cfg: BenchConfig, x: torch.Tensor, y: torch.Tensor) -> _Calibrating:
+    """Our Pipeline on the calibration plan: warmed up untraced, then traced in every round like the others."""
+    from examples.gpt import loss_fn
+    from partitioner.plan import Plan
+    from runtime.pipeline import Pipeline
+
+    pipe = Pipeline(Plan.load(plan_dir), build_gpt(cfg), loss_fn, device=torch.device("cpu"), timeout=cfg.timeout)
+
+    def step() -> float | None:
+        _zero(pipe.parameters())
+        loss = pipe.step((x,), y)
+        return None if loss is None else float(loss)
+
+    for _ in range(cfg.warmup):
+        step()
+    pipe.trace = True
+    return _Calibrating(_Case("calibration", (0, 1), step), pipe)
+
+
 def _probe_theirs(key: str, rank: int, plan_dir: str, class_name: str, cfg: BenchConfig, x: torch.Tensor,
                   y: torch.Tensor, probe_timeout: float) -> tuple[_Measured | None, float | None, list[str]]:
     """Build torch's schedule and run its first step; if it fails, once more with cloned stage outputs.
@@ -380,7 +428,7 @@ def _probe_theirs(key: str, rank: int, plan_dir: str, class_name: str, cfg: Benc
 
 
 def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, str], keys: list[str],
-               out: str, probe_timeout: float) -> None:
+               out: str, probe_timeout: float, calibrating: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -415,6 +463,9 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
         for _ in range(cfg.warmup):  # the first steps run slower (memory still being mapped)
             measured.case.step()
         cases.append(measured.case)
+    calibration = _calibration_case(plans[CALIBRATION_PLAN], cfg, x, y) if calibrating else None
+    if calibration is not None:  # timed like the others (its times are not reported), traced
+        cases.append(calibration.case)
     times: dict[str, list[float]] = {c.key: [] for c in cases}
     waits: dict[str, list[float]] = {c.key: [] for c in cases}
     sched: dict[str, list[float]] = {c.key: [0.0, 0.0, 0.0] for c in cases}  # wall, run, wait
@@ -426,7 +477,9 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
             timed_steps(case.step, steps=cfg.steps, times=times[case.key], waits=waits[case.key],
                         totals=sched[case.key])
             dist.barrier()
+    events = [dataclasses.asdict(e) for e in calibration.pipe.trace_events()] if calibration else []
     Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "calibration_events": events,
         "times": times, "waits": waits, "losses": losses, "grads": grads, "errors": errors, "cloned": cloned,
         "sched": sched}))
     dist.barrier()
@@ -437,13 +490,21 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
 
 
 def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: Path | None = None,
-                  probe_timeout: float = PROBE_TIMEOUT, say: Callable[[str], None] = print) -> list[Row]:
-    """Plan, run the configurations ``keys`` (default: all of :data:`CONFIGS`) on 2 ranks, and summarise."""
+                  probe_timeout: float = PROBE_TIMEOUT, calibrated: bool = True,
+                  say: Callable[[str], None] = print) -> list[Row]:
+    """Plan, run the configurations ``keys`` (default: all of :data:`CONFIGS`) on 2 ranks, and summarise.
+
+    ``calibrated``: also run :data:`CALIBRATION_PLAN` traced in every round and
+    calibrate our plans' predictions on it (see the module docstring).
+    """
+    from partitioner.calibration import fit, stage_pairs
     from partitioner.plan import Plan
+    from partitioner.timeline import TimelineEvent
     from runtime.verify import free_port
 
     chosen = [k for k in CONFIGS if keys is None or k in keys]
-    needed = [p for p in PLANS if any(CONFIGS[k].plan == p for k in chosen)]
+    needed = [p for p in PLANS if any(CONFIGS[k].plan == p for k in chosen)
+              or (calibrated and p == CALIBRATION_PLAN)]
     with tempfile.TemporaryDirectory(prefix="bench-schedules-") as tmp:
         base = work or Path(tmp)
         base.mkdir(parents=True, exist_ok=True)
@@ -455,14 +516,20 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
             + f"; running {WORLD} ranks ({cfg.rounds} rounds x {cfg.steps} timed steps per configuration)")
         t0 = time.perf_counter()
         mp.start_processes(_rank_main, args=(free_port(), dataclasses.asdict(cfg), {k: str(v) for k, v in dirs.items()},
-                                             chosen, str(base), probe_timeout),
+                                             chosen, str(base), probe_timeout, calibrated),
                            nprocs=WORLD, start_method="spawn")
         say(f"ranks finished in {time.perf_counter() - t0:.1f} s")
         results = [json.loads(Path(base, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return [_row(key, plans[CONFIGS[key].plan], results) for key in chosen]
+    calibration = None
+    if calibrated:
+        events = [TimelineEvent(**e) for res in results for e in res["calibration_events"]]
+        calibration = fit(stage_pairs(plans[CALIBRATION_PLAN], events))
+        say(f"calibration on the GPipe plan ({calibration.samples} stage actions): measured = "
+            f"{calibration.scale:.3f} x predicted + {1e6 * calibration.action_s:.0f} us per action")
+    return [_row(key, plans[CONFIGS[key].plan], results, calibration) for key in chosen]
 
 
-def _row(key: str, plan: Any, results: list[dict[str, Any]]) -> Row:
+def _row(key: str, plan: Any, results: list[dict[str, Any]], calibration: Any) -> Row:
     spec = CONFIGS[key]
     label = f"{spec.label} -> {schedule_name(plan)}" if key == "ours_auto" else spec.label
     notes = results[0]["errors"].get(key)
@@ -471,7 +538,10 @@ def _row(key: str, plan: Any, results: list[dict[str, Any]]) -> Row:
         label += " *"  # ran only with cloned outputs (see format_table)
     common: dict[str, Any] = {"key": key, "label": label, "split": describe_split(plan),
                               "schedule": schedule_name(plan)}
-    predicted = plan.predicted.step_s if spec.torch_schedule is None else None
+    from partitioner.calibration import recalibrated
+
+    planned = plan.predicted.step_s if spec.torch_schedule is None else None
+    predicted = planned if planned is None or calibration is None else recalibrated(plan, calibration).predicted.step_s
     if notes and not cloned:
         return Row(**common, step_s=None, error="; ".join(notes))
     times = results[0]["times"][key]
@@ -487,7 +557,7 @@ def _row(key: str, plan: Any, results: list[dict[str, Any]]) -> Row:
         sums.update({alias.get(n, n): v for n, v in res["grads"][key].items()})
     return Row(**common, step_s=statistics.median(ts), p25_s=q[0], p75_s=q[2],
                clean_s=statistics.median(clean) if len(clean) >= 3 else None, clean_steps=len(clean),
-               steps=len(ts), predicted_s=predicted, loss=loss, grad_norm=math.sqrt(sum(sums.values())),
+               steps=len(ts), predicted_s=predicted, planned_s=planned, loss=loss, grad_norm=math.sqrt(sum(sums.values())),
                note="; ".join(notes) if notes else None,
                wait_share=tuple(res["sched"][key][2] / res["sched"][key][0] for res in results),
                step_times=tuple(times))
@@ -506,7 +576,8 @@ def format_table(rows: Sequence[Row]) -> str:
     by_key = {r.key: r for r in rows}
     base = by_key.get("ours_1f1b")
     head = (f"{'configuration':<34} {'split':<40} | {'step ms':>8} {'p25-p75':>9} {'uncont.':>8} {'n':>5} | "
-            f"{'vs 1f1b':>7} {'uncont.':>7} | {'pred ms':>8} {'meas/pred':>9} {'uncont.':>7} | "
+            f"{'vs 1f1b':>7} {'uncont.':>7} | {'pred ms':>8} {'meas/pred':>9} {'uncont.':>7} "
+            f"{'planned':>8} {'meas/pl.':>8} | "
             f"{'loss':>7} {'grad norm':>10} {'cpu wait':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -519,7 +590,8 @@ def format_table(rows: Sequence[Row]) -> str:
             start + f"{_ms(r.step_s)} {f'{r.p25_s * 1e3:.0f}-{r.p75_s * 1e3:.0f}':>9} {_ms(r.clean_s)} "
             f"{r.clean_steps:>2}/{r.steps:<2} | "
             f"{_ratio(r.step_s, base.step_s if base else None, 7)} {_ratio(r.clean_s, base.clean_s if base else None, 7)} | "
-            f"{_ms(r.predicted_s)} {_ratio(r.step_s, r.predicted_s, 9)} {_ratio(r.clean_s, r.predicted_s, 7)} | "
+            f"{_ms(r.predicted_s)} {_ratio(r.step_s, r.predicted_s, 9)} {_ratio(r.clean_s, r.predicted_s, 7)} "
+            f"{_ms(r.planned_s)} {_ratio(r.step_s, r.planned_s, 8)} | "
             f"{(f'{r.loss:.4f}' if r.loss is not None else '-'):>7} "
             f"{(f'{r.grad_norm:.5f}' if r.grad_norm is not None else '-'):>10} "
             f"{100 * max(r.wait_share, default=0):7.0f}%"
@@ -602,8 +674,10 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
             r = by_key[key]
             if r.predicted_s is not None:
                 err = t / r.predicted_s - 1
+                calibrated = "" if r.planned_s in (None, r.predicted_s) else \
+                    f" calibrated (as planned: {100 * (t / r.planned_s - 1):+.0f}% vs {r.planned_s * 1e3:.1f} ms)"
                 out.append(f"{'MET ' if abs(err) <= 0.15 else 'MISS'} [{which}] {r.label}: measured "
-                           f"{100 * err:+.0f}% vs predicted {r.predicted_s * 1e3:.1f} ms (target within 15%)")
+                           f"{100 * err:+.0f}% vs predicted {r.predicted_s * 1e3:.1f} ms{calibrated} (target within 15%)")
     for what, get in (("loss", lambda r: r.loss), ("gradient norm", lambda r: r.grad_norm)):
         values = [v for v in (get(r) for r in rows if r.error is None) if v is not None]
         if values:
@@ -622,6 +696,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help=f"comma-separated configurations: {', '.join(CONFIGS)}")
     parser.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT,
                         help="seconds a torch schedule's first step waits for a failed peer")
+    parser.add_argument("--no-calibration", action="store_true",
+                        help="no calibration run: judge the predictions as planned")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--work", type=Path, default=None, help="keep plans and rank results in this directory")
     args = parser.parse_args(argv)
@@ -638,13 +714,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"GPT: {cfg.layers} layers, n_embd {cfg.embd}, {cfg.heads} heads, seq {cfg.seq}, batch {cfg.batch}, "
           f"vocab {cfg.vocab}; M={cfg.microbatches} micro-batches; {WORLD} CPU ranks x 1 thread (gloo); "
           f"torch {torch.__version__}")
-    rows = run_benchmark(cfg, keys=keys, work=args.work, probe_timeout=args.probe_timeout)
+    rows = run_benchmark(cfg, keys=keys, work=args.work, probe_timeout=args.probe_timeout,
+                         calibrated=not args.no_calibration)
     print()
     print(format_table(rows))
     print()
     print(f"step = rank 0's median over {cfg.rounds} x {cfg.steps} timed steps; uncont. = median over the steps "
           f"where no rank waited for a CPU more than {100 * CLEAN_WAIT:.0f}% of the step (n of them); "
-          "vs 1f1b = step / ours 1F1B's; pred = the simulator's step for the plan")
+          "vs 1f1b = step / ours 1F1B's; pred = the simulator's step for the plan, calibrated on the GPipe plan's "
+          "run (planned: as the plan predicts it)")
     for line in verdicts(rows):
         print(line)
     if args.json:
