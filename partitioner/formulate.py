@@ -34,9 +34,9 @@ otherwise the share is half: for a matrix product ``y = x w`` the two are
 Pipeline Parallelism" (ICLR 2024, section 2) take ``T_B = T_W`` for a
 transformer layer on that ground.  A parameter-free node (activation, softmax,
 residual add, the loss) has no W: its whole backward is B.  ``weight_s`` is that
-share per block (:func:`weight_seconds`); ``split_s`` is the host time the split
-adds per block, ``split_overhead_s`` (:mod:`partitioner.splitcost`) per
-parameter-reading node.
+share per block (:func:`weight_seconds`); ``split_s`` is the time the split
+adds per block: per parameter-reading node, ``split_overhead_s`` of host time and
+``split_share`` of the node's own time (:mod:`partitioner.splitcost`).
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ class GraphCosts:
     node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
     split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
+    split_share: float = 0.0  # and this share of the node's forward + backward seconds
     action_s: float = 0.0  # host seconds the runtime adds per compute action (a calibration's; partitioner.calibration)
 
     def saved_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
@@ -220,6 +221,7 @@ def graph_costs(
     *,
     loss_s: tuple[float, float] = (0.0, 0.0),
     split_overhead_s: float = 0.0,
+    split_share: float = 0.0,
     action_s: float = 0.0,
 ) -> GraphCosts:
     """Aggregate node costs per block; ``times`` gives (forward, backward) seconds per node (:func:`node_times`).
@@ -280,6 +282,7 @@ def graph_costs(
             if name in times and node_parameters(gm, nodes[name])
         },
         split_overhead_s=split_overhead_s,
+        split_share=split_share,
         action_s=action_s,
     )
 
@@ -378,10 +381,12 @@ def formulate(
         "weight_s": tuple(
             scale * sum(graph.node_weight_s.get(m, 0.0) for m in members) for members in graph.blocks
         ) if graph.node_weight_s else None,
-        # Host time per call: the same whatever the replicas' share of the micro-batch (no scale).
+        # Host time per call: the same whatever the replicas' share of the micro-batch (no scale);
+        # the part that grows with the op scales with it.
         "split_s": tuple(
-            graph.split_overhead_s * sum(1 for m in members if m in graph.node_weight_s) for members in graph.blocks
-        ) if graph.split_overhead_s else None,
+            sum(graph.split_overhead_s + graph.split_share * scale * graph.node_time_s[m]
+                for m in members if m in graph.node_weight_s) for members in graph.blocks
+        ) if graph.split_overhead_s or graph.split_share else None,
         "action_s": graph.action_s,
     }
     return PartitionProblem(

@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from partitioner.capture import CapturedModel
 from partitioner.cost import NodeCost
 from partitioner.ir import graph_fingerprint
+from partitioner.splitcost import SplitOverhead
 
 __all__ = ["Measured", "forget_all", "measurement_key", "recall", "remember"]
 
@@ -50,7 +51,7 @@ class Measured:
 
     costs: dict[str, NodeCost]
     loss_s: tuple[float, float]
-    split_s: float  # host seconds per parameter-reading node of a split backward (0: not measured)
+    split: SplitOverhead  # what a split backward adds per parameter-reading node (zeros: not measured)
     weight_share: bool  # whether the costs hold each node's W share (schedules that split the backward)
 
 

@@ -97,7 +97,7 @@ from partitioner.search import (
     search,
 )
 from partitioner.solve import solve
-from partitioner.splitcost import split_overhead_s
+from partitioner.splitcost import SplitOverhead, split_overhead
 from partitioner.table import schedule_label
 from partitioner.units import plural
 from partitioner.values import propagate_values
@@ -201,7 +201,7 @@ def compile(
     if not blocks:
         raise AutopartitionError(f"{type(model).__name__} has no compute to partition.")
     scaled = ScaledCosts(captured, blocks, costs, options, loss_s=found.loss_s,
-                         split_overhead_s=found.split_s if _may_split(schedule) else 0.0,
+                         split=found.split if _may_split(schedule) else None,
                          calibration=options.calibration)
 
     trials, solved = search(scaled, options, say=say)
@@ -258,7 +258,8 @@ def _costs(
     if loss_fn is not None and target is not None and measure:
         loss_s = time_loss(captured, micro, loss_fn, target, device=device)
     # The split's host cost is measured with the runtime's code (predicted devices: not modelled).
-    found = Measured(costs, loss_s, split_overhead_s(device) if measure and weight_share else 0.0, weight_share)
+    split = split_overhead(device) if measure and weight_share else SplitOverhead(0.0, 0.0)
+    found = Measured(costs, loss_s, split, weight_share)
     if key is not None:
         remember(key, found)
     return found

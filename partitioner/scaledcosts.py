@@ -18,6 +18,7 @@ from partitioner.cost import NodeCost
 from partitioner.formulate import GraphCosts, formulate, graph_costs, node_times
 from partitioner.options import PlanOptions
 from partitioner.problem import PartitionProblem
+from partitioner.splitcost import SplitOverhead
 
 __all__ = ["ScaledCosts"]
 
@@ -38,11 +39,11 @@ class ScaledCosts:
         options: PlanOptions,
         *,
         loss_s: tuple[float, float],
-        split_overhead_s: float = 0.0,
+        split: SplitOverhead | None = None,
         calibration: Calibration | None = None,
     ) -> None:
         self.captured, self.blocks, self.costs, self.options, self.loss_s = captured, blocks, costs, options, loss_s
-        self.split_overhead_s = split_overhead_s  # host seconds per parameter-reading node (partitioner.splitcost)
+        self.split = split or SplitOverhead(0.0, 0.0)  # what a split backward adds per parameter-reading node
         self.calibration = calibration or Calibration()  # node times x scale, + action_s per compute action
         self._graphs: dict[int, GraphCosts] = {}
         self._problems: dict[tuple[int, int], PartitionProblem] = {}  # formulated once per (dp, M)
@@ -58,7 +59,8 @@ class ScaledCosts:
                      for k, (f, b) in node_times(costs, o.spec, precision=o.precision, measure=o.measure).items()}
             loss = (self.loss_s[0] * factor * scale, self.loss_s[1] * factor * scale)
             graph = graph_costs(self.captured, self.blocks, costs, times, loss_s=loss,
-                                split_overhead_s=self.split_overhead_s, action_s=self.calibration.action_s)
+                                split_overhead_s=self.split.per_op_s, split_share=self.split.share,
+                                action_s=self.calibration.action_s)
             if factor != 1:  # values read across blocks (sent, kept for recomputation): at the captured size
                 graph = dataclasses.replace(
                     graph,

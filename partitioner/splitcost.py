@@ -1,20 +1,26 @@
-"""What splitting the backward costs the host: seconds per op where weights meet activations.
+"""What splitting the backward costs: host seconds per op where weights meet activations, and a share of the op.
 
 Zero-bubble schedules (``zb-h1``, ``zbv``) run a stage's backward as two calls,
 B and W, and during the forward every op where weights meet activations reports
 itself (:mod:`runtime.meetings`); W then takes each such op's weight gradients
-on its own (:mod:`runtime.splitbackward`).  That bookkeeping costs host time
-per op, whatever the op's size: on a small model on CPU it is a sizeable part
-of the step, on large GPU kernels it hides behind them.  It is measured here
-with the runtime's own code on a chain of small linear and layer-norm layers,
-plain step against split step, side by side; the planner charges it to every
-parameter-reading node of a stage that splits its backward
-(:func:`partitioner.problem.split_backward`).
+on its own (:mod:`runtime.splitbackward`).  That costs a fixed host time per op
+(the bookkeeping) and a part that grows with the op (W recomputes a layer norm's
+normalised input; the gradients B hands W are kept and read again).  Both are
+measured here with the runtime's own code on chains of linear and layer-norm
+layers at two sizes, plain step against split step, side by side:
+
+    extra seconds per op = per_op_s + share x (the op's forward + backward seconds)
+
+On this 2-core CPU: about 50 us and 0.35 (a 96-wide layer on 256 rows, the
+benchmark GPT's: about 90 us; 384-wide: about 470 us, a third of the op).  The
+planner charges it to every parameter-reading node of a stage that splits its
+backward (:func:`partitioner.problem.split_backward`).
 
 Example::
 
     >>> import torch
-    >>> 0.0 <= split_overhead_s(torch.device("cpu"), layers=2, repeats=3) < 0.01
+    >>> found = split_overhead(torch.device("cpu"), repeats=3)
+    >>> found.per_op_s >= 0 and found.share >= 0
     True
 """
 
@@ -23,24 +29,48 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import fx, nn
 
-__all__ = ["split_overhead_s"]
+__all__ = ["SplitOverhead", "split_overhead"]
+
+_SMALL = (32, 8)  # (width, rows): the fixed host time dominates
+_LARGE = (256, 256)  # the part that grows with the op shows
 
 
-def split_overhead_s(device: torch.device, *, layers: int = 12, repeats: int = 15) -> float:
-    """Median extra seconds per meeting op of a split backward over a plain one, on ``device`` (>= 0)."""
+class SplitOverhead(NamedTuple):
+    per_op_s: float  # host seconds per meeting op, whatever its size
+    share: float  # and this share of the op's own forward + backward seconds
+
+    def seconds(self, op_s: float) -> float:
+        """Extra seconds a split backward costs an op whose forward + backward take ``op_s``.
+
+        >>> SplitOverhead(5e-5, 0.25).seconds(4e-4)
+        0.00015000000000000001
+        """
+        return self.per_op_s + self.share * op_s
+
+
+def split_overhead(device: torch.device, *, layers: int = 12, repeats: int = 15) -> SplitOverhead:
+    """The fixed and the size-proportional extra of a split backward per meeting op, on ``device`` (>= 0)."""
+    small_extra, small_plain = _extra_per_op(device, *_SMALL, layers=layers, repeats=repeats)
+    large_extra, large_plain = _extra_per_op(device, *_LARGE, layers=layers, repeats=repeats)
+    share = max(0.0, (large_extra - small_extra) / (large_plain - small_plain)) if large_plain > small_plain else 0.0
+    return SplitOverhead(max(0.0, small_extra - share * small_plain), share)
+
+
+def _extra_per_op(device: torch.device, width: int, rows: int, *, layers: int, repeats: int) -> tuple[float, float]:
+    """Median (extra seconds of a split step, seconds of a plain step) per meeting op of a chain."""
     # The runtime's own marking and split: what is measured is what runs.
     from runtime.meetings import mark_meetings
     from runtime.splitbackward import SplitBackward
 
-    width = 32
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         torch.manual_seed(0)
         chain = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.LayerNorm(width))))
-        x = torch.randn(8, width, device=device)
+        x = torch.randn(rows, width, device=device)
     plain = fx.symbolic_trace(chain).to(device)
     split = fx.symbolic_trace(chain).to(device)
     marked = mark_meetings(split, active=[next(iter(split.graph.nodes)).name])
@@ -69,7 +99,10 @@ def split_overhead_s(device: torch.device, *, layers: int = 12, repeats: int = 1
     for _ in range(2):  # warm-up
         plain_step()
         split_step()
-    extra = []
+    extra, base = [], []
     for _ in range(repeats):  # side by side, so machine noise hits both
-        extra.append(seconds(split_step) - seconds(plain_step))
-    return max(0.0, statistics.median(extra) / max(1, marked.meetings))
+        took = seconds(plain_step)
+        extra.append(seconds(split_step) - took)
+        base.append(took)
+    ops = max(1, marked.meetings)
+    return max(0.0, statistics.median(extra) / ops), statistics.median(base) / ops

@@ -325,3 +325,17 @@ def test_topology_prices_both_links(tied: tuple[CapturedModel, GraphCosts]) -> N
     assert _optional(problem, "transfer_slow_s")[mid] == pytest.approx(2 * (inter_lat + sent / inter_bw))
     assert problem.transfer_s[mid] == pytest.approx(2 * (SPEC.link_latency + sent / SPEC.link_bandwidth))
     assert _optional(problem, "replicas") == dp and _optional(problem, "gpus_per_node") == 8
+
+
+def test_split_cost_is_host_time_plus_a_share_of_each_parameter_node(tied: tuple[CapturedModel, GraphCosts]) -> None:
+    """Per parameter-reading node: the fixed host time whatever the replicas, the share of its own time per replica."""
+    _, graph = tied
+    graph = dataclasses.replace(graph, split_overhead_s=1e-5, split_share=0.5,
+                                node_weight_s={n: 1e-9 for n in graph.node_time_s if "linear" in n or "embedding" in n})
+    for dp in (1, 2):
+        split_s = formulate(graph, dp=dp, spec=SPEC, memory_limit=None).split_s
+        assert split_s is not None
+        for b, members in enumerate(graph.blocks):
+            readers = [n for n in members if n in graph.node_weight_s]
+            assert split_s[b] == pytest.approx(sum(1e-5 + 0.5 * graph.node_time_s[n] / dp for n in readers))
+    assert any(len([n for n in members if n in graph.node_weight_s]) for members in graph.blocks)
