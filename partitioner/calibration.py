@@ -150,7 +150,9 @@ def stage_pairs(plan: Plan, events: Iterable[TimelineEvent]) -> list[tuple[float
     the whole backward.  Predictions are the plan's own (calibrated ones where
     the plan was made with a calibration).  A trace holds every step of its run
     and a process's first steps run slower (memory still being mapped): only the
-    later half of each action's occurrences (its later steps) count.
+    later half of each action's occurrences (its later steps) count.  With
+    replicas, a stage's last backward of a step (and its W) also waits for the
+    gradient all-reduce, which the simulator prices apart: those are left out.
     """
     split = plan.schedule_data().splits_backward
     occurrences: dict[str, list[float]] = {}  # per action (0F3), in run order: one per step
@@ -158,6 +160,8 @@ def stage_pairs(plan: Plan, events: Iterable[TimelineEvent]) -> list[tuple[float
         if e.kind not in _KINDS:
             continue
         action = Action.parse(e.action)
+        if plan.dp > 1 and action.kind != "F" and action.microbatch == plan.microbatches - 1:
+            continue  # waits for the all-reduce too
         if not 0 <= action.stage < len(plan.stages):
             raise CalibrationError(
                 f"the trace has action {e.action} for stage {action.stage}, but the plan has "

@@ -248,7 +248,7 @@ def _calibrate_parser() -> argparse.ArgumentParser:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from partitioner.calibration import calibrate, stage_pairs
+    from partitioner.calibration import calibrate, recalibrated, stage_pairs
     from partitioner.plan import Plan
     from partitioner.timeline import read_events
 
@@ -262,6 +262,9 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"in all ({100 * (measured / predicted - 1):+.0f}%)")
     print(f"fit: measured = {found.scale:.3f} x predicted + {1e6 * found.action_s:.0f} us per action "
           "(from the plan's uncalibrated costs)")
+    again = recalibrated(plan, found).predicted.step_s
+    print(f"this plan's step under it: {1e3 * again:.1f} ms (as the plan predicts it: "
+          f"{1e3 * plan.predicted.step_s:.1f} ms)")
     print(f"calibration saved to {saved}; plan with it: autopartition MODEL --gpus N --calibration {shlex.quote(str(saved))}")
     return 0
 

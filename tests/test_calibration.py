@@ -182,3 +182,12 @@ def test_plans_without_calibration_fields_still_load() -> None:
     data = json.loads(example_plan().to_json())
     del data["cost_model"]["calibration_scale"], data["cost_model"]["action_host_s"]
     assert plan_calibration(Plan.from_json(json.dumps(data))).identity
+
+
+def test_with_replicas_the_backward_that_waits_for_the_all_reduce_is_left_out() -> None:
+    plan = dataclasses.replace(example_plan(), dp=2)  # 2 micro-batches: B1 of each stage all-reduces
+    seconds = {"0F": 1e-3, "0B": 2e-3, "1F": 1e-3, "1B": 2e-3}
+    events = [dataclasses.replace(e, end_s=e.end_s + (0.5 if e.action.endswith("B1") else 0.0))
+              for e in _events(plan, seconds, steps=2)]
+    assert fit(stage_pairs(plan, events)).scale == pytest.approx(1.0)
+    assert fit(stage_pairs(dataclasses.replace(plan, dp=1), events)).scale > 10  # counted, it would dominate
