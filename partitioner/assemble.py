@@ -176,9 +176,9 @@ def _stages(
     # W per stage, and the host seconds a split backward adds to it (problem.split_backward).
     block_forward = [sum(graph.node_forward_s[n] for n in members) / dp for members in graph.blocks]
     block_forward[-1] += graph.loss_s[0] / dp
-    weight, added = split_backward(problem, partition.stage_of, count, forward_s=block_forward)
+    weight, added, in_forward = split_backward(problem, partition.stage_of, count, forward_s=block_forward)
     if not splits_backward(kind):
-        added = [0.0] * count
+        added = in_forward = [0.0] * count
     stages: list[StagePlan] = []
     for s in range(count):
         names = closure(gm, compute_sets[s])
@@ -194,7 +194,7 @@ def _stages(
         forward = (sum(graph.node_forward_s[n] for n in compute) + (graph.loss_s[0] if last else 0.0)) / dp
         total = (sum(graph.node_time_s[n] for n in compute) + (sum(graph.loss_s) if last else 0.0)) / dp
         # The runtime's host time per action (a calibration's): once in F, once in B (W's is in added).
-        forward, total = forward + problem.action_s, total + 2 * problem.action_s
+        forward, total = forward + problem.action_s + in_forward[s], total + 2 * problem.action_s
         kept = [problem.activation_bytes[b] for b in blocks_of[s]]
         again = 0.0
         if recompute[s]:
@@ -214,7 +214,7 @@ def _stages(
             modules=(paths[0], paths[-1]),
             predicted=StagePrediction(
                 forward_s=forward,
-                backward_s=(backward := total - forward + again + added[s]),
+                backward_s=(backward := total - forward + again + added[s]),  # less F's part of added
                 memory_bytes=memory[s],
                 parameter_bytes=sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params),
                 activation_bytes=sum(kept),

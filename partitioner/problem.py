@@ -81,7 +81,7 @@ import dataclasses
 import functools
 import typing
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from partitioner.commcost import allreduce_crosses_nodes, p2p_crosses_nodes
 from partitioner.defaults import DEFAULT_SCHEDULE, ScheduleKind, schedule_chunks, splits_backward
@@ -180,6 +180,7 @@ class PartitionProblem:
     recompute: RecomputeMode = "none"
     weight_s: tuple[float, ...] | None = None
     split_s: tuple[float, ...] | None = None
+    split_forward: float = 0.0  # the share of split_s spent in F (the rest in B)
     message_host_s: float = 0.0  # a rank's own seconds per message it sends or receives (the simulator's)
     action_s: float = 0.0  # a rank's own seconds per compute action (F, B, W), beyond its blocks' time
     stage_rank: tuple[int, ...] | None = None
@@ -452,38 +453,49 @@ def _stage_forward(problem: PartitionProblem, stage_of: Sequence[int], stages: i
 
 def split_backward(
     problem: PartitionProblem, stage_of: Sequence[int], stages: int, *, forward_s: Sequence[float] | None = None
-) -> tuple[list[float], list[float]]:
-    """Per stage, under a split backward (``zb-h1``, ``zbv``): (W seconds, seconds the split adds).
+) -> SplitTimes:
+    """Per stage, under a split backward (``zb-h1``, ``zbv``): W seconds, what the split adds, and its F part.
 
     A stage that receives tensors from another stage computes their gradients in
-    B and its blocks' ``weight_s`` in W, which also pays each block's
-    ``split_s`` (host time of the W calls; the stage's time grows by as much).  A
-    stage that receives nothing (the first) has no input gradient to compute: its
-    whole backward is W, run as one call, so it adds nothing.  Every stage's W is
-    one more action: ``action_s`` more, in both lists.  ``forward_s``
-    (per block) separates the backward from ``time_s``; default: the
-    recomputation seconds where known, else a third of the block's time (as
-    :class:`partitioner.refine.StepModel`).
+    B and its blocks' ``weight_s`` in W, and pays each block's ``split_s`` (the
+    split's own cost: the stage's time grows by as much), ``split_forward`` of it
+    in F (the forward reports every op where weights meet activations) and the
+    rest in B (it keeps what W needs).  A stage that receives nothing (the first)
+    has no input gradient to compute: its whole backward is W, run as one call,
+    so it adds nothing.  Every stage's W is one more action: ``action_s`` more, in
+    W and in what the split adds.  ``forward_s`` (per block) separates the
+    backward from ``time_s``; default: the recomputation seconds where known,
+    else a third of the block's time (as :class:`partitioner.refine.StepModel`).
 
         >>> p = PartitionProblem(time_s=(3.0, 3.0), static_bytes=(0.0,) * 2, activation_bytes=(0.0,) * 2,
         ...     allreduce_s=(0.0,) * 2, transfer_s=(0.0,) * 2, edges=((0, 1),), weight_s=(1.0, 1.0),
-        ...     split_s=(0.5, 0.5))
-        >>> split_backward(p, (0, 1), 2)   # stage 0: its whole backward (3 - 1); stage 1: W + host cost
-        ([2.0, 1.5], [0.0, 0.5])
+        ...     split_s=(0.5, 0.5), split_forward=0.5)
+        >>> split_backward(p, (0, 1), 2)   # stage 0: its whole backward (3 - 1); stage 1: W, the split's cost
+        SplitTimes(weight=[2.0, 1.0], added=[0.0, 0.5], forward_added=[0.0, 0.25])
     """
-    weight, extra = [0.0] * stages, [0.0] * stages
+    weight, added, forward_added = [0.0] * stages, [0.0] * stages, [0.0] * stages
     if problem.weight_s is None:
-        return weight, extra
+        return SplitTimes(weight, added, forward_added)
     forward = forward_s or _block_forward(problem)
     receives = {stage_of[v] for u, v in problem.edges if stage_of[u] != stage_of[v]}
     for v, s in enumerate(stage_of):
         if s in receives:
-            added = problem.split_s[v] if problem.split_s is not None else 0.0
-            weight[s] += problem.weight_s[v] + added
-            extra[s] += added
+            cost = problem.split_s[v] if problem.split_s is not None else 0.0
+            weight[s] += problem.weight_s[v]
+            added[s] += cost
+            forward_added[s] += problem.split_forward * cost
         else:
             weight[s] += problem.time_s[v] - forward[v]
-    return [w + problem.action_s for w in weight], [x + problem.action_s for x in extra]
+    a = problem.action_s
+    return SplitTimes([w + a for w in weight], [x + a for x in added], forward_added)
+
+
+class SplitTimes(NamedTuple):
+    """Per stage: W seconds; seconds the split adds to the stage (W's action included); the part of them in F."""
+
+    weight: list[float]
+    added: list[float]
+    forward_added: list[float]
 
 
 def _memory(parts: _Parts, s: int, flight: int, recompute: bool) -> float:
@@ -597,7 +609,7 @@ def stage_costs(
             assert problem.recompute_s is not None
             times[s] += problem.recompute_s[v]
     if splits_backward(schedule):
-        for s, added in enumerate(split_backward(problem, stage_of, stages)[1]):
+        for s, added in enumerate(split_backward(problem, stage_of, stages).added):
             times[s] += added
     received: set[tuple[int, int]] = set()
     transfer = [_transfer_prices(problem, slow) for slow in (False, True)]
@@ -743,10 +755,11 @@ def step_time(
     for s in range(stages):
         per_rank[rank[s]] += times[s]
         reduce[rank[s]] += allreduce[s] + latency[s]
-    weight, _ = split_backward(problem, stage_of, stages)
+    weight, _, forward_added = split_backward(problem, stage_of, stages)
     M = microbatches
     if schedule == "zb-h1":
-        forward = [f + problem.action_s for f in _stage_forward(problem, stage_of, stages)]
+        forward = [f + problem.action_s + x for f, x in zip(_stage_forward(problem, stage_of, stages), forward_added,
+                                                             strict=True)]
         useful = [t - 2 * min(w, t - f - w) for t, w, f in zip(times, weight, forward, strict=True)]
         total = M * max(times) + max(0.0, sum(useful) - max(useful))
     elif schedule == "zbv":

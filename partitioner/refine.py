@@ -226,8 +226,9 @@ class SplitSimulator:
                 backward[s] += p.recompute_s[v]
         weight = [0.0] * n
         if self.split:
-            weight, extra = split_backward(p, stage_of, n, forward_s=model.forward_s)
-            backward = [b + x for b, x in zip(backward, extra, strict=True)]
+            weight, added, in_forward = split_backward(p, stage_of, n, forward_s=model.forward_s)
+            forward = [f + x for f, x in zip(forward, in_forward, strict=True)]
+            backward = [b + x - y for b, x, y in zip(backward, added, in_forward, strict=True)]
         seconds = [[0.0] * n for _ in range(n)]
         sent: set[tuple[int, int]] = set()
         dp, per_node = p.replicas, p.gpus_per_node

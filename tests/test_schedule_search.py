@@ -230,7 +230,7 @@ def test_closed_forms_match_the_simulator_on_equal_stages(
     sched, problem, placed = _equal_stages(kind, ranks, m, f, b, w)
     stages = problem.size
     # The W each stage runs: w, except stage 0's, which receives nothing and is all W (split_backward).
-    weight, _ = split_backward(problem, tuple(range(stages)), stages)
+    weight = split_backward(problem, tuple(range(stages)), stages).weight
     assert weight == [b] + [w] * (stages - 1)
     sim = simulate_schedule(sched, forward_s=[f] * stages, backward_s=[b] * stages, weight_s=weight, **placed)
     closed, _ = step_time(problem, tuple(range(stages)), microbatches=m, schedule=kind)  # type: ignore[arg-type]
@@ -243,7 +243,7 @@ def test_the_runtime_s_host_time_per_action_is_charged_alike_everywhere(kind: st
     m, f, b, w, a = 4, 1.0, 2.0, 1.0, 0.25
     sched, problem, placed = _equal_stages(kind, 2, m, f, b, w, action_s=a)
     stages, split = problem.size, splits_backward(kind)
-    weight, _ = split_backward(problem, tuple(range(stages)), stages)
+    weight = split_backward(problem, tuple(range(stages)), stages).weight
     assert weight == [b + a] + [w + a] * (stages - 1)
     sim = simulate_schedule(sched, forward_s=[f + a] * stages, backward_s=[b + (2 if split else 1) * a] * stages,
                             weight_s=weight, **placed)
@@ -254,6 +254,15 @@ def test_the_runtime_s_host_time_per_action_is_charged_alike_everywhere(kind: st
     assert refined.step(tuple(range(stages))) == pytest.approx(sim.step_s)
     without = dataclasses.replace(problem, action_s=0.0)
     assert closed > step_time(without, tuple(range(stages)), microbatches=m, schedule=kind)[0]  # type: ignore[arg-type]
+    if split:  # the split's own cost: half in F, half in B, none in W; stage 0 (receives nothing) pays none
+        x = 0.2
+        costly = dataclasses.replace(problem, split_s=(x,) * stages, split_forward=0.5)
+        forward = [f + a] + [f + a + x / 2] * (stages - 1)
+        backward = [b + 2 * a] + [b + 2 * a + x / 2] * (stages - 1)
+        expected = simulate_schedule(sched, forward_s=forward, backward_s=backward, weight_s=weight, **placed).step_s
+        costly_sim = SplitSimulator(costly, stages, microbatches=m, schedule=kind)  # type: ignore[arg-type]
+        assert costly_sim.step(tuple(range(stages))) == pytest.approx(expected)
+        assert expected > sim.step_s
 
 
 def test_links_and_transfers_follow_the_ranks() -> None:
