@@ -129,7 +129,9 @@ def fit(pairs: Sequence[tuple[float, float]]) -> Calibration:
     """
     pairs = [(p, m) for p, m in pairs if p > 0 and m > 0]
     if not pairs:
-        raise CalibrationError("no compute action to fit: the trace holds no F, B or W of the plan's stages")
+        raise CalibrationError(
+            "no compute action to fit: the trace holds no F, B or W of the plan's stages. Record it on this "
+            "plan with Pipeline(..., trace=True) and write_trace (examples/train_gpt.py --trace), for 2 steps or more.")
     xs, ys = [p for p, _ in pairs], [m for _, m in pairs]
     through_origin = sum(x * y for x, y in pairs) / sum(x * x for x in xs)
     if len(set(xs)) < 2:
@@ -186,7 +188,7 @@ def calibrate(plan: Plan, trace: str | Path, *, plan_label: str = "") -> Calibra
         raise CalibrationError(f"trace {path} does not exist; record one with `autopartition run --trace {path}`.")
     try:
         events = read_events(path)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, ValueError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or JSON of another shape
         raise CalibrationError(f"{path} is not a trace written by autopartition ({exc}).") from exc
     fitted = fit(stage_pairs(plan, events))
     source = f"{path}" + (f" of {plan_label}" if plan_label else "")

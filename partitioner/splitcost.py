@@ -11,7 +11,7 @@ layers at two sizes, plain step against split step, side by side:
 
     extra seconds per op = per_op_s + share x (the op's forward + backward seconds)
 
-On this 2-core CPU: about 50 us and 0.35 (a 96-wide layer on 256 rows, the
+On this 2-core CPU: about 40 us and 0.25-0.45 (a 96-wide layer on 256 rows, the
 benchmark GPT's: about 90 us; 384-wide: about 470 us, a third of the op).  The
 planner charges it to every parameter-reading node of a stage that splits its
 backward (:func:`partitioner.problem.split_backward`), in F (``forward_part``, the

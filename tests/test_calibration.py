@@ -126,9 +126,10 @@ def test_calibrate_fits_a_written_trace(tmp_path: Path) -> None:
     assert "t.json" in got.source and "plan/" in got.source
     with pytest.raises(CalibrationError, match="does not exist"):
         calibrate(plan, tmp_path / "missing.json")
-    (tmp_path / "bad.json").write_text("[1, 2")
-    with pytest.raises(CalibrationError, match="not a trace"):
-        calibrate(plan, tmp_path / "bad.json")
+    for text in ("[1, 2", "[1, 2]"):  # not JSON; JSON of another shape
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(CalibrationError, match="not a trace"):
+            calibrate(plan, tmp_path / "bad.json")
 
 
 def test_calibrating_a_calibrated_plan_fits_from_the_uncalibrated_costs(tmp_path: Path) -> None:
