@@ -8,7 +8,7 @@ ranks share a host's cores, each other's load.  A :class:`Calibration` fits
 both from a traced run of any plan (``autopartition run --trace``, or
 ``Pipeline.write_trace``):
 
-    measured mean of a stage's F, B or W = scale x predicted + action_s
+    measured median of a stage's F, B or W = scale x predicted + action_s
 
 by least squares over every (stage, kind) of the trace (:func:`fit`).
 ``autopartition plan --calibration FILE`` then multiplies every measured node
@@ -146,13 +146,14 @@ def fit(pairs: Sequence[tuple[float, float]]) -> Calibration:
 
 
 def stage_pairs(plan: Plan, events: Iterable[TimelineEvent]) -> list[tuple[float, float]]:
-    """(predicted, measured mean) seconds for each stage's F, B and W found in ``events``.
+    """(predicted, measured median) seconds for each stage's F, B and W found in ``events``.
 
     B is the stage's backward less its W under a schedule that splits it, else
     the whole backward.  Predictions are the plan's own (calibrated ones where
     the plan was made with a calibration).  A trace holds every step of its run
     and a process's first steps run slower (memory still being mapped): only the
-    later half of each action's occurrences (its later steps) count.  With
+    later half of each action's occurrences (its later steps) count, by their
+    median (one action that waited for a shared core does not move it).  With
     replicas, a stage's last backward of a step (and its W) also waits for the
     gradient all-reduce, which the simulator prices apart: those are left out.
     """
@@ -177,7 +178,7 @@ def stage_pairs(plan: Plan, events: Iterable[TimelineEvent]) -> list[tuple[float
     for (stage, kind), seconds in sorted(durations.items()):
         p = plan.stages[stage].predicted
         predicted = {"F": p.forward_s, "B": p.backward_s - (p.weight_s if split else 0.0), "W": p.weight_s}[kind]
-        pairs.append((predicted, statistics.fmean(seconds)))
+        pairs.append((predicted, statistics.median(seconds)))
     return pairs
 
 

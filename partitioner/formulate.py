@@ -107,7 +107,8 @@ class GraphCosts:
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
     split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
     split_share: float = 0.0  # and this share of the node's forward + backward seconds
-    split_forward: float = 0.0  # the part of the split's cost spent in F (the rest in B)
+    split_forward: float = 0.0  # the part of the split's cost spent in F
+    split_weight: float = 0.0  # and in W (the rest in B)
     action_s: float = 0.0  # host seconds the runtime adds per compute action (a calibration's; partitioner.calibration)
 
     def saved_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
@@ -224,6 +225,7 @@ def graph_costs(
     split_overhead_s: float = 0.0,
     split_share: float = 0.0,
     split_forward: float = 0.0,
+    split_weight: float = 0.0,
     action_s: float = 0.0,
 ) -> GraphCosts:
     """Aggregate node costs per block; ``times`` gives (forward, backward) seconds per node (:func:`node_times`).
@@ -286,6 +288,7 @@ def graph_costs(
         split_overhead_s=split_overhead_s,
         split_share=split_share,
         split_forward=split_forward,
+        split_weight=split_weight,
         action_s=action_s,
     )
 
@@ -391,6 +394,7 @@ def formulate(
                 for m in members if m in graph.node_weight_s) for members in graph.blocks
         ) if graph.split_overhead_s or graph.split_share else None,
         "split_forward": graph.split_forward,
+        "split_weight": graph.split_weight,
         "action_s": graph.action_s,
     }
     return PartitionProblem(

@@ -180,7 +180,8 @@ class PartitionProblem:
     recompute: RecomputeMode = "none"
     weight_s: tuple[float, ...] | None = None
     split_s: tuple[float, ...] | None = None
-    split_forward: float = 0.0  # the share of split_s spent in F (the rest in B)
+    split_forward: float = 0.0  # the share of split_s spent in F
+    split_weight: float = 0.0  # and in W (the rest in B)
     message_host_s: float = 0.0  # a rank's own seconds per message it sends or receives (the simulator's)
     action_s: float = 0.0  # a rank's own seconds per compute action (F, B, W), beyond its blocks' time
     stage_rank: tuple[int, ...] | None = None
@@ -459,8 +460,10 @@ def split_backward(
     A stage that receives tensors from another stage computes their gradients in
     B and its blocks' ``weight_s`` in W, and pays each block's ``split_s`` (the
     split's own cost: the stage's time grows by as much), ``split_forward`` of it
-    in F (the forward reports every op where weights meet activations) and the
-    rest in B (it keeps what W needs).  A stage that receives nothing (the first)
+    in F (the forward reports every op where weights meet activations),
+    ``split_weight`` in W (one weight gradient at a time; a layer norm's
+    normalised input made again) and the rest in B (it keeps what W needs).
+    A stage that receives nothing (the first)
     has no input gradient to compute: its whole backward is W, run as one call,
     so it adds nothing.  Every stage's W is one more action: ``action_s`` more, in
     W and in what the split adds.  ``forward_s`` (per block) separates the
@@ -469,9 +472,9 @@ def split_backward(
 
         >>> p = PartitionProblem(time_s=(3.0, 3.0), static_bytes=(0.0,) * 2, activation_bytes=(0.0,) * 2,
         ...     allreduce_s=(0.0,) * 2, transfer_s=(0.0,) * 2, edges=((0, 1),), weight_s=(1.0, 1.0),
-        ...     split_s=(0.5, 0.5), split_forward=0.5)
+        ...     split_s=(0.5, 0.5), split_forward=0.5, split_weight=0.25)
         >>> split_backward(p, (0, 1), 2)   # stage 0: its whole backward (3 - 1); stage 1: W, the split's cost
-        SplitTimes(weight=[2.0, 1.0], added=[0.0, 0.5], forward_added=[0.0, 0.25])
+        SplitTimes(weight=[2.0, 1.125], added=[0.0, 0.5], forward_added=[0.0, 0.25])
     """
     weight, added, forward_added = [0.0] * stages, [0.0] * stages, [0.0] * stages
     if problem.weight_s is None:
@@ -481,7 +484,7 @@ def split_backward(
     for v, s in enumerate(stage_of):
         if s in receives:
             cost = problem.split_s[v] if problem.split_s is not None else 0.0
-            weight[s] += problem.weight_s[v]
+            weight[s] += problem.weight_s[v] + problem.split_weight * cost
             added[s] += cost
             forward_added[s] += problem.split_forward * cost
         else:
@@ -491,7 +494,7 @@ def split_backward(
 
 
 class SplitTimes(NamedTuple):
-    """Per stage: W seconds; seconds the split adds to the stage (W's action included); the part of them in F."""
+    """Per stage: W seconds (the split's W part included); seconds the split adds to the stage (W's action included); the part of them in F."""
 
     weight: list[float]
     added: list[float]

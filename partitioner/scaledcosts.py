@@ -60,7 +60,7 @@ class ScaledCosts:
             loss = (self.loss_s[0] * factor * scale, self.loss_s[1] * factor * scale)
             graph = graph_costs(self.captured, self.blocks, costs, times, loss_s=loss,
                                 split_overhead_s=self.split.per_op_s, split_share=self.split.share,
-                                split_forward=self.split.forward_part,
+                                split_forward=self.split.forward_part, split_weight=self.split.weight_part,
                                 action_s=self.calibration.action_s)
             if factor != 1:  # values read across blocks (sent, kept for recomputation): at the captured size
                 graph = dataclasses.replace(

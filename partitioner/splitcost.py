@@ -4,24 +4,28 @@ Zero-bubble schedules (``zb-h1``, ``zbv``) run a stage's backward as two calls,
 B and W, and during the forward every op where weights meet activations reports
 itself (:mod:`runtime.meetings`); W then takes each such op's weight gradients
 on its own (:mod:`runtime.splitbackward`).  That costs a fixed host time per op
-(the bookkeeping) and a part that grows with the op (W recomputes a layer norm's
-normalised input; the gradients B hands W are kept and read again).  Both are
-measured here with the runtime's own code on chains of linear and layer-norm
-layers at two sizes, plain step against split step, side by side:
+(the bookkeeping) and a part that grows with the op (W makes a layer norm's
+normalised input again; the gradients B hands W are kept and read again).  Both
+are measured here with the runtime's own code on chains of linear and
+layer-norm layers at two sizes, a split step against plain steps, side by side:
 
     extra seconds per op = per_op_s + share x (the op's forward + backward seconds)
 
-On this 2-core CPU: about 40 us and 0.25-0.45 (a 96-wide layer on 256 rows, the
-benchmark GPT's: about 90 us; 384-wide: about 470 us, a third of the op).  The
-planner charges it to every parameter-reading node of a stage that splits its
-backward (:func:`partitioner.problem.split_backward`), in F (``forward_part``, the
-share measured in the listening forward) and B; W's direct weight gradients cost
-what the plain backward spent on them.
+and where the extra is spent: the split's forward against the plain forward
+(``forward_part``), its W against what the plain backward spends on weight
+gradients, that is the whole backward less one asking only for the input's
+gradient (``weight_part``); the rest is B's.
+
+On this 2-core CPU: about 25 us and 0.1-0.4 of the op (a 384-wide layer on 256
+rows: 250-470 us, a fifth to a third of the op's own time), about a tenth of it
+in F and three quarters in W.  The planner charges it to every parameter-reading node of a stage that
+splits its backward (:func:`partitioner.problem.split_backward`), in F, W and B
+by those parts.
 
 Example::
 
     >>> import torch
-    >>> found = split_overhead(torch.device("cpu"), repeats=3)
+    >>> found = split_overhead(torch.device("cpu"), repeats=3, trials=1)
     >>> found.per_op_s >= 0 and found.share >= 0
     True
 """
@@ -45,7 +49,8 @@ _LARGE = (256, 256)  # the part that grows with the op shows
 class SplitOverhead(NamedTuple):
     per_op_s: float  # host seconds per meeting op, whatever its size
     share: float  # and this share of the op's own forward + backward seconds
-    forward_part: float = 0.0  # the part of it spent in F (the rest in B; W costs what it saves)
+    forward_part: float = 0.0  # the part of it spent in F
+    weight_part: float = 0.0  # and in W (the rest in B)
 
     def seconds(self, op_s: float) -> float:
         """Extra seconds a split backward costs an op whose forward + backward take ``op_s``.
@@ -56,20 +61,43 @@ class SplitOverhead(NamedTuple):
         return self.per_op_s + self.share * op_s
 
 
-def split_overhead(device: torch.device, *, layers: int = 12, repeats: int = 15) -> SplitOverhead:
-    """The fixed and the size-proportional extra of a split backward per meeting op, on ``device`` (>= 0)."""
-    small_extra, small_plain, small_forward = _extra_per_op(device, *_SMALL, layers=layers, repeats=repeats)
-    large_extra, large_plain, large_forward = _extra_per_op(device, *_LARGE, layers=layers, repeats=repeats)
-    share = max(0.0, (large_extra - small_extra) / (large_plain - small_plain)) if large_plain > small_plain else 0.0
-    extra = small_extra + large_extra
-    forward_part = min(1.0, max(0.0, (small_forward + large_forward) / extra)) if extra > 0 else 0.0
-    return SplitOverhead(max(0.0, small_extra - share * small_plain), share, forward_part)
+def split_overhead(device: torch.device, *, layers: int = 12, repeats: int = 7, trials: int = 3) -> SplitOverhead:
+    """The fixed and the size-proportional extra of a split backward per meeting op, on ``device`` (>= 0).
+
+    The median of ``trials`` estimates, each on freshly built chains: on a shared
+    CPU one estimate's share ranges from 0.1 to 0.4 and sometimes far beyond (the
+    allocator maps memory for one chain and not for the next), and a plan made
+    on an outlier over-prices every schedule that splits its backward.
+    """
+    found = [_estimate(device, layers=layers, repeats=repeats) for _ in range(max(1, trials))]
+    return SplitOverhead(*(statistics.median(f[i] for f in found) for i in range(4)))
 
 
-def _extra_per_op(device: torch.device, width: int, rows: int, *, layers: int,
-                  repeats: int) -> tuple[float, float, float]:
-    """Median (extra seconds of a split step, seconds of a plain step, extra seconds of the split's forward)
-    per meeting op of a chain."""
+class _Extra(NamedTuple):
+    """Median seconds per meeting op of a chain: the split step's extra, the plain step, and the extra's parts."""
+
+    extra: float
+    plain: float
+    forward: float  # the split's forward less the plain forward
+    weight: float  # the split's W less the plain backward's weight gradients
+
+
+def _estimate(device: torch.device, *, layers: int, repeats: int) -> SplitOverhead:
+    small = _extra_per_op(device, *_SMALL, layers=layers, repeats=repeats)
+    large = _extra_per_op(device, *_LARGE, layers=layers, repeats=repeats)
+    share = max(0.0, (large.extra - small.extra) / (large.plain - small.plain)) if large.plain > small.plain else 0.0
+    extra = small.extra + large.extra
+
+    def part(seconds: float) -> float:
+        return min(1.0, max(0.0, seconds / extra)) if extra > 0 else 0.0
+
+    forward_part = part(small.forward + large.forward)
+    weight_part = min(part(small.weight + large.weight), 1.0 - forward_part)
+    return SplitOverhead(max(0.0, small.extra - share * small.plain), share, forward_part, weight_part)
+
+
+def _extra_per_op(device: torch.device, width: int, rows: int, *, layers: int, repeats: int) -> _Extra:
+    """A split step against plain steps on a chain of ``layers`` linear + layer norm pairs, side by side."""
     # The runtime's own marking and split: what is measured is what runs.
     from runtime.meetings import mark_meetings
     from runtime.splitbackward import SplitBackward
@@ -87,15 +115,18 @@ def _extra_per_op(device: torch.device, width: int, rows: int, *, layers: int,
         sync()
         return time.perf_counter()
 
-    def plain_step() -> tuple[float, float]:  # (forward, whole) seconds
+    def plain_step(*, input_only: bool) -> tuple[float, float]:  # (forward, backward) seconds
         leaf = x.clone().requires_grad_()
         start = now()
         y = plain(leaf)
         middle = now()
-        torch.autograd.backward([y], [torch.ones_like(y)])
-        return middle - start, now() - start
+        if input_only:  # autograd skips every weight-gradient kernel
+            torch.autograd.grad([y], [leaf], [torch.ones_like(y)])
+        else:
+            torch.autograd.backward([y], [torch.ones_like(y)])
+        return middle - start, now() - middle
 
-    def split_step() -> tuple[float, float]:
+    def split_step() -> tuple[float, float, float]:  # (forward, B, W) seconds
         leaf = x.clone().requires_grad_()
         backward = SplitBackward(check=False)
         start = now()
@@ -103,19 +134,23 @@ def _extra_per_op(device: torch.device, width: int, rows: int, *, layers: int,
             y = split(leaf)
         middle = now()
         backward.backward_inputs([y], [torch.ones_like(y)], [leaf])
+        inputs_done = now()
         backward.backward_weights()
-        return middle - start, now() - start
+        return middle - start, inputs_done - middle, now() - inputs_done
 
     for _ in range(2):  # warm-up
-        plain_step()
+        plain_step(input_only=False)
+        plain_step(input_only=True)
         split_step()
-    extra, base, forward = [], [], []
-    for _ in range(repeats):  # side by side, so machine noise hits both
-        plain_forward, took = plain_step()
-        split_forward, split_took = split_step()
-        extra.append(split_took - took)
-        base.append(took)
+    extra, base, forward, weight = [], [], [], []
+    for _ in range(repeats):  # side by side, so machine noise hits all three
+        plain_forward, plain_backward = plain_step(input_only=False)
+        _, input_backward = plain_step(input_only=True)
+        split_forward, split_b, split_w = split_step()
+        extra.append(split_forward + split_b + split_w - plain_forward - plain_backward)
+        base.append(plain_forward + plain_backward)
         forward.append(split_forward - plain_forward)
+        weight.append(split_w - (plain_backward - input_backward))
     ops = max(1, marked.meetings)
-    return (max(0.0, statistics.median(extra) / ops), statistics.median(base) / ops,
-            max(0.0, statistics.median(forward) / ops))
+    return _Extra(max(0.0, statistics.median(extra) / ops), statistics.median(base) / ops,
+                  max(0.0, statistics.median(forward) / ops), max(0.0, statistics.median(weight) / ops))

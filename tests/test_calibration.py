@@ -101,13 +101,23 @@ def _events(plan: Plan, seconds: dict[str, float], *, steps: int, first_step_fac
     return events
 
 
-def test_stage_pairs_take_each_stage_kind_s_mean_over_the_later_steps() -> None:
+def test_stage_pairs_take_each_stage_kind_s_median_over_the_later_steps() -> None:
     plan = example_plan()  # GPipe, stages of F 1 ms and B 2 ms
     seconds = {"0F": 1.5e-3, "0B": 2.7e-3, "1F": 1.6e-3, "1B": 2.6e-3}
     pairs = stage_pairs(plan, _events(plan, seconds, steps=4, first_step_factor=3.0))  # step 0 slow: left out
     # (stage, kind) order: 0B, 0F, 1B, 1F
     flat = [x for pair in pairs for x in pair]
     assert flat == pytest.approx([2e-3, 2.7e-3, 1e-3, 1.5e-3, 2e-3, 2.6e-3, 1e-3, 1.6e-3])
+
+
+def test_one_action_that_waited_for_a_core_does_not_move_its_stage_s_figure() -> None:
+    plan = example_plan()
+    seconds = {"0F": 1.5e-3, "0B": 2.7e-3, "1F": 1.6e-3, "1B": 2.6e-3}
+    events = _events(plan, seconds, steps=6)
+    last = max(i for i, e in enumerate(events) if e.action == "0F0")  # stage 0's forward, in a later step
+    events[last] = dataclasses.replace(events[last], end_s=events[last].start_s + 30e-3)  # 20x: descheduled
+    pairs = dict(zip(["0B", "0F", "1B", "1F"], stage_pairs(plan, events)))
+    assert pairs["0F"] == pytest.approx((1e-3, 1.5e-3))
 
 
 def test_a_trace_of_another_plan_is_refused() -> None:

@@ -330,12 +330,12 @@ def test_topology_prices_both_links(tied: tuple[CapturedModel, GraphCosts]) -> N
 def test_split_cost_is_host_time_plus_a_share_of_each_parameter_node(tied: tuple[CapturedModel, GraphCosts]) -> None:
     """Per parameter-reading node: the fixed host time whatever the replicas, the share of its own time per replica."""
     _, graph = tied
-    graph = dataclasses.replace(graph, split_overhead_s=1e-5, split_share=0.5, split_forward=0.3,
+    graph = dataclasses.replace(graph, split_overhead_s=1e-5, split_share=0.5, split_forward=0.3, split_weight=0.6,
                                 node_weight_s={n: 1e-9 for n in graph.node_time_s if "linear" in n or "embedding" in n})
     for dp in (1, 2):
         problem = formulate(graph, dp=dp, spec=SPEC, memory_limit=None)
         split_s = problem.split_s
-        assert split_s is not None and problem.split_forward == 0.3
+        assert split_s is not None and (problem.split_forward, problem.split_weight) == (0.3, 0.6)
         for b, members in enumerate(graph.blocks):
             readers = [n for n in members if n in graph.node_weight_s]
             assert split_s[b] == pytest.approx(sum(1e-5 + 0.5 * graph.node_time_s[n] / dp for n in readers))

@@ -453,11 +453,11 @@ def test_problem_wants_both_recompute_tuples() -> None:
 def test_a_split_backward_puts_the_first_stage_in_w_and_its_host_cost_on_the_others() -> None:
     p = PartitionProblem(time_s=(3.0, 3.0, 3.0), static_bytes=(0.0,) * 3, activation_bytes=(0.0,) * 3,
                          allreduce_s=(0.0,) * 3, transfer_s=(0.0,) * 3, edges=((0, 1), (1, 2)),
-                         weight_s=(1.0, 1.0, 1.0), split_s=(0.25, 0.25, 0.25), split_forward=0.4)
+                         weight_s=(1.0, 1.0, 1.0), split_s=(0.25, 0.25, 0.25), split_forward=0.4, split_weight=0.4)
     # Stage 0 (blocks 0, 1) receives nothing: its whole backward (2 x 2 s) is W, and costs no more;
-    # stage 1 pays the split's cost, 40% of it in F, the rest in B (not in W).
-    assert split_backward(p, (0, 0, 1), 2) == ([4.0, 1.0], [0.0, 0.25], [0.0, pytest.approx(0.1)])
-    assert split_backward(p, (0, 0, 1), 2, forward_s=(0.5, 0.5, 1.0)).weight == [5.0, 1.0]
+    # stage 1 pays the split's cost, 40% of it in F, 40% in W, the rest in B.
+    assert split_backward(p, (0, 0, 1), 2) == ([4.0, 1.1], [0.0, 0.25], [0.0, pytest.approx(0.1)])
+    assert split_backward(p, (0, 0, 1), 2, forward_s=(0.5, 0.5, 1.0)).weight == [5.0, 1.1]
     # Only a schedule that splits its backward pays the host cost.
     assert stage_costs(p, (0, 0, 1), 2, schedule="zb-h1")[0] == [6.0, 3.25]
     assert stage_costs(p, (0, 0, 1), 2, schedule="1f1b")[0] == [6.0, 3.0]

@@ -254,12 +254,15 @@ def test_the_runtime_s_host_time_per_action_is_charged_alike_everywhere(kind: st
     assert refined.step(tuple(range(stages))) == pytest.approx(sim.step_s)
     without = dataclasses.replace(problem, action_s=0.0)
     assert closed > step_time(without, tuple(range(stages)), microbatches=m, schedule=kind)[0]  # type: ignore[arg-type]
-    if split:  # the split's own cost: half in F, half in B, none in W; stage 0 (receives nothing) pays none
+    if split:  # the split's own cost: half in F, a quarter in W, the rest in B; stage 0 (receives nothing) pays none
         x = 0.2
-        costly = dataclasses.replace(problem, split_s=(x,) * stages, split_forward=0.5)
+        costly = dataclasses.replace(problem, split_s=(x,) * stages, split_forward=0.5, split_weight=0.25)
         forward = [f + a] + [f + a + x / 2] * (stages - 1)
-        backward = [b + 2 * a] + [b + 2 * a + x / 2] * (stages - 1)
-        expected = simulate_schedule(sched, forward_s=forward, backward_s=backward, weight_s=weight, **placed).step_s
+        backward = [b + 2 * a] + [b + 2 * a + x / 2] * (stages - 1)  # B + W: the split's cost less F's part
+        costly_weight = [weight[0]] + [w + a + x / 4] * (stages - 1)
+        assert split_backward(costly, tuple(range(stages)), stages).weight == pytest.approx(costly_weight)
+        expected = simulate_schedule(sched, forward_s=forward, backward_s=backward, weight_s=costly_weight,
+                                     **placed).step_s
         costly_sim = SplitSimulator(costly, stages, microbatches=m, schedule=kind)  # type: ignore[arg-type]
         assert costly_sim.step(tuple(range(stages))) == pytest.approx(expected)
         assert expected > sim.step_s

@@ -36,14 +36,17 @@ micro-batches M for every configuration:
 * the simulator's prediction for each of our plans next to the measurement:
   calibrated (below) and as planned (``plan.predicted.step_s``).
 
-Predictions are calibrated on a plan none of the measured configurations
-uses, in the same run: our GPipe plan (2 stages) runs traced in every round
-beside the configurations, and :func:`partitioner.calibration.fit` relates
-its stages' measured F and B to their predictions (``measured = scale x
-predicted + host seconds per action``, over the later half of its steps);
-each measured plan's step is then simulated again with its stage costs
-calibrated (:func:`partitioner.calibration.recalibrated`), as
-``autopartition calibrate`` and ``--calibration`` do for users.  Why: this
+Predictions are calibrated in the same run, each on the *other* plans: our
+configurations run traced, and for each plan
+:func:`partitioner.calibration.fit` relates the stages' measured F, B and W of
+every other plan of ours to their predictions (``measured = scale x predicted
++ host seconds per action``, over the later half of the steps); the plan's step
+is then simulated again with its own stage costs calibrated
+(:func:`partitioner.calibration.recalibrated`), as ``autopartition calibrate``
+and ``--calibration`` do for users.  No plan is fitted on its own run (auto's
+pick and the configuration with the same plan are left out of each other's
+fits), so the simulator and the cost model still predict what the plan's
+stages take and how its schedule overlaps them.  Why calibrate at all: this
 machine's speed drifts (a fixed matmul loop ran 1,900 to 3,000 times a second
 within one minute; one 2-rank step measured 172 ms and 251 ms fifteen minutes
 apart), and a plan's costs are measured in the few seconds of its compile,
@@ -115,7 +118,6 @@ __all__ = ["CONFIGS", "ConfigSpec", "Row", "default_config", "format_table", "ma
 
 WORLD = 2
 PROBE_TIMEOUT = 15.0  # seconds a torch schedule's first step may wait on a peer that failed
-CALIBRATION_PLAN = "gpipe"  # the plan of the calibration run: one no measured configuration uses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +135,6 @@ class ConfigSpec:
 # (partitioner.measured) holds the W shares the zero-bubble schedules need.
 PLANS: dict[str, tuple[str, int | None]] = {
     "auto": ("auto", None),
-    "gpipe": ("gpipe", None),  # the calibration run's (CALIBRATION_PLAN)
     "1f1b": ("1f1b", None),
     "interleaved": ("interleaved-1f1b", 2),
     "zbh1": ("zb-h1", None),
@@ -240,6 +241,7 @@ def schedule_name(plan: Any) -> str:
 class _Measured:
     case: _Case
     named: Callable[[], list[tuple[str, nn.Parameter]]]  # this rank's parameters, original names
+    pipe: Any = None  # ours: the runtime.Pipeline (traced in the timed rounds when calibrating)
 
 
 def _ours(key: str, plan_dir: str, cfg: BenchConfig, x: torch.Tensor, y: torch.Tensor) -> _Measured:
@@ -254,7 +256,7 @@ def _ours(key: str, plan_dir: str, cfg: BenchConfig, x: torch.Tensor, y: torch.T
         loss = pipe.step((x,), y)
         return None if loss is None else float(loss)
 
-    return _Measured(_Case(key, (0, 1), step), lambda: list(pipe.named_parameters()))
+    return _Measured(_Case(key, (0, 1), step), lambda: list(pipe.named_parameters()), pipe)
 
 
 class _Cloned(_Contiguous):
@@ -377,31 +379,6 @@ def _describe(exc: BaseException) -> str:
     return " <- caused by ".join(parts)
 
 
-@dataclasses.dataclass
-class _Calibrating:
-    case: _Case
-    pipe: Any  # runtime.Pipeline, tracing its steps after the warm-up
-
-
-def _calibration_case(plan_dir: str, cfg: BenchConfig, x: torch.Tensor, y: torch.Tensor) -> _Calibrating:
-    """Our Pipeline on the calibration plan: warmed up untraced, then traced in every round like the others."""
-    from examples.gpt import loss_fn
-    from partitioner.plan import Plan
-    from runtime.pipeline import Pipeline
-
-    pipe = Pipeline(Plan.load(plan_dir), build_gpt(cfg), loss_fn, device=torch.device("cpu"), timeout=cfg.timeout)
-
-    def step() -> float | None:
-        _zero(pipe.parameters())
-        loss = pipe.step((x,), y)
-        return None if loss is None else float(loss)
-
-    for _ in range(cfg.warmup):
-        step()
-    pipe.trace = True
-    return _Calibrating(_Case("calibration", (0, 1), step), pipe)
-
-
 def _probe_theirs(key: str, rank: int, plan_dir: str, class_name: str, cfg: BenchConfig, x: torch.Tensor,
                   y: torch.Tensor, probe_timeout: float) -> tuple[_Measured | None, float | None, list[str]]:
     """Build torch's schedule and run its first step; if it fails, once more with cloned stage outputs.
@@ -442,6 +419,7 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
     grads: dict[str, dict[str, float]] = {}
     errors: dict[str, list[str]] = {}
     cloned: list[str] = []
+    traced: dict[str, Any] = {}
     for key in keys:  # every rank builds the same configurations in the same order (collectives inside)
         spec = CONFIGS[key]
         if spec.torch_schedule is None:
@@ -462,10 +440,10 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
         grads[key] = _grad_sums(measured.named())
         for _ in range(cfg.warmup):  # the first steps run slower (memory still being mapped)
             measured.case.step()
+        if measured.pipe is not None and calibrating:
+            measured.pipe.trace = True  # the timed rounds' actions calibrate the other plans
+            traced[key] = measured.pipe
         cases.append(measured.case)
-    calibration = _calibration_case(plans[CALIBRATION_PLAN], cfg, x, y) if calibrating else None
-    if calibration is not None:  # timed like the others (its times are not reported), traced
-        cases.append(calibration.case)
     times: dict[str, list[float]] = {c.key: [] for c in cases}
     waits: dict[str, list[float]] = {c.key: [] for c in cases}
     sched: dict[str, list[float]] = {c.key: [0.0, 0.0, 0.0] for c in cases}  # wall, run, wait
@@ -477,9 +455,9 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
             timed_steps(case.step, steps=cfg.steps, times=times[case.key], waits=waits[case.key],
                         totals=sched[case.key])
             dist.barrier()
-    events = [dataclasses.asdict(e) for e in calibration.pipe.trace_events()] if calibration else []
+    events = {key: [dataclasses.asdict(e) for e in pipe.trace_events()] for key, pipe in traced.items()}
     Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "calibration_events": events,
+        "events": events,
         "times": times, "waits": waits, "losses": losses, "grads": grads, "errors": errors, "cloned": cloned,
         "sched": sched}))
     dist.barrier()
@@ -494,17 +472,14 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
                   say: Callable[[str], None] = print) -> list[Row]:
     """Plan, run the configurations ``keys`` (default: all of :data:`CONFIGS`) on 2 ranks, and summarise.
 
-    ``calibrated``: also run :data:`CALIBRATION_PLAN` traced in every round and
-    calibrate our plans' predictions on it (see the module docstring).
+    ``calibrated``: trace our configurations and calibrate each plan's prediction
+    on the others' traces (see the module docstring).
     """
-    from partitioner.calibration import fit, stage_pairs
     from partitioner.plan import Plan
-    from partitioner.timeline import TimelineEvent
     from runtime.verify import free_port
 
     chosen = [k for k in CONFIGS if keys is None or k in keys]
-    needed = [p for p in PLANS if any(CONFIGS[k].plan == p for k in chosen)
-              or (calibrated and p == CALIBRATION_PLAN)]
+    needed = [p for p in PLANS if any(CONFIGS[k].plan == p for k in chosen)]
     with tempfile.TemporaryDirectory(prefix="bench-schedules-") as tmp:
         base = work or Path(tmp)
         base.mkdir(parents=True, exist_ok=True)
@@ -520,13 +495,34 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
                            nprocs=WORLD, start_method="spawn")
         say(f"ranks finished in {time.perf_counter() - t0:.1f} s")
         results = [json.loads(Path(base, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    calibration = None
-    if calibrated:
-        events = [TimelineEvent(**e) for res in results for e in res["calibration_events"]]
-        calibration = fit(stage_pairs(plans[CALIBRATION_PLAN], events))
-        say(f"calibration on the GPipe plan ({calibration.samples} stage actions): measured = "
-            f"{calibration.scale:.3f} x predicted + {1e6 * calibration.action_s:.0f} us per action")
-    return [_row(key, plans[CONFIGS[key].plan], results, calibration) for key in chosen]
+    calibrations = calibrate_each(plans, results) if calibrated else {}
+    for key, c in calibrations.items():
+        say(f"calibration for {CONFIGS[key].label}, on {c.source}: measured = {c.scale:.3f} x predicted + "
+            f"{1e6 * c.action_s:.0f} us per action ({c.samples} stage actions)")
+    return [_row(key, plans[CONFIGS[key].plan], results, calibrations.get(key)) for key in chosen]
+
+
+def calibrate_each(plans: dict[str, Any], results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per traced configuration of ours, a calibration fitted on every *other* plan's traced actions.
+
+    Configurations on the same plan (auto's pick and the configuration of its
+    schedule, when the split is the same) are left out of each other's fits.
+    A configuration with no other plan traced gets none.
+    """
+    from partitioner.calibration import fit, stage_pairs
+    from partitioner.timeline import TimelineEvent
+
+    traced = [k for k in results[0]["events"] if all(k in res["events"] for res in results)]
+    pairs = {k: stage_pairs(plans[CONFIGS[k].plan],
+                            [TimelineEvent(**e) for res in results for e in res["events"][k]]) for k in traced}
+    ident = {k: (schedule_name(plans[CONFIGS[k].plan]), describe_split(plans[CONFIGS[k].plan])) for k in traced}
+    found = {}
+    for key in traced:
+        others = [k for k in traced if ident[k] != ident[key]]
+        if others:
+            fitted = fit([p for k in others for p in pairs[k]])
+            found[key] = dataclasses.replace(fitted, source=", ".join(k.removeprefix("ours_") for k in others))
+    return found
 
 
 def _row(key: str, plan: Any, results: list[dict[str, Any]], calibration: Any) -> Row:
@@ -697,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT,
                         help="seconds a torch schedule's first step waits for a failed peer")
     parser.add_argument("--no-calibration", action="store_true",
-                        help="no calibration run: judge the predictions as planned")
+                        help="no tracing: judge the predictions as planned")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--work", type=Path, default=None, help="keep plans and rank results in this directory")
     args = parser.parse_args(argv)
@@ -721,8 +717,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(f"step = rank 0's median over {cfg.rounds} x {cfg.steps} timed steps; uncont. = median over the steps "
           f"where no rank waited for a CPU more than {100 * CLEAN_WAIT:.0f}% of the step (n of them); "
-          "vs 1f1b = step / ours 1F1B's; pred = the simulator's step for the plan, calibrated on the GPipe plan's "
-          "run (planned: as the plan predicts it)")
+          "vs 1f1b = step / ours 1F1B's; pred = the simulator's step for the plan, calibrated on the other plans' "
+          "traced runs (planned: as the plan predicts it)")
     for line in verdicts(rows):
         print(line)
     if args.json:
