@@ -108,6 +108,7 @@ def build_plan(
             peak_flops=spec.peak(compute_dtype(options.precision)),
             message_host_s=spec.message_host_s,
             calibration_scale=options.calibration.scale, action_host_s=options.calibration.action_s,
+            action_jitter=options.calibration.jitter,
         ),
         candidates=(),  # compile: every combination's row, on the chosen plan
         bucket_cap_mb=options.bucket_cap_mb,

@@ -10,7 +10,10 @@ both from a traced run of any plan (``autopartition run --trace``, or
 
     measured median of a stage's F, B or W = scale x predicted + action_s
 
-by least squares over every (stage, kind) of the trace (:func:`fit`).
+by least squares over every (stage, kind) of the trace (:func:`fit`), and
+how far single actions stray from their stage's median (:func:`action_jitter`):
+the simulator then runs each step with actions drawn about their times, which
+costs a tightly coupled schedule (1F1B) more waiting than a zero-bubble one.
 ``autopartition plan --calibration FILE`` then multiplies every measured node
 time by ``scale`` and charges ``action_s`` to each compute action (F, B, and W
 where the backward is split), in the solver's closed forms, the refinement's
@@ -43,11 +46,13 @@ from partitioner.plan import Plan
 from partitioner.schedule import Action
 from partitioner.timeline import TimelineEvent, read_events
 
-__all__ = ["Calibration", "CalibrationError", "calibrate", "fit", "load_calibration", "plan_calibration",
-           "recalibrated", "stage_pairs"]
+__all__ = ["Calibration", "CalibrationError", "action_jitter", "calibrate", "fit", "load_calibration",
+           "plan_calibration", "recalibrated", "stage_pairs"]
 
 _KINDS = ("F", "B", "W")
 _FORMAT = "autopartition-calibration"
+_MAX_JITTER = 1.0  # a spread of e^1 either way: beyond it a trace is not of a steady run
+_JITTER_MIN_S = 100e-6  # actions shorter than this are host time, not compute
 
 
 class CalibrationError(AutopartitionError):
@@ -56,31 +61,39 @@ class CalibrationError(AutopartitionError):
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """``measured = scale x predicted + action_s`` per compute action; ``samples`` (stage, kind) pairs fitted."""
+    """``measured = scale x predicted + action_s`` per compute action; ``samples`` (stage, kind) pairs fitted.
+
+    ``jitter``: the standard deviation of log(an action's seconds / its stage's median) (0: none).
+    """
 
     scale: float = 1.0
     action_s: float = 0.0
     samples: int = 0
     source: str = ""  # what it was fitted from (a trace's path and plan)
+    jitter: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise CalibrationError(f"calibration scale is {self.scale}; it must be a positive number")
         if not (math.isfinite(self.action_s) and self.action_s >= 0):
             raise CalibrationError(f"calibration action_s is {self.action_s}; it must be 0 or more seconds")
+        if not (math.isfinite(self.jitter) and 0 <= self.jitter <= _MAX_JITTER):
+            raise CalibrationError(f"calibration jitter is {self.jitter}; it must be between 0 and {_MAX_JITTER}")
 
     @property
     def identity(self) -> bool:
-        return self.scale == 1.0 and self.action_s == 0.0
+        return self.scale == 1.0 and self.action_s == 0.0 and self.jitter == 0.0
 
     def then(self, fitted: Calibration) -> Calibration:
         """This calibration followed by one ``fitted`` on a plan made with it: one calibration from raw costs.
 
+        The spread is the newer trace's (it is measured, not relative to the plan).
+
         >>> Calibration(2.0, 0.1).then(Calibration(1.5, 0.2))   # 1.5 (2 x + 0.1) + 0.2
-        Calibration(scale=3.0, action_s=0.35000000000000003, samples=0, source='')
+        Calibration(scale=3.0, action_s=0.35000000000000003, samples=0, source='', jitter=0.0)
         """
         return Calibration(self.scale * fitted.scale, fitted.scale * self.action_s + fitted.action_s,
-                           fitted.samples, fitted.source)
+                           fitted.samples, fitted.source, fitted.jitter)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": _FORMAT, **dataclasses.asdict(self)}
@@ -93,7 +106,8 @@ class Calibration:
                 "Make one with `autopartition calibrate PLAN_DIR TRACE.json -o calibration.json`.")
         try:
             return Calibration(scale=float(data["scale"]), action_s=float(data["action_s"]),
-                               samples=int(data.get("samples", 0)), source=str(data.get("source", "")))
+                               samples=int(data.get("samples", 0)), source=str(data.get("source", "")),
+                               jitter=float(data.get("jitter", 0.0)))  # files before it: none
         except (KeyError, TypeError, ValueError) as exc:
             raise CalibrationError(f"{where} is missing or garbles a field ({exc}); "
                                    "make it again with `autopartition calibrate`.") from exc
@@ -123,7 +137,7 @@ def fit(pairs: Sequence[tuple[float, float]]) -> Calibration:
     free); with fewer than two distinct predictions only ``scale`` is fitted.
 
     >>> fit([(1.0, 1.2), (1.0, 1.2)])
-    Calibration(scale=1.2, action_s=0.0, samples=2, source='')
+    Calibration(scale=1.2, action_s=0.0, samples=2, source='', jitter=0.0)
     >>> fit([(1.0, 1.0), (2.0, 3.0)]).action_s   # would be -1: held at 0, scale refitted
     0.0
     """
@@ -158,28 +172,64 @@ def stage_pairs(plan: Plan, events: Iterable[TimelineEvent]) -> list[tuple[float
     gradient all-reduce, which the simulator prices apart: those are left out.
     """
     split = plan.schedule_data().splits_backward
-    occurrences: dict[str, list[float]] = {}  # per action (0F3), in run order: one per step
+    events = list(events)
     for e in events:
-        if e.kind not in _KINDS:
-            continue
-        action = Action.parse(e.action)
-        if plan.dp > 1 and action.kind != "F" and action.microbatch == plan.microbatches - 1:
-            continue  # waits for the all-reduce too
-        if not 0 <= action.stage < len(plan.stages):
+        if e.kind in _KINDS and not 0 <= Action.parse(e.action).stage < len(plan.stages):
             raise CalibrationError(
-                f"the trace has action {e.action} for stage {action.stage}, but the plan has "
+                f"the trace has action {e.action} for stage {Action.parse(e.action).stage}, but the plan has "
                 f"{len(plan.stages)} stages: give the plan the trace was recorded with")
-        occurrences.setdefault(e.action, []).append(e.end_s - e.start_s)
-    durations: dict[tuple[int, str], list[float]] = {}
-    for name, seconds in occurrences.items():
-        action = Action.parse(name)
-        durations.setdefault((action.stage, action.kind), []).extend(seconds[len(seconds) // 2:])
+    durations = _later_durations(events, all_reduce_microbatch=plan.microbatches - 1 if plan.dp > 1 else None)
     pairs = []
     for (stage, kind), seconds in sorted(durations.items()):
         p = plan.stages[stage].predicted
         predicted = {"F": p.forward_s, "B": p.backward_s - (p.weight_s if split else 0.0), "W": p.weight_s}[kind]
         pairs.append((predicted, statistics.median(seconds)))
     return pairs
+
+
+def action_jitter(*traces: Iterable[TimelineEvent]) -> float:
+    """How far single compute actions stray from their stage's median: the std of log(seconds / median).
+
+    Over the later half of each trace's steps (as :func:`stage_pairs`), every
+    (stage, kind) with 4 occurrences or more and a median of 100 us or more (a
+    first stage's empty B is all host time), pooled over ``traces`` (each of one
+    plan: its stage numbers are its own).  0 with fewer than 8 such actions.
+
+    >>> from partitioner.timeline import TimelineEvent
+    >>> def events(seconds):
+    ...     return [TimelineEvent(0, "F", "0F0", 0, "F", 0.0, s) for s in seconds]
+    >>> round(action_jitter(events([1e-3] * 8 + [2e-3, 1e-3, 0.5e-3, 1e-3] * 2)), 3)   # later half
+    0.49
+    >>> action_jitter(events([1e-3] * 16))
+    0.0
+    """
+    logs: list[float] = []
+    for events in traces:
+        for seconds in _later_durations(events, all_reduce_microbatch=None).values():
+            middle = statistics.median(seconds)
+            if len(seconds) >= 4 and middle >= _JITTER_MIN_S:
+                logs.extend(math.log(max(x, 1e-9) / middle) for x in seconds)
+    return min(_MAX_JITTER, statistics.pstdev(logs)) if len(logs) >= 8 else 0.0
+
+
+def _later_durations(events: Iterable[TimelineEvent], *,
+                     all_reduce_microbatch: int | None) -> dict[tuple[int, str], list[float]]:
+    """Seconds of each (stage, kind) of F, B, W over the later half of each action's occurrences (its later
+    steps: a process's first steps run slower while memory is mapped).  ``all_reduce_microbatch``: B and W of
+    that micro-batch are left out (with replicas they also wait for the gradient all-reduce)."""
+    occurrences: dict[str, list[float]] = {}  # per action (0F3), in run order: one per step
+    for e in events:
+        if e.kind not in _KINDS:
+            continue
+        action = Action.parse(e.action)
+        if action.kind != "F" and action.microbatch == all_reduce_microbatch:
+            continue
+        occurrences.setdefault(e.action, []).append(e.end_s - e.start_s)
+    durations: dict[tuple[int, str], list[float]] = {}
+    for name, seconds in occurrences.items():
+        action = Action.parse(name)
+        durations.setdefault((action.stage, action.kind), []).extend(seconds[len(seconds) // 2:])
+    return durations
 
 
 def calibrate(plan: Plan, trace: str | Path, *, plan_label: str = "") -> Calibration:
@@ -193,7 +243,7 @@ def calibrate(plan: Plan, trace: str | Path, *, plan_label: str = "") -> Calibra
         raise CalibrationError(f"{path} is not a trace written by autopartition ({exc}).") from exc
     fitted = fit(stage_pairs(plan, events))
     source = f"{path}" + (f" of {plan_label}" if plan_label else "")
-    return plan_calibration(plan).then(dataclasses.replace(fitted, source=source))
+    return plan_calibration(plan).then(dataclasses.replace(fitted, source=source, jitter=action_jitter(events)))
 
 
 def recalibrated(plan: Plan, calibration: Calibration) -> Plan:
@@ -222,10 +272,11 @@ def recalibrated(plan: Plan, calibration: Calibration) -> Plan:
             p, forward_s=again(p.forward_s, 1), backward_s=again(p.backward_s, 2 if split else 1),
             weight_s=weight, recompute_s=p.recompute_s / before.scale * calibration.scale)))
     cost_model = dataclasses.replace(plan.cost_model, calibration_scale=calibration.scale,
-                                     action_host_s=calibration.action_s)
+                                     action_host_s=calibration.action_s, action_jitter=calibration.jitter)
     return predict(dataclasses.replace(plan, stages=tuple(stages), cost_model=cost_model))
 
 
 def plan_calibration(plan: Plan) -> Calibration:
     """The calibration ``plan`` was made with (none: the identity)."""
-    return Calibration(plan.cost_model.calibration_scale, plan.cost_model.action_host_s)
+    cm = plan.cost_model
+    return Calibration(cm.calibration_scale, cm.action_host_s, jitter=cm.action_jitter)

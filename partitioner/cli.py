@@ -261,7 +261,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"{found.samples} stage actions: measured {1e3 * measured:.2f} ms vs predicted {1e3 * predicted:.2f} ms "
           f"in all ({100 * (measured / predicted - 1):+.0f}%)")
     print(f"fit: measured = {found.scale:.3f} x predicted + {1e6 * found.action_s:.0f} us per action "
-          "(from the plan's uncalibrated costs)")
+          f"(from the plan's uncalibrated costs); actions spread {100 * found.jitter:.0f}% about that "
+          "(the simulator's jitter)")
     again = recalibrated(plan, found).predicted.step_s
     print(f"this plan's step under it: {1e3 * again:.1f} ms (as the plan predicts it: "
           f"{1e3 * plan.predicted.step_s:.1f} ms)")

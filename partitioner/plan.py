@@ -240,6 +240,8 @@ class CostModelInfo:
     # A calibration from a traced run (partitioner.calibration): node times x scale, + action_host_s per action.
     calibration_scale: float = dataclasses.field(default=1.0, metadata={ADDED_IN_VERSION: 3})
     action_host_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
+    # and each compute action's spread about its time (the simulator's jitter; 0: every action as predicted).
+    action_jitter: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,6 +74,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
+import statistics
 from collections.abc import Callable, Sequence
 
 from partitioner.commcost import Link, bucket_count, message_seconds, p2p_crosses_nodes
@@ -83,7 +85,10 @@ from partitioner.precision import activation_scale, state_bytes
 from partitioner.schedule import Action, Schedule
 from partitioner.timeline import ALLREDUCE_KIND, COMPUTE_KINDS, TimelineEvent
 
+JITTER_SAMPLES = 31  # jittered runs of a step (simulate_schedule's jitter): the median one is returned
+
 __all__ = [
+    "JITTER_SAMPLES",
     "Simulation",
     "TransferSpec",
     "allreduce_buckets",
@@ -208,6 +213,8 @@ def simulate_schedule(
     activation_bytes: Sequence[float] | None = None,
     backward_bytes: Sequence[float] | None = None,
     message_host_s: float = 0.0,
+    jitter: float = 0.0,
+    samples: int = JITTER_SAMPLES,
 ) -> Simulation:
     """Run ``schedule`` in simulated time; raise :class:`ScheduleError` if it deadlocks.
 
@@ -224,6 +231,12 @@ def simulate_schedule(
     ``backward_bytes`` are held on top while each backward runs (a recomputing
     stage's re-made activations).  ``message_host_s``: the rank's own seconds per
     message it sends (after posting) or receives (after the data arrives).
+    ``jitter``: the spread of each compute action's duration on the machine (the
+    standard deviation of log(duration / its median)); above 0, the step is run
+    ``samples`` times (seeds 0, 1, ...: the same result every call) with every
+    F, B and W drawn at random about its given (median) seconds, and the run
+    with the median step is returned: waiting on a late peer costs a tightly coupled schedule (1F1B)
+    more than one whose W actions can fill the gap (zero bubble).
     """
     where = tuple(range(schedule.ranks)) if stage_rank is None else tuple(stage_rank)
     stages = len(where)
@@ -252,9 +265,22 @@ def simulate_schedule(
         receives_from = default_receives if receives_from is None else receives_from
     seconds = transfer_matrix(transfer_s, stages)
 
-    run = _Run(schedule, where, _Costs(forward, backward, weight, static, activation, during_backward),
-               sends_to, receives_from, seconds, message_host_s=message_host_s)
+    costs = _Costs(forward, backward, weight, static, activation, during_backward)
+    if not jitter > 0:
+        return _simulate_once(_Run(schedule, where, costs, sends_to, receives_from, seconds,
+                                   message_host_s=message_host_s), reduce, counts)
+    runs = [_simulate_once(_Run(schedule, where, costs, sends_to, receives_from, seconds,
+                                message_host_s=message_host_s, draw=_lognormal(jitter, seed=seed)), reduce, counts)
+            for seed in range(max(1, samples))]
+    middle = statistics.median_low([r.step_s for r in runs])
+    return next(r for r in runs if r.step_s == middle)
+
+
+def _simulate_once(run: _Run, reduce: list[float], counts: list[int]) -> Simulation:
+    """Execute ``run`` and add each stage's all-reduce buckets (``reduce`` seconds in ``counts`` buckets)."""
     run.execute()
+    schedule, where = run.schedule, run.where
+    stages = len(where)
 
     events: list[TimelineEvent] = [e for row in run.events for e in row]
     ends = list(run.clock)
@@ -313,6 +339,7 @@ def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simul
         activation_bytes=[st.predicted.activation_bytes for st in stages],
         backward_bytes=[float(getattr(st.predicted, "recompute_peak_bytes", 0.0)) for st in stages],
         message_host_s=plan.cost_model.message_host_s,
+        jitter=plan.cost_model.action_jitter,
     )
 
 
@@ -389,6 +416,12 @@ def _per_stage(values: Sequence[float], stages: int, name: str) -> list[float]:
     return [float(v) for v in values]
 
 
+def _lognormal(sigma: float, *, seed: int) -> Callable[[], float]:
+    """Factors exp(sigma x N(0, 1)): median 1, so the given seconds stay each action's median."""
+    rng = random.Random(seed)
+    return lambda: math.exp(rng.gauss(0.0, sigma))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Costs:
     """Per stage: seconds of F, B (whole), W (share of B), and bytes: static, per micro-batch, during B."""
@@ -414,12 +447,14 @@ class _Run:
         seconds: list[list[float]],
         *,
         message_host_s: float = 0.0,
+        draw: Callable[[], float] | None = None,
     ) -> None:
         stages, ranks = len(where), schedule.ranks
         self.host = message_host_s
+        self.draw = draw  # a factor per compute action (jitter), or None: every action as given
         if len(sends_to) != stages or len(receives_from) != stages:
             raise ScheduleError(f"The schedule has {stages} stages but the topology has {len(sends_to)}.")
-        self.rows = schedule.actions
+        self.schedule, self.rows = schedule, schedule.actions
         self.where, self.costs, self.seconds = where, costs, seconds
         self.remote_out = [sorted(t for t in sends_to[s] if where[t] != where[s]) for s in range(stages)]
         self.remote_in = [sorted(p for p in receives_from[s] if where[p] != where[s]) for s in range(stages)]
@@ -477,11 +512,12 @@ class _Run:
             self._record(r, a, now, end)
             self.clock[r] = end
         elif a.kind == "F":
-            self._record(r, a, now, now + c.forward[s])
+            end = now + c.forward[s] * self._factor()
+            self._record(r, a, now, end)
             self._hold(r, now, +1, c.activation[s])
-            self.clock[r] = now + c.forward[s]
+            self.clock[r] = end
         elif a.kind == "B":
-            end = now + c.backward[s] - (c.weight[s] if self.split[s] else 0.0)
+            end = now + (c.backward[s] - (c.weight[s] if self.split[s] else 0.0)) * self._factor()
             self._record(r, a, now, end)
             if c.during_backward[s]:
                 self._add_memory(r, now, c.during_backward[s])
@@ -493,7 +529,7 @@ class _Run:
                 self.last_backward[s] = (now, end)
             self.clock[r] = end
         else:  # "W": the weight gradient; the stage's activations of this micro-batch go
-            end = now + c.weight[s]
+            end = now + c.weight[s] * self._factor()
             self._record(r, a, now, end)
             self._hold(r, end, -1, c.activation[s])
             self.last_backward[s] = (now, end)
@@ -514,6 +550,9 @@ class _Run:
     def _add_memory(self, r: int, when: float, nbytes: float) -> None:
         _, before = self.memory[r][-1]
         self.memory[r].append((when, before + nbytes))
+
+    def _factor(self) -> float:
+        return 1.0 if self.draw is None else self.draw()
 
     def _record(self, r: int, a: Action, start: float, end: float) -> None:
         label = f"{a.kind}{a.microbatch}"

@@ -210,8 +210,9 @@ def _header(plan: Plan) -> list[str]:
     first = (f"{model.class_name}: {format_count(model.parameters)} {parameters} ({model.capture})"
              f" | {plural(plan.gpus, 'GPU')} = {shape}, {_node_layout(plan)}")
     cm = plan.cost_model
-    calibrated = "" if (cm.calibration_scale, cm.action_host_s) == (1.0, 0.0) else \
-        f", calibrated (x{cm.calibration_scale:.2f}, +{format_seconds(cm.action_host_s)} per action)"
+    jitter = f", jitter {100 * cm.action_jitter:.0f}%" if cm.action_jitter else ""
+    calibrated = "" if (cm.calibration_scale, cm.action_host_s, cm.action_jitter) == (1.0, 0.0, 0.0) else \
+        f", calibrated (x{cm.calibration_scale:.2f}, +{format_seconds(cm.action_host_s)} per action{jitter})"
     second = (f"{schedule_label(plan.schedule, plan.chunks)}, {micro} of {plan.microbatch_size}, batch {plan.batch_size}"
               f" | {plan.precision}, {plan.optimizer} | costs {cm.source}{calibrated}{limit}")
     return _wrap(first) + _wrap(second)

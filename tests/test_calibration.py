@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import random
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from partitioner.calibration import (
     Calibration,
     CalibrationError,
+    action_jitter,
     calibrate,
     fit,
     load_calibration,
@@ -192,6 +195,7 @@ def test_a_split_backward_pays_the_host_time_in_b_and_w() -> None:
 def test_plans_without_calibration_fields_still_load() -> None:
     data = json.loads(example_plan().to_json())
     del data["cost_model"]["calibration_scale"], data["cost_model"]["action_host_s"]
+    del data["cost_model"]["action_jitter"]
     assert plan_calibration(Plan.from_json(json.dumps(data))).identity
 
 
@@ -202,3 +206,41 @@ def test_with_replicas_the_backward_that_waits_for_the_all_reduce_is_left_out() 
               for e in _events(plan, seconds, steps=2)]
     assert fit(stage_pairs(plan, events)).scale == pytest.approx(1.0)
     assert fit(stage_pairs(dataclasses.replace(plan, dp=1), events)).scale > 10  # counted, it would dominate
+
+
+# ----------------------------------------------------------------- jitter
+
+
+def _jittered(sigma: float, *, count: int, seed: int) -> list[TimelineEvent]:
+    """One stage's forwards of ``count`` steps, each 2 ms times exp(sigma x N(0, 1))."""
+    rng = random.Random(seed)
+    events, clock = [], 0.0
+    for step in range(count):
+        d = 2e-3 * math.exp(rng.gauss(0.0, sigma))
+        events.append(TimelineEvent(0, "F0", "0F0", 0, "F", clock, clock + d))
+        clock += d
+    return events
+
+
+def test_the_jitter_of_a_trace_is_the_spread_of_its_actions_about_their_median() -> None:
+    assert action_jitter(_jittered(0.2, count=400, seed=1)) == pytest.approx(0.2, rel=0.15)
+    assert action_jitter(_jittered(0.0, count=400, seed=1)) == pytest.approx(0.0, abs=1e-12)  # float rounding
+    # Two traces pool their actions, each about its own medians (their stage numbers are their own).
+    fast = [dataclasses.replace(e, end_s=e.start_s + (e.end_s - e.start_s) / 4) for e in _jittered(0.1, count=200, seed=2)]
+    assert action_jitter(fast, _jittered(0.1, count=200, seed=3)) == pytest.approx(0.1, rel=0.2)
+    assert action_jitter(_jittered(0.2, count=6, seed=1)) == 0.0  # too few actions to tell
+
+
+def test_jitter_travels_with_the_calibration_and_reaches_the_plan(tmp_path: Path) -> None:
+    c = Calibration(1.1, 0.0, jitter=0.15)
+    assert load_calibration(c.save(tmp_path / "c.json")) == c
+    old = {k: v for k, v in c.to_json().items() if k != "jitter"}  # a file from before jitter
+    assert Calibration.from_json(old).jitter == 0.0
+    with pytest.raises(CalibrationError, match="jitter"):
+        Calibration(1.0, 0.0, jitter=-0.1)
+    plan = example_plan()
+    jittered = recalibrated(plan, c)
+    assert plan_calibration(jittered) == Calibration(1.1, 0.0, jitter=0.15)
+    assert Plan.from_json(jittered.to_json()).cost_model.action_jitter == 0.15
+    # Late peers cost waiting: the median jittered step is longer than the steady one.
+    assert jittered.predicted.step_s > recalibrated(plan, Calibration(1.1, 0.0)).predicted.step_s

@@ -609,9 +609,11 @@ def test_calibrate_then_plan_with_the_calibration(tmp_path: Path, capsys: pytest
     assert main(["calibrate", str(first), str(trace), "-o", str(tmp_path / "c.json")]) == 0
     out = capsys.readouterr().out
     assert "fit: measured = 1.500 x predicted + 20 us per action" in out and "--calibration" in out
+    assert "actions spread 0%" in out  # every action as long as its stage's others: no jitter
     assert main([model, *common, "--out", str(second), "--calibration", str(tmp_path / "c.json")]) == 0
     again = Plan.load(second)
     assert (again.cost_model.calibration_scale, again.cost_model.action_host_s) == pytest.approx((1.5, 20e-6))
+    assert again.cost_model.action_jitter == 0.0
     for old, new in zip(plan.stages, again.stages, strict=True):  # the same split, costs as the run showed
         assert new.predicted.forward_s == pytest.approx(1.5 * old.predicted.forward_s + 20e-6)
         assert new.predicted.backward_s == pytest.approx(1.5 * old.predicted.backward_s + 20e-6)

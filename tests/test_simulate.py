@@ -320,3 +320,36 @@ def test_simulate_a_plan_with_two_stages_per_rank() -> None:
     # Each rank holds two stages' parameters and at most 2P = 4 chunk activations.
     assert sim.peak_memory_bytes == pytest.approx((2 * 256 + 4 * 32.0,) * 2)
     assert {e.track for e in sim.events} == {0, 1}
+
+
+# ----------------------------------------------------------------- jitter
+
+
+def _two_stage(kind: str, microbatches: int = 8) -> tuple[Schedule, dict[str, Any]]:
+    sched = lower(compute_order(kind, ranks=2, microbatches=microbatches), sends_to=((1,), ()),
+                  receives_from=((), (0,)))
+    costs: dict[str, Any] = {"forward_s": [1.0, 1.0], "backward_s": [2.0, 2.0]}
+    if kind == "zb-h1":
+        costs["weight_s"] = [1.0, 1.0]
+    return sched, costs
+
+
+def test_jitter_costs_a_coupled_schedule_more_than_a_zero_bubble_one() -> None:
+    """Actions drawn about their times: a late peer makes 1F1B wait; ZB-H1's W actions fill the gap."""
+    growth = {}
+    for kind in ("1f1b", "zb-h1"):
+        sched, costs = _two_stage(kind)
+        steady = simulate_schedule(sched, **costs).step_s
+        jittered = simulate_schedule(sched, **costs, jitter=0.15)
+        assert jittered == simulate_schedule(sched, **costs, jitter=0.15)  # seeded: the same every call
+        assert len(jittered.events) == len(simulate_schedule(sched, **costs).events)
+        growth[kind] = jittered.step_s / steady
+    assert growth["1f1b"] > growth["zb-h1"] > 1.0
+
+
+def test_without_jitter_or_with_one_sample_the_step_is_as_given() -> None:
+    sched, costs = _two_stage("1f1b")
+    steady = simulate_schedule(sched, **costs)
+    assert simulate_schedule(sched, **costs, jitter=0.0) == steady
+    one = simulate_schedule(sched, **costs, jitter=0.3, samples=1)  # one draw: some other step
+    assert one.step_s != steady.step_s

@@ -177,3 +177,11 @@ def test_exact_dp_lower_bound_is_its_objective(seed: int) -> None:
     part = solve(problem, stages=3, microbatches=4)
     assert part is not None and part.status == "optimal"
     assert part.lower_bound == part.objective and part.gap == 0.0
+
+
+def test_a_calibrated_plan_says_so_with_its_jitter() -> None:
+    plan = example_plan()
+    assert "calibrated" not in format_plan(plan)
+    cm = dataclasses.replace(plan.cost_model, calibration_scale=1.25, action_host_s=2e-4, action_jitter=0.12)
+    text = " ".join(format_plan(dataclasses.replace(plan, cost_model=cm)).split())
+    assert "calibrated (x1.25, +200 µs per action, jitter 12%)" in text

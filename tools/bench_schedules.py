@@ -40,8 +40,10 @@ Predictions are calibrated in the same run, each on the *other* plans: our
 configurations run traced, and for each plan
 :func:`partitioner.calibration.fit` relates the stages' measured F, B and W of
 every other plan of ours to their predictions (``measured = scale x predicted
-+ host seconds per action``, over the later half of the steps); the plan's step
-is then simulated again with its own stage costs calibrated
++ host seconds per action``, over the later half of the steps) and how far
+single actions stray from their stage's median (the simulator's jitter:
+:func:`partitioner.calibration.action_jitter`); the plan's step is then
+simulated again with its own stage costs calibrated
 (:func:`partitioner.calibration.recalibrated`), as ``autopartition calibrate``
 and ``--calibration`` do for users.  No plan is fitted on its own run (auto's
 pick and the configuration with the same plan are left out of each other's
@@ -498,7 +500,7 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
     calibrations = calibrate_each(plans, results) if calibrated else {}
     for key, c in calibrations.items():
         say(f"calibration for {CONFIGS[key].label}, on {c.source}: measured = {c.scale:.3f} x predicted + "
-            f"{1e6 * c.action_s:.0f} us per action ({c.samples} stage actions)")
+            f"{1e6 * c.action_s:.0f} us per action ({c.samples} stage actions), jitter {100 * c.jitter:.0f}%")
     return [_row(key, plans[CONFIGS[key].plan], results, calibrations.get(key)) for key in chosen]
 
 
@@ -509,19 +511,20 @@ def calibrate_each(plans: dict[str, Any], results: Sequence[dict[str, Any]]) -> 
     schedule, when the split is the same) are left out of each other's fits.
     A configuration with no other plan traced gets none.
     """
-    from partitioner.calibration import fit, stage_pairs
+    from partitioner.calibration import action_jitter, fit, stage_pairs
     from partitioner.timeline import TimelineEvent
 
     traced = [k for k in results[0]["events"] if all(k in res["events"] for res in results)]
-    pairs = {k: stage_pairs(plans[CONFIGS[k].plan],
-                            [TimelineEvent(**e) for res in results for e in res["events"][k]]) for k in traced}
+    events = {k: [TimelineEvent(**e) for res in results for e in res["events"][k]] for k in traced}
+    pairs = {k: stage_pairs(plans[CONFIGS[k].plan], events[k]) for k in traced}
     ident = {k: (schedule_name(plans[CONFIGS[k].plan]), describe_split(plans[CONFIGS[k].plan])) for k in traced}
     found = {}
     for key in traced:
         others = [k for k in traced if ident[k] != ident[key]]
         if others:
             fitted = fit([p for k in others for p in pairs[k]])
-            found[key] = dataclasses.replace(fitted, source=", ".join(k.removeprefix("ours_") for k in others))
+            found[key] = dataclasses.replace(fitted, source=", ".join(k.removeprefix("ours_") for k in others),
+                                             jitter=action_jitter(*(events[k] for k in others)))
     return found
 
 
