@@ -53,9 +53,9 @@ machine's speed drifts (a fixed matmul loop ran 1,900 to 3,000 times a second
 within one minute; one 2-rank step measured 172 ms and 251 ms fifteen minutes
 apart), and a plan's costs are measured in the few seconds of its compile,
 one process alone, while its steps run later, in two processes that also
-run the runtime's own host work per action.  Fed with its actions' measured
-means, the simulator gives the measured step within 4-9% (1F1B, ZB-H1, ZBV,
-interleaved v=2); the costs are what a calibration fixes.
+run the runtime's own host work per action.  The verdicts show each
+prediction three ways: calibrated (jitter replayed), calibrated without the
+jitter, and as planned.
 
 When ``auto`` picks the very plan of another configuration (same schedule, same
 split), that plan is measured twice: the pick is judged on the median of both
@@ -183,6 +183,7 @@ class Row:
     steps: int = 0
     predicted_s: float | None = None  # the simulator's step (ours), calibrated where a calibration was fitted
     planned_s: float | None = None  # the plan's own prediction (uncalibrated)
+    steady_s: float | None = None  # calibrated, but every action at its median (no jitter)
     loss: float | None = None  # first step
     grad_norm: float | None = None  # after the first step, over every parameter name of both ranks
     error: str | None = None  # why a torch schedule could not run
@@ -541,6 +542,8 @@ def _row(key: str, plan: Any, results: list[dict[str, Any]], calibration: Any) -
 
     planned = plan.predicted.step_s if spec.torch_schedule is None else None
     predicted = planned if planned is None or calibration is None else recalibrated(plan, calibration).predicted.step_s
+    steady = None if planned is None or calibration is None or not calibration.jitter else \
+        recalibrated(plan, dataclasses.replace(calibration, jitter=0.0)).predicted.step_s
     if notes and not cloned:
         return Row(**common, step_s=None, error="; ".join(notes))
     times = results[0]["times"][key]
@@ -556,7 +559,7 @@ def _row(key: str, plan: Any, results: list[dict[str, Any]], calibration: Any) -
         sums.update({alias.get(n, n): v for n, v in res["grads"][key].items()})
     return Row(**common, step_s=statistics.median(ts), p25_s=q[0], p75_s=q[2],
                clean_s=statistics.median(clean) if len(clean) >= 3 else None, clean_steps=len(clean),
-               steps=len(ts), predicted_s=predicted, planned_s=planned, loss=loss, grad_norm=math.sqrt(sum(sums.values())),
+               steps=len(ts), predicted_s=predicted, planned_s=planned, steady_s=steady, loss=loss, grad_norm=math.sqrt(sum(sums.values())),
                note="; ".join(notes) if notes else None,
                wait_share=tuple(res["sched"][key][2] / res["sched"][key][0] for res in results),
                step_times=tuple(times))
@@ -673,8 +676,9 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
             r = by_key[key]
             if r.predicted_s is not None:
                 err = t / r.predicted_s - 1
+                steady = "" if r.steady_s is None else f"without jitter: {100 * (t / r.steady_s - 1):+.0f}%; "
                 calibrated = "" if r.planned_s in (None, r.predicted_s) else \
-                    f" calibrated (as planned: {100 * (t / r.planned_s - 1):+.0f}% vs {r.planned_s * 1e3:.1f} ms)"
+                    f" calibrated ({steady}as planned: {100 * (t / r.planned_s - 1):+.0f}% vs {r.planned_s * 1e3:.1f} ms)"
                 out.append(f"{'MET ' if abs(err) <= 0.15 else 'MISS'} [{which}] {r.label}: measured "
                            f"{100 * err:+.0f}% vs predicted {r.predicted_s * 1e3:.1f} ms{calibrated} (target within 15%)")
     for what, get in (("loss", lambda r: r.loss), ("gradient norm", lambda r: r.grad_norm)):
