@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.errors import AutopartitionError
-from partitioner.plan import Plan
+from partitioner.plan import MAX_ACTION_JITTER, Plan
 from partitioner.schedule import Action
 from partitioner.timeline import TimelineEvent, read_events
 
@@ -51,7 +51,6 @@ __all__ = ["Calibration", "CalibrationError", "action_jitter", "calibrate", "fit
 
 _KINDS = ("F", "B", "W")
 _FORMAT = "autopartition-calibration"
-_MAX_JITTER = 1.0  # a spread of e^1 either way: beyond it a trace is not of a steady run
 _JITTER_MIN_S = 100e-6  # actions shorter than this are host time, not compute
 
 
@@ -77,8 +76,9 @@ class Calibration:
             raise CalibrationError(f"calibration scale is {self.scale}; it must be a positive number")
         if not (math.isfinite(self.action_s) and self.action_s >= 0):
             raise CalibrationError(f"calibration action_s is {self.action_s}; it must be 0 or more seconds")
-        if not (math.isfinite(self.jitter) and 0 <= self.jitter <= _MAX_JITTER):
-            raise CalibrationError(f"calibration jitter is {self.jitter}; it must be between 0 and {_MAX_JITTER}")
+        if not 0 <= self.jitter <= MAX_ACTION_JITTER:
+            raise CalibrationError(
+                f"calibration jitter is {self.jitter}; it must be between 0 and {MAX_ACTION_JITTER}")
 
     @property
     def identity(self) -> bool:
@@ -209,7 +209,7 @@ def action_jitter(*traces: Iterable[TimelineEvent]) -> float:
             middle = statistics.median(seconds)
             if len(seconds) >= 4 and middle >= _JITTER_MIN_S:
                 logs.extend(math.log(max(x, 1e-9) / middle) for x in seconds)
-    return min(_MAX_JITTER, statistics.pstdev(logs)) if len(logs) >= 8 else 0.0
+    return min(MAX_ACTION_JITTER, statistics.pstdev(logs)) if len(logs) >= 8 else 0.0
 
 
 def _later_durations(events: Iterable[TimelineEvent], *,

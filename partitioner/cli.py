@@ -208,7 +208,7 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="write --out even if it holds a plan for another model, or other files")
     parser.add_argument("--calibration", metavar="FILE",
                         help="costs fitted to a traced run (autopartition calibrate): node times scaled, "
-                        "the runtime's host time per action charged")
+                        "the runtime's host time per action charged, the run's jitter replayed in simulation")
     parser.add_argument("--time-limit", type=_positive_float, default=10.0, metavar="S",
                         help="time limit of each ILP solve, seconds (default 10)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
@@ -231,8 +231,9 @@ def _show_parser() -> argparse.ArgumentParser:
 def _calibrate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopartition calibrate",
-        description=_fill("Fit the plan's costs to a traced run of it: each stage's mean F, B and W against "
-        "its prediction, measured = scale x predicted + host seconds per action (least squares). Plan "
+        description=_fill("Fit the plan's costs to a traced run of it: each stage's median F, B and W against "
+        "its prediction, measured = scale x predicted + host seconds per action (least squares), and how far "
+        "single actions stray from their stage's median (the jitter the simulator replays). Plan "
         "again with --calibration FILE to use the fit; steps of the trace's first half are left out "
         "(a process's first steps run slow)."),
         epilog="example:\n  autopartition run plan/ -- examples/train_gpt.py --steps 20 --trace trace.json\n"

@@ -48,6 +48,7 @@ if typing.TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_ACTION_JITTER",
     "Boundary",
     "Candidate",
     "CostModelInfo",
@@ -67,6 +68,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 3
+MAX_ACTION_JITTER = 1.0  # a spread of e^1 either way: beyond it a trace is not of a steady run
 LINKS = ("intra", "inter")  # a message or all-reduce inside one node, or between nodes
 STAGE_RECOMPUTE = ("none", "full")  # keep activations, or recompute each block's forward in backward
 
@@ -476,6 +478,9 @@ def _check_names(plan: Plan) -> None:
             raise ValueError(f"{where} is {value!r}, expected one of {', '.join(allowed)}")
     if plan.gpus_per_node is not None and plan.gpus_per_node < 1:
         raise ValueError(f"plan.gpus_per_node is {plan.gpus_per_node}, expected at least 1")
+    jitter = plan.cost_model.action_jitter
+    if not 0 <= jitter <= MAX_ACTION_JITTER:  # the simulator draws exp(jitter x N(0, 1)) per action
+        raise ValueError(f"plan.cost_model.action_jitter is {jitter!r}, expected 0 .. {MAX_ACTION_JITTER}")
     _check_layout(plan)
 
 

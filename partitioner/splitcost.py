@@ -18,9 +18,9 @@ gradient (``weight_part``); the rest is B's.
 
 On this 2-core CPU: about 25 us and 0.1-0.4 of the op (a 384-wide layer on 256
 rows: 250-470 us, a fifth to a third of the op's own time), about a tenth of it
-in F and three quarters in W.  The planner charges it to every parameter-reading node of a stage that
-splits its backward (:func:`partitioner.problem.split_backward`), in F, W and B
-by those parts.
+in F and three quarters in W.  The planner charges it to every parameter-reading
+node of a stage that splits its backward
+(:func:`partitioner.problem.split_backward`), in F, W and B by those parts.
 
 Example::
 

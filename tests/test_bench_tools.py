@@ -58,3 +58,37 @@ def test_bench_schedules_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     if theirs["error"] is None:  # torch ran (maybe with cloned outputs): same loss, same gradients
         assert abs(ours["loss"] - theirs["loss"]) < 1e-5
         assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-5 * ours["grad_norm"]
+
+
+def test_bench_schedules_calibrates_each_plan_on_the_others_only() -> None:
+    """No plan's prediction is fitted on its own run, nor on a configuration of the very same plan."""
+    import dataclasses
+
+    from partitioner.plan import example_plan
+    from partitioner.schedule import Action
+    from tools import bench_schedules
+
+    gpipe = example_plan()
+    plans = {"1f1b": gpipe, "auto": gpipe, "zbh1": dataclasses.replace(gpipe, schedule="1f1b")}
+    slower = {"ours_1f1b": 2.0, "ours_auto": 2.0, "ours_zbh1": 3.0}  # measured / predicted, per configuration
+
+    def events(key: str) -> list[dict[str, object]]:
+        out, clock = [], 0.0
+        for _ in range(4):  # steps
+            for rank, row in enumerate(gpipe.actions):
+                for name in row:
+                    a = Action.parse(name)
+                    if a.kind in "FB":
+                        p = gpipe.stages[a.stage].predicted
+                        d = slower[key] * (p.forward_s if a.kind == "F" else p.backward_s)
+                        out.append({"track": rank, "label": name, "action": name, "microbatch": a.microbatch,
+                                    "kind": a.kind, "start_s": clock, "end_s": clock + d})
+                        clock += d
+        return out
+
+    results = [{"events": {key: events(key) for key in slower}}, {"events": {key: [] for key in slower}}]
+    found = bench_schedules.calibrate_each(plans, results)
+    assert found["ours_1f1b"].source == found["ours_auto"].source == "zbh1"  # auto runs 1f1b's plan
+    assert found["ours_1f1b"].scale == pytest.approx(3.0)
+    assert found["ours_zbh1"].source == "1f1b, auto"
+    assert found["ours_zbh1"].scale == pytest.approx(2.0)

@@ -328,3 +328,11 @@ def test_inconsistent_rank_layout_is_corrupt(tmp_path: Path, change: Any, messag
     _write(directory, data)
     with pytest.raises(PlanFormatError, match=message):
         Plan.load(directory)
+
+
+@pytest.mark.parametrize("jitter", [-0.1, 1e300, "nan"])
+def test_a_corrupt_jitter_is_refused_on_load(jitter: float | str) -> None:
+    data = json.loads(example_plan().to_json())
+    data["cost_model"]["action_jitter"] = float(jitter)
+    with pytest.raises(PlanFormatError, match="action_jitter"):
+        Plan.from_json(json.dumps(data))
