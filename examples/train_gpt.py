@@ -12,19 +12,25 @@ Plan, then launch on as many ranks as the plan has (CPU ranks use gloo, GPUs NCC
 ``--checkpoint`` writes the whole model's state dict, in the original parameter names,
 loadable with ``build_model().load_state_dict(torch.load(path))``.
 ``--save DIR`` writes a sharded checkpoint at the end (model, AdamW state, step, plan;
-every rank its own part); ``--resume DIR`` continues from one, under this plan or any
-other plan of the model (other pp, dp, split or schedule): ``--steps`` counts from the
-start of training, so the run above trains steps 10 to 19, on the data an uninterrupted
-run of 20 steps would see (when both plans take the same batch size).
+every rank its own part) into ``DIR/step-N``, atomically, keeping the newest ``--keep``
+steps; ``--resume DIR`` continues from the newest complete step there (or from one
+``DIR/step-N``), under this plan or any other plan of the model (other pp, dp, split or
+schedule): ``--steps`` counts from the start of training, so the run above trains steps
+10 to 19, on the data an uninterrupted run of 20 steps would see (when both plans take
+the same batch size).  ``--save`` is checked before the first step: a plan directory, a
+file, or a path this job cannot write is refused at once (exit 2), not after training.
 """
 
 import argparse
+import sys
 import time
 
 import torch
 from gpt import SEQ_LEN, GPTConfig, build_model, loss_fn
 
+from partitioner.errors import AutopartitionError
 from runtime import Pipeline
+from runtime.checkpoint import DEFAULT_KEEP, check_save_directory
 from runtime.launch import plan_from_env
 
 __all__ = ["batches", "main"]
@@ -45,10 +51,21 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--trace", help="write a Chrome trace of the last steps here")
     parser.add_argument("--checkpoint", help="write the trained model's full state dict here")
-    parser.add_argument("--save", metavar="DIR", help="write a sharded checkpoint here at the end")
-    parser.add_argument("--resume", metavar="DIR", help="continue from the sharded checkpoint here")
+    parser.add_argument("--save", metavar="DIR", help="write a sharded checkpoint here at the end (DIR/step-N)")
+    parser.add_argument("--keep", type=int, default=DEFAULT_KEEP, metavar="K",
+                        help=f"keep the newest K steps in --save DIR (default {DEFAULT_KEEP})")
+    parser.add_argument("--resume", metavar="DIR", help="continue from the newest complete checkpoint here")
     args = parser.parse_args()
+    try:
+        _train(args)
+    except AutopartitionError as exc:  # bad input: its message, exit 2 (as the autopartition CLI)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
+
+def _train(args: argparse.Namespace) -> None:
+    if args.save:
+        check_save_directory(args.save)  # now, not after every step has run
     plan = plan_from_env(args.plan)
     torch.manual_seed(0)  # every rank builds the same initial model
     pipe = Pipeline(plan, build_model(), loss_fn, trace=args.trace is not None)
@@ -72,9 +89,9 @@ def main() -> None:
         if written:
             print(f"trace: {written}")
     if args.save:
-        pipe.save_checkpoint(args.save, optimizer=optimizer, step=max(first, args.steps))
+        folder = pipe.save_checkpoint(args.save, optimizer=optimizer, step=max(first, args.steps), keep=args.keep)
         if pipe.rank == 0:
-            print(f"saved: {args.save} (step {max(first, args.steps)})", flush=True)
+            print(f"saved: {folder} (step {max(first, args.steps)})", flush=True)
     if args.checkpoint:
         state = pipe.full_state_dict()
         if state is not None:

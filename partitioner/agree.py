@@ -6,10 +6,14 @@ ranks running different splits compute a wrong loss or hang.  Two guards:
 * :func:`plan_digest` hashes everything in a plan that the runtime executes;
   ``runtime.Pipeline`` compares it across ranks before the first step.
 * :func:`solved_on_rank0` wraps :func:`partitioner.compile`: inside an
-  initialised process group rank 0 solves and broadcasts ``plan.json``'s text
-  (never a pickled ``Plan``), and the other ranks load it.  An error on rank 0
-  is broadcast too and raised on every rank, so nobody waits for a plan that
-  never comes.
+  initialised process group rank 0 solves and publishes ``plan.json``'s text
+  (never a pickled ``Plan``) under a key of the job's store, without waiting
+  for anyone; any other rank that calls ``compile()`` waits for that key and
+  loads the plan.  An error on rank 0 is published too and raised on the
+  ranks waiting for it.  So both usual patterns work: every rank calls
+  ``compile()``, or rank 0 alone compiles and saves, every rank waits at a
+  barrier, then every rank calls ``Plan.load``.  The n-th ``compile()`` call
+  of a rank gets rank 0's n-th plan.
 
 Uses ``torch.distributed`` directly: partitioner modules never import the runtime.
 
@@ -25,7 +29,10 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import itertools
 import json
+import os
+import time
 from collections.abc import Callable
 from typing import Any, ParamSpec
 
@@ -38,8 +45,13 @@ from partitioner.plan import Plan
 __all__ = ["COMPILE_WAIT_S", "INFORMATIONAL_FIELDS", "in_process_group", "plan_digest", "plan_sections",
            "solved_on_rank0"]
 
-# How long the other ranks wait for rank 0 to compile (torch's own default for gloo collectives).
+# How long the other ranks wait for rank 0's plan (torch's own default for gloo collectives).
+# Read at each call, so a test can shorten it.
 COMPILE_WAIT_S = 1800.0
+_STORE_PREFIX = "compile/"
+# This process's compile() calls in the current process group: call n reads rank 0's n-th plan,
+# so several compiles in one job never collide; a new group (a new store) counts from 0 again.
+_COUNTER: list[Any] = [None, itertools.count()]  # [the default group counted for, its calls]
 # Plan fields that never change what a step computes, and differ between two compiles of the
 # same model (timings): predictions, solver statistics, the candidate table, the cost model,
 # the readable stage code (generated from the nodes, which are hashed).  Everything else,
@@ -79,7 +91,9 @@ def solved_on_rank0(compile_fn: Callable[_P, Plan]) -> Callable[_P, Plan]:
     """Decorate ``compile``: inside a process group, rank 0 solves and every rank gets its plan.
 
     Outside one (the CLI, a notebook, a script before ``init_process_group``) the call
-    is unchanged.  Inside one, the call is collective: every rank must make it.
+    is unchanged.  Inside one, rank 0 solves and publishes the plan in the job's store
+    without waiting for the other ranks; another rank that calls it waits for rank 0's
+    plan (at most :data:`COMPILE_WAIT_S` seconds) instead of solving its own.
     """
 
     @functools.wraps(compile_fn)
@@ -100,47 +114,87 @@ def _sha(value: Any) -> str:
 
 
 def _compile_on_rank0(build: Callable[[], Plan]) -> Plan:
-    # A gloo group of its own: objects travel on the CPU whatever the default backend
-    # (NCCL needs CUDA tensors), and the wait for rank 0 is COMPILE_WAIT_S, not the
-    # default group's timeout, which may be a few seconds.
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=COMPILE_WAIT_S))
-    try:
-        if dist.get_rank() == 0:
-            try:
-                plan = build()
-            except Exception as exc:
-                _broadcast(group, ["error", type(exc).__name__, str(exc)])
-                raise
-            _broadcast(group, ["plan", plan.to_json()])
-            return plan  # rank 0 keeps its own, block graph and all
-        payload: list[Any] = []
-        _broadcast(group, payload)
-        return _received(payload)
-    finally:
-        dist.destroy_process_group(group)
+    # No collective: rank 0 may be the only rank that calls compile() (it compiles and saves,
+    # the others wait at a barrier to Plan.load), so it publishes and never waits for anyone.
+    call = _next_call()
+    key = f"{_STORE_PREFIX}{call}"
+    store = _job_store()
+    if dist.get_rank() == 0:
+        try:
+            plan = build()
+        except BaseException as exc:  # published for the waiting ranks, then raised here
+            _publish(store, key, {"error": [type(exc).__name__, str(exc)]})
+            raise
+        _publish(store, key, {"plan": plan.to_json()})
+        return plan  # rank 0 keeps its own, block graph and all
+    return _received(_wait_for(store, key, call))
 
 
-def _broadcast(group: dist.ProcessGroup, payload: list[Any]) -> None:
-    """Broadcast ``payload`` (strings only) from rank 0 in place; a timeout or dead rank 0 is explained."""
-    obj = [payload]
-    try:
-        dist.broadcast_object_list(obj, src=0, group=group)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+def _next_call() -> int:
+    """This compile() call's number in the current process group (0, 1, ...)."""
+    world = dist.group.WORLD
+    if _COUNTER[0] is not world:  # holding the group keeps its id from being reused
+        _COUNTER[:] = [world, itertools.count()]
+    return next(_COUNTER[1])
+
+
+def _job_store() -> dist.Store:
+    """The key-value store every rank of the job reaches: the default group's (its rendezvous store)."""
+    from torch.distributed import distributed_c10d
+
+    default_store = getattr(distributed_c10d, "_get_default_store", None)  # torch >= 2.1; not public
+    if default_store is not None:
+        return dist.PrefixStore("autopartition", default_store())
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
         raise AutopartitionError(
-            "Inside a process group compile() is collective: rank 0 solves and sends its plan to every "
-            f"other rank, and that exchange failed ({first}). Call compile() in every rank, or compile "
-            "once before init_process_group (or with `autopartition model.py --out plan/`), save it, and "
-            "`Plan.load` it in every rank."
+            "compile() inside a process group needs the job's store, which this torch does not expose, "
+            "and MASTER_ADDR / MASTER_PORT are not set. Compile before init_process_group (or with "
+            "`autopartition model.py --out plan/`), save the plan, and `Plan.load` it in every rank."
+        )
+    return dist.PrefixStore("autopartition", dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False))
+
+
+def _publish(store: dist.Store, key: str, payload: dict[str, Any]) -> None:
+    try:
+        store.set(key, json.dumps(payload))
+    except RuntimeError as exc:
+        raise AutopartitionError(
+            f"Rank 0 could not publish its compile() result in the job's store ({_first_line(exc)}); the "
+            "other ranks' compile() calls will time out. Check that the job's rendezvous is alive."
         ) from exc
-    payload[:] = obj[0]
 
 
-def _received(payload: list[str]) -> Plan:
-    """The plan rank 0 sent, or its error raised here as the same kind."""
-    if payload[0] == "plan":
-        return Plan.from_json(payload[1], origin="the plan rank 0 sent")
-    _, kind, message = payload
+def _wait_for(store: dist.Store, key: str, call: int) -> dict[str, Any]:
+    """Rank 0's published result of compile() call ``call``; a clear error when it never comes."""
+    wait_s = COMPILE_WAIT_S
+    start = time.monotonic()
+    try:
+        store.wait([key], datetime.timedelta(seconds=wait_s))
+        text = store.get(key)
+    except RuntimeError as exc:  # DistStoreError (timeout) and DistNetworkError (rank 0's store gone)
+        waited = time.monotonic() - start
+        nth = "first" if call == 0 else f"call #{call + 1}"
+        raise AutopartitionError(
+            f"Rank {dist.get_rank()} waited {waited:.0f} s in compile() ({nth} in this process) for the plan "
+            f"that rank 0 solves and got none ({_first_line(exc)}). Inside a process group rank 0 solves "
+            "every compile() and the other ranks wait for its plan: rank 0 must make the same compile() "
+            "calls (or compile alone, save, barrier, and every rank `Plan.load`s), and must not have died."
+        ) from exc
+    payload: dict[str, Any] = json.loads(text)
+    return payload
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else repr(exc)
+
+
+def _received(payload: dict[str, Any]) -> Plan:
+    """The plan rank 0 published, or its error raised here as the same kind."""
+    if "plan" in payload:
+        return Plan.from_json(payload["plan"], origin="the plan rank 0 sent")
+    kind, message = payload["error"]
     where = "(raised on rank 0, which compiles the plan for every rank)"
     cls = getattr(errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, AutopartitionError):

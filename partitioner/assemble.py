@@ -17,6 +17,7 @@ ranks.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 from torch import fx
@@ -24,6 +25,7 @@ from torch import fx
 from partitioner.capture import CapturedModel
 from partitioner.commcost import allreduce_crosses_nodes, p2p_crosses_nodes
 from partitioner.defaults import splits_backward
+from partitioner.devices import DeviceSpec
 from partitioner.errors import InternalError
 from partitioner.formulate import GraphCosts
 from partitioner.ir import (
@@ -63,7 +65,7 @@ from partitioner.search import Solved
 from partitioner.simulate import simulate
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
 
-__all__ = ["build_plan", "model_flops_utilization", "predict", "stage_codes", "stage_layout"]
+__all__ = ["build_plan", "mfu_peak_flops", "model_flops_utilization", "predict", "stage_codes", "stage_layout"]
 
 
 def stage_layout(pp: int, dp: int) -> list[tuple[int, ...]]:
@@ -105,7 +107,8 @@ def build_plan(
             link_bandwidth=spec.link_bandwidth, link_latency=spec.link_latency,
             memory_limit=options.memory_limit, optimizer_states=options.optimizer_states,
             inter_node_bandwidth=spec.inter_node_bandwidth, inter_node_latency=spec.inter_node_latency,
-            peak_flops=spec.peak(compute_dtype(options.precision)),
+            peak_flops=mfu_peak_flops({n: graph.node_flops.get(n, 0.0) for b in graph.blocks for n in b},
+                                      graph.node_time_s, graph.node_dtype, spec=spec, precision=options.precision),
             message_host_s=spec.message_host_s,
             calibration_scale=options.calibration.scale, action_host_s=options.calibration.action_s,
             action_jitter=options.calibration.jitter,
@@ -271,7 +274,49 @@ def model_flops_utilization(model_flops: float | None, *, gpus: int, peak_flops:
     """
     if not model_flops or not peak_flops or step_s <= 0:
         return None
-    return model_flops / (gpus * peak_flops * step_s)
+    # mfu_peak_flops makes the plan's peak bound every node's time, so the simulated step (at least
+    # the busiest GPU's compute) cannot beat it; the cap only guards that invariant's callers.
+    return min(1.0, model_flops / (gpus * peak_flops * step_s))
+
+
+def mfu_peak_flops(
+    flops: Mapping[str, float], seconds: Mapping[str, float], dtypes: Mapping[str, str], *,
+    spec: DeviceSpec, precision: str,
+) -> float | None:
+    """FLOP/s of one GPU for the MFU: the peak each node's FLOPs run at, weighted by those FLOPs.
+
+    ``flops``, ``seconds`` (forward + backward, as the plan prices them) and
+    ``dtypes`` (of each node's value) are per node.  A node runs at the peak of
+    its own dtype at ``precision``, as the roofline prices it (a bf16 model
+    planned at fp32 runs its matmuls at the bf16 peak, not the fp32 one), and a
+    dtype's peak is raised to the fastest node timed at it: a measured node
+    that beat ``spec``'s number (CPU ranks against a rough figure, a GPU the
+    spec only approximates, a calibration that sped every node up) shows that
+    number was no peak.  Every node then takes at least its FLOPs over its
+    peak, so the model FLOPs over this peak are at most the GPUs' busy time and
+    the MFU is at most 1.  ``None``: no FLOPs counted.
+
+    >>> from partitioner.devices import DEVICES
+    >>> flops, dtypes = {"mm": 100e12, "mm_bf16": 10e12}, {"mm": "float32", "mm_bf16": "bfloat16"}
+    >>> seconds = {"mm": 2.0, "mm_bf16": 1.0}  # 50 and 10 TFLOP/s
+    >>> round(mfu_peak_flops(flops, seconds, dtypes, spec=DEVICES["h100"], precision="fp32") / 1e12, 1)
+    73.2
+    >>> round(mfu_peak_flops(flops, seconds, dtypes, spec=DEVICES["cpu"], precision="fp32") / 1e12, 1)
+    36.7
+    """
+    flops_at: dict[str, float] = {}
+    peak_of: dict[str, float] = {}
+    for name, count in flops.items():
+        if count <= 0:
+            continue
+        dtype = dtypes.get(name, "float32")
+        if activation_scale(precision, dtype) != 1.0:  # at_precision's rule: float32 runs in the compute dtype
+            dtype = compute_dtype(precision)
+        took = seconds.get(name, 0.0)
+        peak_of[dtype] = max(peak_of.get(dtype, spec.peak(dtype)), count / took if took > 0 else 0.0)
+        flops_at[dtype] = flops_at.get(dtype, 0.0) + count
+    at_peak_s = sum(count / peak_of[dtype] for dtype, count in flops_at.items() if peak_of[dtype] > 0)
+    return sum(flops_at.values()) / at_peak_s if at_peak_s > 0 else None
 
 
 

@@ -1,7 +1,7 @@
 """The ``autopartition`` command line: plan a model file, show a plan, verify it, run it.
 
 Exit codes: 0 ok, 2 bad input (with a one-paragraph message), 1 internal error,
-130 interrupted.
+130 interrupted; ``run`` exits 128 + N when stopped by signal N (forwarded to every rank).
 
 Example::
 
@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -57,7 +58,7 @@ examples:
 model file: build_model() (or a module-level `model`), example_inputs(batch_size) (or a
 module-level tuple), optionally loss_fn(outputs, target) and example_target(batch_size).
 
-exit codes: 0 ok, 2 bad input, 1 internal error (a bug), 130 interrupted.
+exit codes: 0 ok, 2 bad input, 1 internal error (a bug), 130 interrupted; run: 128+N on signal N.
 """
 
 
@@ -298,7 +299,12 @@ def _run_parser() -> argparse.ArgumentParser:
         description=_fill("Start the training script on torchrun ranks laid out as the plan says. "
         "Options other than --nproc-per-node go to torchrun (e.g. --nnodes, --rdzv-endpoint)."),
         epilog="examples:\n  autopartition run plan/ -- train.py --epochs 1\n"
-        "  autopartition run plan/ --nnodes 2 --nproc-per-node 4 --rdzv-endpoint host:29500 -- train.py",
+        "  autopartition run plan/ --nnodes 2 --nproc-per-node 4 --rdzv-endpoint host:29500 -- train.py\n\n"
+        "environment:\n"
+        "  AUTOPARTITION_TIMEOUT=S     seconds a rank waits for a peer before it stops (default 300)\n"
+        "  AUTOPARTITION_STOP_GRACE=S  seconds from SIGINT/SIGTERM/SIGHUP until every rank is killed (30)\n\n"
+        "A failed rank is named with its error first (exit 2: bad input, 1: otherwise); torchrun's output\n"
+        "and every rank's traceback go to a log named in the message. Exit 128+N when stopped by signal N.",
         formatter_class=_formatter,
         allow_abbrev=False,
     )
@@ -331,8 +337,13 @@ def _plan(args: argparse.Namespace) -> int:
         model_file = load_model_file(args.model)
         batch = args.batch_size or model_file.default_batch_size or _DEFAULT_BATCH
         model = model_file.build()
-        _check_out(out, type(model).__name__, force=args.force, say=say)
         inputs = model_file.example_inputs(batch)
+        source = _model_source(args.model)
+
+        def fingerprint(method: str) -> str | None:
+            return _fingerprint(model, inputs, method)
+
+        _check_out(out, type(model).__name__, source=source, fingerprint=fingerprint, force=args.force, say=say)
         plan = planner.compile(
             model,
             inputs,
@@ -355,6 +366,7 @@ def _plan(args: argparse.Namespace) -> int:
             target=model_file.example_target(batch) if model_file.example_target else None,
             status=say,
         )
+        plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, source=source))  # for --out's check
         saved = plan.save(out)
         report = _write_report(plan, saved, say=say)
     print(format_plan(plan))
@@ -392,8 +404,17 @@ def _local_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _check_out(out: Path, model_name: str, *, force: bool, say: Callable[[str], None]) -> None:
-    """Refuse to overwrite another model's plan (or a directory of other files) unless ``force``."""
+def _check_out(
+    out: Path, model_name: str, *, source: str, fingerprint: Callable[[str], str | None], force: bool,
+    say: Callable[[str], None],
+) -> None:
+    """Refuse to overwrite another model's plan (or a directory of other files) unless ``force``.
+
+    "Another model" is told by the plan's model file and its graph fingerprint, never by the class
+    name (every nanoGPT is a ``GPT``): a plan made from the same model file is replaced (the model
+    may have changed: re-planning is why one plans into the same folder), and so is one whose graph
+    is this model's, captured as that plan captured it (``fingerprint(method)``).
+    """
     if not out.is_dir() or not any(out.iterdir()):
         return
     existing = out / "plan.json"
@@ -405,16 +426,46 @@ def _check_out(out: Path, model_name: str, *, force: bool, say: Callable[[str], 
             "(and remove any stage_*.py). Choose another --out, or add --force."
         )
     try:
-        previous = json.loads(existing.read_text())["model"]["class_name"]
-    except (OSError, ValueError, KeyError, TypeError):
-        previous = None  # unreadable: nothing worth keeping is lost by replacing it
-    if previous is not None and previous != model_name and not force:
-        raise AutopartitionError(
-            f"--out {out} holds a plan for {previous}, not {model_name}; not overwriting it. "
-            "Choose another --out, or add --force to replace it."
-        )
-    what = f"the plan for {previous}" if previous is not None else "an unreadable plan.json"
-    say(f"replacing {what} in {out}{os.sep}")
+        info = json.loads(existing.read_text())["model"]
+        previous, theirs = str(info["class_name"]), str(info["fingerprint"])
+        method, made_from = str(info.get("capture", "auto")), str(info.get("source", ""))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        say(f"replacing an unreadable plan.json in {out}{os.sep}")  # nothing worth keeping is lost
+        return
+    if force or (made_from and made_from == source):
+        say(f"replacing the plan for {previous} in {out}{os.sep}")
+        return
+    ours = fingerprint(method)
+    if ours == theirs:
+        say(f"replacing the plan for {previous} in {out}{os.sep} (the same graph)")
+        return
+    mine = f"graph fingerprint {ours}" if ours else f"a graph {method} cannot capture"
+    raise AutopartitionError(
+        f"--out {out} holds the plan of another model: a {previous} with graph fingerprint {theirs}"
+        f"{f' from {made_from}' if made_from else ''}, while this {model_name} from {source} has {mine}; "
+        "not overwriting it. Choose another --out, or add --force to replace it."
+    )
+
+
+def _model_source(spec: str) -> str:
+    """The model file ``spec`` names, resolved (``path`` or ``path:FACTORY``): what plan.json records."""
+    from partitioner.modelfile import split_spec
+
+    path, factory = split_spec(spec)
+    resolved = str(Path(path).resolve())
+    return f"{resolved}:{factory}" if factory else resolved
+
+
+def _fingerprint(model: Any, inputs: Any, method: str) -> str | None:
+    """The graph fingerprint of ``model`` captured by ``method``; None when it cannot be captured so."""
+    from partitioner.capture import capture
+    from partitioner.ir import graph_fingerprint
+
+    try:
+        return graph_fingerprint(capture(model, inputs, method=cast(Any, method)).graph_module)
+    except AutopartitionError:
+        return None
+
 
 
 def _training_script(model: str) -> str:
@@ -459,7 +510,13 @@ def _verify(args: argparse.Namespace) -> int:
         options["timeout"] = args.timeout
     if args.dtype is not None:
         options["dtype"] = args.dtype
-    return verify_plan(args.plan, args.model, **options)
+    from runtime.failure import RankFailure
+
+    try:
+        return verify_plan(args.plan, args.model, **options)
+    except RankFailure as exc:  # a rank's first cause, one paragraph: 2 bad input, 1 a bug or crash
+        print(f"autopartition: error: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 def _run(args: list[str]) -> int:

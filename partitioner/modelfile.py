@@ -43,11 +43,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from partitioner.capture import CallSpec, split_call
 from partitioner.errors import CaptureError, ModelFileError
 
-__all__ = ["ModelFile", "load_model_file", "split_spec"]
+__all__ = ["ModelFile", "forward_failure", "load_model_file", "split_spec"]
 
 _counter = itertools.count()
 
@@ -206,6 +207,55 @@ def _describe(exc: BaseException, path: Path) -> str:
         code = (frame.line or "").strip()
         text += f" ({path.name}, line {frame.lineno}" + (f": `{code}`)" if code else ")")
     return text
+
+
+def forward_failure(model: nn.Module, inputs: tuple[torch.Tensor, ...], *, call: CallSpec) -> CaptureError | None:
+    """What ``model`` raises run eagerly on ``inputs`` (the flat tensors ``call`` places), as an error; None if it runs.
+
+    A capture or shape-propagation failure is often no capture limitation but the model
+    rejecting its own example inputs (a sequence longer than its position embedding): every
+    capture method fails the same way, so the capture advice would mislead.  Called only
+    once capturing has failed; the model's buffers (running statistics) are put back after.
+    A model built on ``meta`` runs on meta inputs (which check shapes, not index values).
+    """
+    args, kwargs = call.rebuild(inputs)
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: torch.empty_like(x, device="meta"), (args, kwargs))
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever the model raises is the diagnosis
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        where = _model_frame(exc)
+        shapes = ", ".join(f"{name} {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+                           for name, x in zip(call.names, inputs))
+        return CaptureError(
+            f"{type(model).__name__}'s forward raised {type(exc).__name__}: {first}"
+            f"{f' at {where}' if where else ''}, run as it is on one micro-batch of the example inputs ({shapes}). "
+            "The model fails on its own example inputs, so this is not a capture limitation and no --capture "
+            "method helps: make example_inputs fit the model (an index out of range is often a sequence longer "
+            "than the model's block_size or maximum positions), or fix forward()."
+        )
+    finally:
+        with torch.no_grad():
+            for name, value in buffers.items():
+                model.get_buffer(name).copy_(value)
+    return None
+
+
+def _model_frame(exc: BaseException) -> str | None:
+    """``file:line in function(): `code` `` of the innermost frame in the user's code (not torch's, ours or Python's)."""
+    skipped = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, os) if m.__file__)
+    ours = str(Path(__file__).resolve().parent)
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        name = str(Path(frame.filename).resolve()) if not frame.filename.startswith("<") else ""
+        if not name or name.startswith((*skipped, ours)):
+            continue
+        code = (frame.line or "").strip()
+        found = f"{frame.filename}:{frame.lineno} in {frame.name}()" + (f": `{code}`" if code else "")
+    return found
 
 
 def _same_file(filename: str, path: Path) -> bool:

@@ -137,7 +137,7 @@ class StepPrediction:
     peak_memory_bytes: tuple[float, ...]  # per stage (every replica the same)
     # Forward + backward FLOPs of one mini-batch, recomputation and loss excluded; None: not known.
     model_flops: float | None = None
-    mfu: float | None = None  # model_flops / (gpus x peak FLOP/s of the compute dtype x step_s)
+    mfu: float | None = None  # model_flops / (gpus x cost_model.peak_flops x step_s), at most 1
 
 
 # Field metadata: a field added within the current format version, which a plan saved before it
@@ -224,6 +224,8 @@ class ModelInfo:
     # How the flat inputs become the model's call (capture.CallSpec as JSON): keywords, baked
     # constants.  "": a plain tuple of positional tensors.
     call: str = dataclasses.field(default="", metadata={ADDED_IN_VERSION: 2})
+    # The model file it was planned from (resolved path, ":FACTORY" if one was named); "": planned from Python.
+    source: str = dataclasses.field(default="", metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +239,9 @@ class CostModelInfo:
     optimizer_states: int
     inter_node_bandwidth: float | None = None  # bytes/s per GPU between nodes; None: link_bandwidth
     inter_node_latency: float | None = None  # seconds per message between nodes; None: link_latency
-    peak_flops: float | None = None  # FLOP/s of one GPU in the compute dtype, for the MFU
+    # FLOP/s of one GPU for the MFU: the peaks the model's FLOPs run at, never below what a node was
+    # timed at (partitioner.assemble.mfu_peak_flops)
+    peak_flops: float | None = None
     message_host_s: float = 0.0  # seconds of a rank's own time per message sent or received
     # A calibration from a traced run (partitioner.calibration): node times x scale, + action_host_s per action.
     calibration_scale: float = dataclasses.field(default=1.0, metadata={ADDED_IN_VERSION: 3})
@@ -488,6 +492,10 @@ def _check_layout(plan: Plan) -> None:
     """Stages, ranks and action rows agree: pp x chunks stages, chunks per pipeline rank."""
     if plan.chunks < 1 or plan.pp < 1 or plan.dp < 1:
         raise ValueError(f"plan has pp={plan.pp}, dp={plan.dp}, chunks={plan.chunks}; each must be at least 1")
+    if plan.gpus != plan.pp * plan.dp:
+        raise ValueError(f"plan.gpus is {plan.gpus}, expected pp x dp = {plan.pp} x {plan.dp} = {plan.pp * plan.dp}")
+    if plan.gpus_per_node is not None and plan.gpus % plan.gpus_per_node:
+        raise ValueError(f"plan.gpus_per_node is {plan.gpus_per_node}, which does not divide plan.gpus ({plan.gpus})")
     if len(plan.stages) != plan.pp * plan.chunks:
         raise ValueError(f"plan has {len(plan.stages)} stages, expected pp x chunks = {plan.pp} x {plan.chunks}")
     if len(plan.actions) != plan.pp:
@@ -500,6 +508,110 @@ def _check_layout(plan: Plan) -> None:
     for rank in range(plan.pp):
         if len(plan.stages_of(rank)) != plan.chunks:
             raise ValueError(f"pipeline rank {rank} holds stages {list(plan.stages_of(rank))}, expected {plan.chunks}")
+    _check_batch(plan)
+    _check_boundaries(plan)
+    _check_actions(plan)
+
+
+# Why a size edited in plan.json cannot work: every shape, cost and action was made for the sizes the
+# planner chose (a rank would receive a tensor of another size than it allocated and abort in gloo/NCCL).
+_REPLAN = "plan.json's sizes cannot be edited: plan again for other sizes"
+
+
+def _check_batch(plan: Plan) -> None:
+    """Batch size, micro-batches and the recorded micro-batch shapes agree (each a positive whole number)."""
+    from partitioner.defaults import SCHEDULES, schedule_chunks
+
+    if plan.schedule not in SCHEDULES:
+        raise ValueError(f"plan.schedule is {plan.schedule!r}, expected one of {', '.join(SCHEDULES)}")
+    if plan.chunks != schedule_chunks(plan.schedule) and plan.schedule != "interleaved-1f1b":
+        raise ValueError(f"plan.chunks is {plan.chunks}, but {plan.schedule} holds "
+                         f"{schedule_chunks(plan.schedule)} stage(s) per pipeline rank")
+    for field in ("batch_size", "microbatches"):
+        if getattr(plan, field) < 1:
+            raise ValueError(f"plan.{field} is {getattr(plan, field)}, expected a whole number of at least 1")
+    share = plan.dp * plan.microbatches
+    if plan.batch_size % share:
+        raise ValueError(
+            f"plan.batch_size is {plan.batch_size}, not a multiple of dp x microbatches = {plan.dp} x "
+            f"{plan.microbatches} = {share} ({_REPLAN}, with --batch-size)")
+    size = plan.batch_size // share
+    for i, spec in enumerate(plan.model.inputs):
+        where = f"plan.model.inputs[{i}] ({spec.name})"
+        _check_tensor(where, spec.shape, spec.dtype)
+        if spec.shape and spec.shape[0] != size:  # every input has the batch in dimension 0 (planner)
+            raise ValueError(
+                f"{where} holds micro-batches of {spec.shape[0]} samples, but batch_size / (dp x microbatches) = "
+                f"{plan.batch_size} / ({plan.dp} x {plan.microbatches}) = {size}: batch_size, dp or microbatches "
+                f"was edited after planning ({_REPLAN}, with --batch-size, --microbatches, --pp/--dp)")
+
+
+def _check_tensor(where: str, shape: tuple[int, ...], dtype: str) -> None:
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{where} has shape {list(shape)}; sizes cannot be negative")
+    tensor_nbytes(shape, dtype)  # ValueError for a dtype torch does not have
+
+
+def _check_boundaries(plan: Plan) -> None:
+    """Each boundary is listed by both its stages, with one shape and dtype, from an earlier stage to a later."""
+    n = len(plan.stages)
+    for i, st in enumerate(plan.stages):
+        if st.index != i:
+            raise ValueError(f"plan.stages[{i}].index is {st.index}, expected {i} (stages in order)")
+    sent: dict[tuple[str, int], Boundary] = {}
+    for st in plan.stages:
+        for b in st.outputs:
+            where = f"plan.stages[{st.index}].outputs ({b.producer})"
+            _check_tensor(where, b.shape, b.dtype)
+            if b.source != st.index or not st.index < b.target < n:
+                raise ValueError(f"{where} goes {b.source} -> {b.target}, expected {st.index} -> a later stage < {n}")
+            sent[b.producer, b.target] = b
+    received = {(b.producer, b.target): b for st in plan.stages for b in st.inputs}
+    for key in sent.keys() | received.keys():
+        out, into = sent.get(key), received.get(key)
+        if out is None or into is None or (out.shape, out.dtype, out.source) != (into.shape, into.dtype, into.source):
+            raise ValueError(
+                f"boundary {key[0]} into stage {key[1]} is {_described(out)} where sent but {_described(into)} "
+                "where received; the stages must agree")
+    for t in plan.tied:
+        if any(not 0 <= s < n for s in t.stages):
+            raise ValueError(f"plan.tied ({t.name}) names stages {list(t.stages)}; the plan has {n}")
+
+
+def _described(b: Boundary | None) -> str:
+    return "missing" if b is None else f"{list(b.shape)} {b.dtype} from stage {b.source}"
+
+
+def _check_actions(plan: Plan) -> None:
+    """Every action parses and names a stage of its row's rank and one of the plan's micro-batches.
+
+    Completeness and order are the runtime's full check (:func:`partitioner.schedule.validate`);
+    this catches an edited micro-batch count or a mistyped action before any rank starts.
+    """
+    from partitioner.errors import ScheduleError
+    from partitioner.schedule import Action
+
+    forwards: dict[int, set[int]] = {st.index: set() for st in plan.stages}
+    for rank, row in enumerate(plan.actions):
+        for text in row:
+            try:
+                action = Action.parse(text)
+            except ScheduleError as exc:
+                raise ValueError(f"plan.actions[{rank}]: {exc}") from None
+            if action.stage not in forwards or plan.stages[action.stage].rank != rank:
+                raise ValueError(f"plan.actions[{rank}] holds {text}, but stage {action.stage} is not on "
+                                 f"pipeline rank {rank}")
+            if not 0 <= action.microbatch < plan.microbatches:
+                raise ValueError(
+                    f"plan.actions[{rank}] holds {text}, for micro-batch {action.microbatch}, but plan.microbatches "
+                    f"is {plan.microbatches} ({_REPLAN}, with --microbatches)")
+            if action.kind == "F":
+                forwards[action.stage].add(action.microbatch)
+    for stage, seen in forwards.items():
+        if len(seen) != plan.microbatches:
+            raise ValueError(
+                f"stage {stage} runs the forward of {len(seen)} micro-batches, but plan.microbatches is "
+                f"{plan.microbatches} ({_REPLAN}, with --microbatches)")
 
 
 def _decode(kind: Any, value: Any, where: str, *, strict: bool = False) -> Any:

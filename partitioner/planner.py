@@ -22,7 +22,12 @@ closed form (:func:`partitioner.problem.step_time`), cheapest first:
 4. *simulate*: the best ``SIMULATED_CANDIDATES`` by closed form are built into
    plans, refined and simulated action by action, and so is the best of each
    other schedule tried (not refined), so the report can say what each schedule
-   buys; the fastest simulation wins.
+   buys; the fastest simulation wins.  The winner is built on the graph captured
+   at its own micro-batch size (an exported graph is shape-specialised; at one
+   sample export folds the batch dimension away, and the graph is used where its
+   nodes map onto the costed blocks).  A size whose graph cannot be captured or
+   mapped is skipped, with the reason in the candidate table, and the next best
+   candidates are drafted: it never ends the search.
 
 Costs are counted (or measured) once, for one micro-batch of a reference size,
 and scaled linearly to every other micro-batch size (FLOPs, bytes and measured
@@ -43,6 +48,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,11 +65,12 @@ from partitioner.capture import CallSpec, CapturedModel, CaptureMethod, capture
 from partitioner.coarsen import coarsen
 from partitioner.cost import NodeCost, profile, time_loss
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
-from partitioner.errors import AutopartitionError, ScheduleError
+from partitioner.errors import AutopartitionError, CaptureError, ScheduleError
 from partitioner.formulate import GraphCosts, node_times
-from partitioner.ir import compute_nodes, graph_fingerprint, module_path
+from partitioner.ir import KIND_KEY, compute_nodes, graph_fingerprint, module_path
 from partitioner.measured import Measured, measurement_key, recall, remember
 from partitioner.meta import layer_of
+from partitioner.modelfile import forward_failure
 from partitioner.options import (
     AUTO,
     DEFAULT_GPUS_PER_NODE,
@@ -182,8 +189,14 @@ def compile(
     reference = options.reference_microbatches
     micro = microbatch_inputs(example_inputs, batch // reference)
     say(f"capturing {type(model).__name__} ({capture_method})")
-    captured = capture(model, micro, method=capture_method, call=call)
-    propagate_values(captured.graph_module, micro)
+    try:
+        captured = capture(model, micro, method=capture_method, call=call)
+        propagate_values(captured.graph_module, micro)
+    except CaptureError as exc:  # the model may fail on its own inputs: then no capture advice applies
+        failure = forward_failure(model, micro, call=call)
+        if failure is None:
+            raise
+        raise failure from exc
     nodes = len(compute_nodes(captured.graph_module))
     say(f"captured {nodes} compute nodes with {captured.method}")
 
@@ -209,19 +222,27 @@ def compile(
         raise infeasible_error(scaled, options, trials)
     # The closed form ranks every combination; the best few are simulated and the simulation decides.
     by_key = {t.key: t for t in trials}
-    ranked, drafts = _drafts(model, captured, micro, scaled, trials, by_key, options)
-    if not ranked:
-        raise infeasible_error(scaled, options, trials)
-    ranked, refined = _refine_in_simulation(model, captured, micro, scaled, ranked, drafts, by_key, options, say=say)
-    for key, draft in drafts.items():
-        by_key[key].simulated(draft)
-    best, plan, captured = _choose(model, example_inputs, captured, micro, scaled, ranked, drafts, by_key, options)
+    sized = _SizedGraphs(model, example_inputs, captured, micro)
+    refined: dict[CombinationKey, Refinement] = {}
+    chosen: tuple[Solved, Plan, CapturedModel, GraphCosts] | None = None
+    while chosen is None:
+        ranked, drafts = _drafts(model, captured, micro, scaled, trials, by_key, options)
+        if not ranked:
+            raise infeasible_error(scaled, options, trials) from sized.last_failure
+        ranked, done = _refine_in_simulation(model, captured, micro, scaled, ranked, drafts, by_key, options,
+                                             say=say)
+        refined.update(done)
+        for key, draft in drafts.items():
+            by_key[key].simulated(draft)
+        # None when every simulated candidate sits at a micro-batch size that cannot be planned: those
+        # are skipped, with the reason, and the next best are drafted instead.
+        chosen = _choose(model, sized, scaled, ranked, drafts, by_key, options, say=say)
+    best, plan, captured, graph = chosen
     ranks = plural(best.pp, 'stage') if best.chunks == 1 else \
         f"{plural(best.pp, 'pipeline rank')} ({best.pp * best.chunks} stages)"
     say(f"chose {ranks} x {plural(best.dp, 'replica')}, "
         f"{plural(best.microbatches, 'micro-batch', 'micro-batches')}, {schedule_label(best.schedule, best.chunks)}")
     # Stage code is for people to read: generated once, for the chosen plan only.
-    graph = scaled.at(best.microbatches)
     return dataclasses.replace(
         plan,
         candidates=candidate_rows(trials, by_key[combination_key(best)], options),
@@ -287,9 +308,9 @@ def _drafts(
 ) -> tuple[list[Solved], dict[CombinationKey, Plan]]:
     """The best candidates by closed form, each built into a plan (lowered, validated, simulated).
 
-    A chunked schedule cannot always order the messages of a split with skip
-    connections (its plan fails validation): that combination is marked
-    skipped, and the next best takes its place.
+    Should a schedule's plan fail validation (none should: every kind lowers
+    any DAG of stages, :func:`partitioner.schedule.lower`), that combination is
+    marked skipped with the reason, and the next best takes its place.
     """
     drafts: dict[CombinationKey, Plan] = {}
     while True:
@@ -413,71 +434,178 @@ def _step_model(graph: GraphCosts, problem: PartitionProblem, dp: int, options: 
 
 def _choose(
     model: torch.nn.Module,
-    example_inputs: tuple[Any, ...],
-    captured: CapturedModel,
-    micro: tuple[torch.Tensor, ...],
+    sized: _SizedGraphs,
     scaled: ScaledCosts,
     ranked: list[Solved],
     drafts: dict[CombinationKey, Plan],
     trials: dict[CombinationKey, Trial],
     options: PlanOptions,
-) -> tuple[Solved, Plan, CapturedModel]:
+    *,
+    say: Status,
+) -> tuple[Solved, Plan, CapturedModel, GraphCosts] | None:
     """The fastest simulated combination whose graph captures at its micro-batch size, built for real.
 
     A draft whose micro-batch is the costed one is the plan (same graph, shapes as
     captured); another is rebuilt on the graph captured at its own micro-batch
-    size.  One whose graph differs at that size is passed over for the next.
+    size (:class:`_SizedGraphs`).  A size whose graph cannot be captured, or
+    does not map onto the costed blocks, makes every combination at that size
+    skipped (with the reason, in the candidate table); None when no simulated
+    candidate is left, so the caller drafts the next best.
     """
-    costed = batch_size_of(micro)
-    failures: dict[int, AutopartitionError] = {}  # micro-batch size -> why its graph cannot be used
-    chosen: tuple[Solved, Plan, CapturedModel] | None = None
     for best in sorted(ranked, key=lambda c: drafts[combination_key(c)].predicted.step_s):
         size = options.batch // (best.dp * best.microbatches)
-        if size == costed:
-            chosen = best, drafts[combination_key(best)], captured
-            break
-        if size not in failures:
-            try:
-                recaptured, resized = _recapture(model, example_inputs, captured, size)
-            except AutopartitionError as exc:
-                failures[size] = exc
-            else:
-                plan = assemble.build_plan(model, recaptured, resized, scaled.at(best.microbatches), best, options)
-                chosen = best, plan, recaptured
-                break
-    # Every combination at a micro-batch size whose graph differs is unusable, simulated or not.
-    for (_, dp, microbatches, _, _), trial in trials.items():
-        size = options.batch // (dp * (microbatches or 1))
-        if size in failures and (chosen is None or trial is not trials[combination_key(chosen[0])]):
-            trial.status, trial.reason = "skipped", f"graph differs at {plural(size, 'sample')} per micro-batch"
-    if chosen is None:
-        raise next(iter(failures.values()))
-    return chosen
+        if size == sized.costed:
+            return best, drafts[combination_key(best)], sized.captured, scaled.at(best.microbatches)
+        try:
+            recaptured, resized, costs = sized.at(size, scaled)
+        except AutopartitionError as exc:
+            why = f"cannot be planned at {plural(size, 'sample')} per micro-batch: {exc}"
+            say(f"skipping every combination of {plural(size, 'sample')} per micro-batch: {exc}")
+            for (_, dp, microbatches, _, _), trial in trials.items():
+                if microbatches is not None and options.batch // (dp * microbatches) == size \
+                        and trial.status not in ("skipped", "infeasible", "pruned"):
+                    trial.status, trial.reason, trial.partition = "skipped", why, None
+            continue
+        graph = costs.at(best.microbatches)
+        return best, assemble.build_plan(model, recaptured, resized, graph, best, options), recaptured, graph
+    return None
 
 
 
-def _recapture(
-    model: torch.nn.Module,
-    example_inputs: tuple[Any, ...],
-    captured: CapturedModel,
-    size: int,
-) -> tuple[CapturedModel, tuple[torch.Tensor, ...]]:
-    """The graph and inputs at a micro-batch of ``size`` samples.
+class _SizedGraphs:
+    """The captured graph at each micro-batch size, captured once per size and kept.
 
-    Boundary shapes and baked-in sizes must be those of the real micro-batch: a traced
-    graph is shape-generic (propagate again); an exported one is specialised (recapture).
+    A traced graph is shape-generic (its values are propagated again); an exported
+    one is specialised and captured again.  Where export specialises the batch
+    dimension away (one sample: an ``expand`` to the batch folds, so nodes are
+    renamed and a few appear or vanish), the graph is used if its nodes map onto
+    the costed graph's blocks (:func:`_map_blocks`).
     """
-    micro = microbatch_inputs(example_inputs, size)
-    recaptured = (capture(model, micro, method=captured.method, call=captured.call)
-                  if captured.method == "export" else captured)
-    if graph_fingerprint(recaptured.graph_module) != graph_fingerprint(captured.graph_module):
-        raise AutopartitionError(
-            f"{type(model).__name__} captures to a different graph at micro-batch size "
-            f"{size}; fix the data-parallel degree with --dp 1, or the micro-batch count "
-            "with --microbatches, so that micro-batches keep the costed size."
+
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple[Any, ...], captured: CapturedModel,
+                 micro: tuple[torch.Tensor, ...]) -> None:
+        self.model, self.example_inputs, self.captured, self.micro = model, example_inputs, captured, micro
+        self.costed = batch_size_of(micro)
+        self._found: dict[int, tuple[CapturedModel, tuple[torch.Tensor, ...], _RenamedCosts]] = {}
+        self._failed: dict[int, AutopartitionError] = {}
+        self.last_failure: AutopartitionError | None = None
+
+    def at(self, size: int, scaled: ScaledCosts) -> tuple[CapturedModel, tuple[torch.Tensor, ...], _RenamedCosts]:
+        """The graph, inputs and costs at ``size`` samples per micro-batch; AutopartitionError if unusable."""
+        if size in self._failed:
+            raise self._failed[size]
+        if size not in self._found:
+            try:
+                self._found[size] = self._capture(size, scaled)
+            except AutopartitionError as exc:
+                self._failed[size] = self.last_failure = exc
+                raise
+        return self._found[size]
+
+    def _capture(self, size: int, scaled: ScaledCosts) -> tuple[CapturedModel, tuple[torch.Tensor, ...], _RenamedCosts]:
+        captured, model = self.captured, self.model
+        micro = microbatch_inputs(self.example_inputs, size)
+        if captured.method != "export":  # shape-generic: the same graph, its values at this size
+            propagate_values(captured.graph_module, micro)
+            return captured, micro, _RenamedCosts(scaled, None)
+        recaptured = capture(model, micro, method="export", call=captured.call)
+        propagate_values(recaptured.graph_module, micro)
+        if graph_fingerprint(recaptured.graph_module) == graph_fingerprint(captured.graph_module):
+            return recaptured, micro, _RenamedCosts(scaled, None)
+        mapping = _map_blocks(captured.graph_module, recaptured.graph_module, scaled.blocks)
+        if mapping is None:
+            raise AutopartitionError(
+                f"{type(model).__name__} captures to a different graph at micro-batch size {size}, and its "
+                "nodes do not map onto the costed blocks; fix the data-parallel degree with --dp, or the "
+                "micro-batch count with --microbatches, so that micro-batches have another size."
+            )
+        return recaptured, micro, _RenamedCosts(scaled, mapping)
+
+
+
+class _RenamedCosts:
+    """``scaled.at(M)`` in another capture's node names (``mapping``: its blocks, and old -> new names)."""
+
+    def __init__(self, scaled: ScaledCosts, mapping: tuple[list[tuple[str, ...]], dict[str, str]] | None) -> None:
+        self.scaled, self.mapping = scaled, mapping
+
+    def at(self, microbatches: int) -> GraphCosts:
+        graph = self.scaled.at(microbatches)
+        if self.mapping is None:
+            return graph
+        blocks, names = self.mapping
+        new = [n for members in blocks for n in members]
+
+        def rename(values: dict[str, Any], fill: Any = None) -> dict[str, Any]:
+            out = {names[k]: v for k, v in values.items() if k in names}
+            if fill is not None:
+                for n in new:
+                    out.setdefault(n, fill)  # a node only this capture has costs nothing (an expand, a view)
+            return out
+
+        def keep(group: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(names[n] for n in group if n in names)
+
+        return dataclasses.replace(
+            graph, blocks=tuple(blocks),
+            node_time_s=rename(graph.node_time_s, 0.0), node_forward_s=rename(graph.node_forward_s, 0.0),
+            node_saved_bytes=rename(graph.node_saved_bytes, 0), node_output_bytes=rename(graph.node_output_bytes, 0),
+            node_dtype=rename(graph.node_dtype), node_flops=rename(graph.node_flops),
+            node_saved_float32_bytes=rename(graph.node_saved_float32_bytes),
+            node_weight_s=rename(graph.node_weight_s),
+            block_senders=tuple(keep(g) for g in graph.block_senders),
+            block_inputs=tuple(keep(g) for g in graph.block_inputs),
         )
-    propagate_values(recaptured.graph_module, micro)
-    return recaptured, micro
+
+
+
+def _node_key(node: torch.fx.Node) -> tuple[str, str, str]:
+    return node.op, str(getattr(node.target, "__name__", node.target)), module_path(node)
+
+
+
+def _map_blocks(
+    old: torch.fx.GraphModule, new: torch.fx.GraphModule, blocks: list[tuple[str, ...]]
+) -> tuple[list[tuple[str, ...]], dict[str, str]] | None:
+    """``blocks`` (of ``old``'s nodes) in ``new``'s node names, and old -> new names; None if they do not map.
+
+    Nodes are paired by aligning the two graphs' node sequences on (op, target,
+    module path).  A compute node only ``new`` has joins the block of the node
+    before it; one only ``old`` had leaves its block.  None when a block is left
+    empty or ``new`` has an edge between blocks that ``old`` has not (a split
+    valid for ``old`` might then send a value backward in ``new``).
+    """
+    a, b = list(old.graph.nodes), list(new.graph.nodes)
+    ka, kb = [_node_key(n) for n in a], [_node_key(n) for n in b]
+    names: dict[str, str] = {}
+    if ka == kb:
+        names = {x.name: y.name for x, y in zip(a, b)}
+    else:
+        matcher = difflib.SequenceMatcher(None, ka, kb, autojunk=False)
+        for i, j, k in matcher.get_matching_blocks():
+            names.update((a[i + d].name, b[j + d].name) for d in range(k))
+    block_of_old = {n: i for i, members in enumerate(blocks) for n in members}
+    block_of = {names[n]: i for n, i in block_of_old.items() if n in names}
+    current = 0
+    for node in b:  # compute nodes only the new graph has: with the block before them
+        if node.name in block_of:
+            current = block_of[node.name]
+        elif node.meta.get(KIND_KEY) == "compute":
+            block_of[node.name] = current
+    mapped: list[list[str]] = [[] for _ in blocks]
+    for node in b:
+        if node.name in block_of:
+            mapped[block_of[node.name]].append(node.name)
+    if any(not members for members in mapped):
+        return None
+    old_edges = {(block_of_old[u.name], block_of_old[v.name]) for v in a if v.name in block_of_old
+                 for u in v.all_input_nodes if u.name in block_of_old}
+    for v in b:
+        for u in v.all_input_nodes:
+            edge = (block_of.get(u.name), block_of.get(v.name))
+            if edge[0] is not None and edge[1] is not None and edge[0] != edge[1] and edge not in old_edges:
+                return None
+    return [tuple(members) for members in mapped], names
 
 
 

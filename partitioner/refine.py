@@ -92,6 +92,7 @@ __all__ = [
 REFINE_SIMULATIONS = 600
 
 _IMPROVES = 1e-9  # relative: a move must shorten the step by more than rounding
+_ROUNDING = 1e-12  # relative: a lower bound summed in another order than the replay's may exceed it by this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +196,14 @@ class SplitSimulator:
         self.where = stage_rank_of(problem, stages)
         self.ranks = max(self.where) + 1
         self.split = splits_backward(schedule)
+        # Forwards each rank runs before its first backward (one stage per rank, GPipe or 1F1B; else empty).
+        self._warmup: tuple[int, ...] = ()
+        if self.ranks == stages and schedule in ("gpipe", "1f1b"):
+            rows = [[str(a) for a in row] for row in compute_order(schedule, ranks=stages, microbatches=microbatches)]
+            self._warmup = tuple(next(i for i, a in enumerate(row) if "B" in a) for row in rows)
         self._rows: dict[tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]], _Rows] = {}
+        # Steps already simulated: (split, recomputation) -> (step, the limit it was cut off at, or inf).
+        self._steps: dict[tuple[tuple[int, ...], tuple[bool, ...]], tuple[float, float]] = {}
         self.simulations = 0
 
     def recompute(self, stage_of: Sequence[int]) -> tuple[bool, ...]:
@@ -213,10 +221,23 @@ class SplitSimulator:
         return limit is None or all(
             within_limit(x, limit) for x in rank_memory(p, stage_of, n, microbatches=m, schedule=kind, recompute=recompute))
 
-    def step(self, stage_of: Sequence[int], recompute: Sequence[bool] | None = None) -> float:
-        """Simulated step seconds of ``stage_of`` (a valid assignment)."""
+    def step(self, stage_of: Sequence[int], recompute: Sequence[bool] | None = None, *,
+             limit: float = math.inf) -> float:
+        """Simulated step seconds of ``stage_of`` (a valid assignment).
+
+        ``limit``: a step known not to be wanted from ``limit`` on; the replay stops
+        as soon as some rank's clock reaches it and returns ``inf`` (any step from
+        ``limit`` on is equally rejected, and a local search rejects most of the
+        splits it tries).  Every call counts as one simulation, whether replayed,
+        cut off or remembered, so a search's budget means the same either way.
+        """
         p, n, model, where = self.problem, self.stages, self.model, self.where
         chosen = tuple(recompute) if recompute else self.recompute(stage_of)
+        self.simulations += 1
+        key = (tuple(stage_of), chosen)
+        known = self._steps.get(key)
+        if known is not None and (known[1] == math.inf or known[1] >= limit):
+            return known[0] if known[0] < limit else math.inf
         forward, backward = [p.action_s] * n, [p.action_s] * n  # the runtime's host time per F and B
         for v, s in enumerate(stage_of):
             forward[s] += model.forward_s[v]
@@ -243,19 +264,49 @@ class SplitSimulator:
                     prices = p.transfer_slow_s
                 seconds[a][b] += prices[u] / 2  # transfer_s holds both directions
         pairs = {(stage_of[u], b) for u, b in sent}
+        if limit < math.inf and self._bound(forward, backward, pairs) * (1 - _ROUNDING) >= limit:
+            self._steps[key] = (math.inf, limit)
+            return math.inf  # no replay can make it shorter than its busiest rank's compute
         sends_to = tuple(tuple(b for b in range(n) if (a, b) in pairs) for a in range(n))
         receives_from = tuple(tuple(a for a in range(n) if (a, b) in pairs) for b in range(n))
         _, allreduce = stage_costs(p, stage_of, n, recompute=chosen)
         reduce = [a + x for a, x in zip(allreduce, self.latency, strict=True)]
         buckets = self._buckets(stage_of)
-        self.simulations += 1
         try:
-            return _replay(self._compiled(sends_to, receives_from), _Stages(
-                where, forward, backward, weight, seconds, reduce, buckets, p.message_host_s))
+            found = _replay(self._compiled(sends_to, receives_from), _Stages(
+                where, forward, backward, weight, seconds, reduce, buckets, p.message_host_s), limit=limit)
         except _Deadlock:
             # Several stages per rank with a skip connection can order their messages into a deadlock:
             # such a split cannot run, so it never wins (validate() rejects its plan as well).
-            return math.inf
+            found, limit = math.inf, math.inf
+        self._steps[key] = (found, limit if found == math.inf else math.inf)
+        return found if found < limit else math.inf
+
+    def _bound(self, forward: Sequence[float], backward: Sequence[float], pairs: set[tuple[int, int]]) -> float:
+        """A lower bound on the replayed step, from compute alone (messages and all-reduces only add).
+
+        Every rank computes its stages' M forwards and backwards one at a time.  With
+        one stage per rank in a chain (stage s receives from s-1) under GPipe or
+        1F1B, rank r also waits: its first backward needs a first forward through
+        every stage and the gradient back through the stages after r, before which r
+        runs only its warm-up forwards; and its last action, a backward, is followed
+        by that micro-batch's backward on every stage before r.
+        """
+        m, n = self.microbatches, self.stages
+        work = [0.0] * self.ranks
+        for s in range(n):
+            work[self.where[s]] += m * (forward[s] + backward[s])
+        bound = max(work)
+        if self._warmup and all((s - 1, s) in pairs for s in range(1, n)):
+            total_f, later_b = sum(forward), sum(backward)
+            before_f = before_b = 0.0
+            for r, k in enumerate(self._warmup):
+                later_b -= backward[r]
+                first_backward = max(total_f + later_b, before_f + k * forward[r])
+                bound = max(bound, first_backward + (m - k) * forward[r] + m * backward[r] + before_b)
+                before_f += forward[r]
+                before_b += backward[r]
+        return bound
 
     def _buckets(self, stage_of: Sequence[int]) -> list[int]:
         held = [0.0] * self.stages
@@ -340,10 +391,11 @@ class _Stages:
     message_host_s: float = 0.0  # the rank's own seconds per message sent or received
 
 
-def _replay(rows: _Rows, st: _Stages) -> float:
+def _replay(rows: _Rows, st: _Stages, *, limit: float = math.inf) -> float:
     """The step time :func:`~partitioner.simulate.simulate_schedule` would give, by its rules, without events.
 
-    ``rows``: per pipeline rank, from :func:`compile_rows`.
+    ``rows``: per pipeline rank, from :func:`compile_rows`.  ``inf`` as soon as a
+    rank's clock reaches ``limit`` (the step can only be later still).
     """
     ranks, n = len(rows), len(st.where)
     where, forward, weight, seconds, host = st.where, st.forward, st.weight, st.seconds, st.message_host_s
@@ -395,12 +447,16 @@ def _replay(rows: _Rows, st: _Stages) -> float:
                     now += host * len(payload)
                 c += 1
             if c != cursor[r]:
+                if now >= limit:
+                    return math.inf
                 progressed = True
                 remaining -= c - cursor[r]
                 cursor[r], clock[r] = c, now
         if not progressed:
             raise _Deadlock("the schedule deadlocks in simulation")
     end = max(clock)
+    if end >= limit:
+        return math.inf  # the all-reduces only add
     spans = [last_backward[s] or (clock[where[s]], clock[where[s]]) for s in range(n)]
     reducing = [-math.inf] * ranks  # a rank's stages all-reduce one after another on its link
     for s in sorted(range(n), key=lambda s: (spans[s][1], s)):
@@ -514,7 +570,8 @@ def refine_split(
         if other == best or check_assignment(problem, other, stages) is not None:
             continue
         recompute = sim.recompute(other)
-        if sim.fits(other, recompute) and (t := sim.step(other, recompute)) < best_s * (1 - _IMPROVES):
+        if sim.fits(other, recompute) and (t := sim.step(other, recompute, limit=best_s * (1 - _IMPROVES))) \
+                < best_s * (1 - _IMPROVES):
             best, best_s, best_recompute = other, t, recompute
             moves += 1
     farthest = stages - 1 if reach is None else min(reach, stages - 1)
@@ -531,7 +588,7 @@ def refine_split(
             recompute = sim.recompute(candidate)
             if not sim.fits(candidate, recompute):
                 continue
-            t = sim.step(candidate, recompute)
+            t = sim.step(candidate, recompute, limit=best_s * (1 - _IMPROVES))  # slower ones are cut short
             if t < best_s * (1 - _IMPROVES):
                 best, best_s, best_recompute = candidate, t, recompute
                 moves += 1

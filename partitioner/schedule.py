@@ -19,9 +19,16 @@ memory.  A row belongs to a pipeline rank, which may hold several stages
   receives wait for every peer's matching send, and a schedule whose ranks
   would wait on each other forever raises :class:`ScheduleError` with the grid
   around the stuck actions and the cycle of waits (``nx.find_cycle`` over which
-  stuck receive needs which peer's send).  It also checks that for every pair
-  of ranks the messages are received in the order they are sent: NCCL pairs
-  point-to-point messages by their order alone.
+  stuck receive needs which peer's send).
+
+NCCL pairs point-to-point messages by their order alone, so a rank's receive
+actions need not take one peer's messages in the order it sends them: the
+runtime (:mod:`runtime.execute`) *posts* every receive from a peer in that
+peer's send order, read from the peer's row, and waits for it at its own
+action.  Only deadlocks can stop a lowered schedule, and with sends posted
+right after their compute and receives right before theirs there are none
+whenever the compute orders are consistent, whatever the graph of stages
+(skip connections to any later stage included).
 
 Example::
 
@@ -33,8 +40,9 @@ Example::
     >>> validate(sched, sends_to=((1,), ()), receives_from=((), (0,)))
 
 Two stages per rank in a V (``zbv``): stages 1 and 2 share rank 1, so their
-boundary needs no message; rank 0 sends ``0SF2`` before ``3SB0``, so rank 1
-receives them in that order (``1RF2`` moved up before ``2RB0``)::
+boundary needs no message; rank 0 sends ``0SF2`` before ``3SB0``, and rank 1
+takes them in that order (``1RF2`` moved up before ``2RB0``: it waited there
+for a later message anyway)::
 
     >>> chain = {"sends_to": ((1,), (2,), (3,), ()), "receives_from": ((), (0,), (1,), (2,))}
     >>> where = stage_ranks("zbv", ranks=2, chunks=2)
@@ -175,16 +183,20 @@ def lower(
     peers on other ranks take messages.  A ``W`` needs none: the input gradient
     leaves with its ``B``.
 
-    Then, where a rank would receive two messages from one peer in another
-    order than the peer sends them (a V, where one pair of ranks carries
-    activations one way and gradients of the other chunk the same way), the
-    receive of the message sent first moves up to just before the other: the
-    rank waited there for a message sent after it anyway, so this delays
-    nothing, and NCCL, which pairs messages by order, gets them in order.  On
-    a chain of stages that is always enough.  With several stages per rank
-    and skip connections across ranks, one receive may bundle messages its
-    peers send far apart; :func:`validate` then refuses the schedule and says
-    which messages cross or which ranks wait on each other.
+    Sends never block and each receive waits only for its own messages, so
+    this placement cannot deadlock where the compute orders do not (every
+    kind's order runs any DAG of stages numbered in topological order: a skip
+    edge's data is ready before the chain's).  The runtime posts receives in
+    each peer's send order, so no order of receives pairs messages wrongly.
+
+    Where a rank takes two messages from one peer in another order than the
+    peer sends them (a V, where one pair of ranks carries activations one way
+    and gradients of the other chunk the same way), the receive of the message
+    sent first moves up to just before the other: the rank waited there for a
+    message sent after it anyway, so this delays nothing.  With several stages
+    per rank and skip connections, one receive may bundle messages that its
+    peers send far apart, and moving it up could make ranks wait on each
+    other; the receives then stay where their compute needs them.
     """
     where = _placement(stage_rank, len(sends_to), len(order))
     topology = _Topology(where, sends_to, receives_from)
@@ -206,7 +218,9 @@ def lower(
             else:
                 lowered.append(a)
         rows.append(lowered)
-    return Schedule(kind, microbatches, tuple(_receive_in_send_order(row, rows, topology) for row in rows))
+    plain = Schedule(kind, microbatches, tuple(tuple(row) for row in rows))
+    moved = Schedule(kind, microbatches, tuple(_receive_in_send_order(row, rows, topology) for row in rows))
+    return moved if moved == plain or _deadlock(moved, topology) is None else plain
 
 
 def validate(
@@ -216,7 +230,7 @@ def validate(
     receives_from: Sequence[Sequence[int]],
     stage_rank: Sequence[int] | None = None,
 ) -> None:
-    """Raise :class:`ScheduleError` unless every rank's list is complete, ordered, deadlock-free and NCCL-safe."""
+    """Raise :class:`ScheduleError` unless every rank's list is complete, ordered and deadlock-free."""
     if len(sends_to) != len(receives_from):
         raise ScheduleError(f"sends_to has {len(sends_to)} stages but receives_from has {len(receives_from)}.")
     where = _placement(stage_rank, len(sends_to), schedule.ranks)
@@ -225,7 +239,6 @@ def validate(
     for r, row in enumerate(schedule.actions):
         _check_row(r, row, schedule.microbatches, topology, split)
     _dry_run(schedule, topology)
-    _check_message_order(schedule, topology)
 
 
 # ------------------------------------------------------------------ internals
@@ -301,6 +314,15 @@ def _receive_in_send_order(row: list[Action], rows: list[list[Action]], topo: _T
         else:
             out.append(a)
     return tuple(out)
+
+
+def _deadlock(schedule: Schedule, topo: _Topology) -> str | None:
+    """Why ``schedule``'s ranks would wait on each other forever, or None."""
+    try:
+        _dry_run(schedule, topo)
+    except ScheduleError as exc:
+        return str(exc)
+    return None
 
 
 def _check_row(r: int, row: Sequence[Action], M: int, topo: _Topology, split: bool) -> None:
@@ -407,30 +429,3 @@ def _wait_cycle(
         f"{u} needs {waits.edges[u, v]['needs']} but rank {topo.where[v.stage]} is stuck at {v}" for u, v in cycle
     )
     return f" Wait cycle: {steps}."
-
-
-def _check_message_order(schedule: Schedule, topo: _Topology) -> None:
-    """For every directed pair of ranks, the receiver takes the messages in the order the sender sends them."""
-    sent: dict[tuple[int, int], list[tuple[_Message, Action]]] = {}
-    taken: dict[tuple[int, int], list[tuple[_Message, Action]]] = {}
-    for row in schedule.actions:
-        for a in row:
-            into = sent if a.kind in ("SF", "SB") else taken
-            for pair, message in topo.messages(a):
-                into.setdefault(pair, []).append((message, a))
-    for (src, dst), sends in sorted(sent.items()):
-        receives = taken.get((src, dst), [])
-        for k, ((message, send), (expected, receive)) in enumerate(zip(sends, receives)):
-            if message != expected:
-                raise ScheduleError(
-                    f"Ranks {src} and {dst} would pair messages wrongly (NCCL matches them by order): "
-                    f"rank {src}'s message #{k + 1} to rank {dst} is {_describe(message)} ({send}), but rank "
-                    f"{dst}'s receive #{k + 1} from rank {src} expects {_describe(expected)} ({receive}). "
-                    f"Order rank {dst}'s receives as rank {src} sends."
-                )
-
-
-def _describe(message: _Message) -> str:
-    direction, src, dst, i = message
-    what = "activations" if direction == "F" else "gradients"
-    return f"stage {src}'s {what} of micro-batch {i} for stage {dst}"

@@ -537,10 +537,8 @@ def infeasible_error(scaled: ScaledCosts, options: PlanOptions, trials: list[Tri
         first = next(t.reason for t in trials if t.status == "skipped" and "cannot order" in (t.reason or ""))
         return AutopartitionError(
             f"No plan for {gpus} GPUs: {' and '.join(unordered)} could not order the messages of any split "
-            "found (a stage receives tensors from stages on several pipeline ranks at once, such as "
-            "position embeddings or a mask computed once and sent to every later stage). Use a schedule "
-            "with one stage per rank (--schedule zb-h1 or 1f1b), or --schedule auto to let the planner "
-            f"choose. First refusal: {first}"
+            "found. Use --schedule 1f1b or gpipe (one stage per rank, whole backward: these order any "
+            f"split), or --schedule auto to let the planner choose. First refusal: {first}"
         )
     if not any(t.status == "infeasible" for t in trials):
         reasons = "; ".join(dict.fromkeys(f"{t.pp}x{t.dp}: {t.reason or t.status}" for t in trials))

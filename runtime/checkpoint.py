@@ -8,12 +8,25 @@ ranks hold (replicas, a tied weight's copies).  Nothing in the files depends on
 the plan, so a pp=4 x dp=1 run resumes as pp=2 x dp=2, another split or
 schedule: each rank reads the entries its new stages hold, and nothing else.
 
-A checkpoint directory::
+A checkpoint directory holds one folder per saved step (torchtitan's layout; DCP's
+own save overwrites in place, so a crash mid-save would leave no checkpoint)::
 
-    DIR/.metadata        DCP's index: every entry's shape, dtype and where its bytes lie
-    DIR/__R_0.distcp     the bytes rank R wrote (one file per rank that wrote any)
-    DIR/plan.json        the plan of the run that saved it (``Plan.load(DIR)`` reads it)
-    DIR/checkpoint.json  the step, the optimizer's hyperparameters; written last: no file, no checkpoint
+    DIR/step-N/.metadata        DCP's index: every entry's shape, dtype and where its bytes lie
+    DIR/step-N/__R_0.distcp     the bytes rank R wrote (one file per rank that wrote any)
+    DIR/step-N/plan.json        the plan of the run that saved it (``Plan.load(DIR/step-N)`` reads it)
+    DIR/step-N/checkpoint.json  the manifest: step, optimizer hyperparameters, every file's size and CRC-32
+
+A save is atomic: every rank writes its shards into ``DIR/.step-N.tmp-<id>``; once
+all of them are written (DCP's own gather, then ours), rank 0 checksums the files
+(the work split over the ranks), writes the manifest last and renames the folder to
+``DIR/step-N`` (one ``rename``); then it removes all but the newest ``keep`` steps
+and leftovers of unfinished saves.  A crash at any moment leaves the previous
+steps as they were.  Loading ``DIR`` takes the newest ``step-N`` holding a
+manifest (or pass ``DIR/step-N``); a directory with ``checkpoint.json`` directly
+in it (the single-folder layout of earlier versions) loads as before.  Before a
+rank reads a file it checks its size and CRC-32 against the manifest (zlib's
+CRC-32: twice as fast as SHA-256 here and enough against truncation and bit rot;
+this guards against accidents, not tampering, for which see the pickle below).
 
 DCP entries (names are the original model's; a tied parameter once, under its
 canonical name, the first in ``model.named_parameters()``):
@@ -22,11 +35,12 @@ canonical name, the first in ``model.named_parameters()``):
 * ``optim.state.<name>.<key>``: each tensor of the optimizer's per-parameter
   state (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``; SGD: ``momentum_buffer``).
 
-``checkpoint.json`` (JSON, format ``autopartition-checkpoint`` version 1):
-``step``, ``model`` (class name), ``saved_by`` (pp, dp, chunks, schedule, gpus),
-``tied`` (the alias groups), and ``optimizer``: null, or ``class``, ``groups``
+``checkpoint.json`` (JSON, format ``autopartition-checkpoint`` version 2; version 1,
+without ``files``, is still read): ``step`` (>= 0), ``model`` (class name),
+``saved_by`` (pp, dp, chunks, schedule, gpus), ``tied`` (the alias groups), and ``optimizer``: null, or ``class``, ``groups``
 (each distinct param group's hyperparameters, ``params`` left out) and
-``group_of`` (parameter name -> index into ``groups``).  On load a param group
+``group_of`` (parameter name -> index into ``groups``), and ``files`` (file name ->
+``{"bytes", "crc32"}``, every other file of the folder).  On load a param group
 takes the hyperparameters its parameters were saved with (lr, betas, ...), as
 ``torch.optim.Optimizer.load_state_dict`` does.
 
@@ -40,9 +54,9 @@ copies of one tied weight, so the optimizer state is flattened here instead.
 
 Example (in every rank)::
 
-    pipe.save_checkpoint("ckpt/", optimizer=opt, step=step)
+    pipe.save_checkpoint("ckpt/", optimizer=opt, step=step)   # ckpt/step-<step>, keeps the newest 2
     ...
-    step = pipe.load_checkpoint("ckpt/", optimizer=opt)   # under any plan of the same model
+    step = pipe.load_checkpoint("ckpt/", optimizer=opt)   # the newest step, under any plan of the model
 """
 
 from __future__ import annotations
@@ -50,7 +64,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Collection, Iterable, Sequence
+import re
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,25 +78,55 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.plan import Plan, TiedParameter
-from runtime.weights import DCP_METADATA, MODEL_PREFIX, CheckpointError, fill_module, read_dcp
+from runtime.weights import (
+    CHECKPOINT_MANIFEST,
+    DCP_METADATA,
+    MODEL_PREFIX,
+    PLAN_FILE,
+    CheckpointError,
+    Storage,
+    check_files,
+    check_reads,
+    dcp_storage,
+    file_crc32,
+    fill_module,
+    read_dcp,
+)
 
 __all__ = [
+    "DEFAULT_KEEP",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "STEP_FOLDER",
+    "UNFINISHED_FOLDER",
     "CheckpointError",
     "CheckpointInfo",
     "canonical_names",
+    "check_save_directory",
+    "complete_steps",
+    "find_checkpoint",
     "load_checkpoint",
     "read_checkpoint_info",
+    "read_manifest_files",
     "save_checkpoint",
 ]
 
 FORMAT = "autopartition-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "checkpoint.json"
-PLAN_FILE = "plan.json"
+FORMAT_VERSION = 2  # 2 added "files" (sizes, CRC-32s); 1 is still read
+READ_VERSIONS = (1, 2)
+MANIFEST = CHECKPOINT_MANIFEST
 OPTIM_PREFIX = "optim.state."
+# The newest steps a save keeps: the one just written and the one before it, in case the newest is
+# damaged later (a disk, a copy); twice a checkpoint's room on disk.
+DEFAULT_KEEP = 2
+STEP_FOLDER = re.compile(r"step-(\d+)")
+# A save under way, or one a crash stopped; ".old": a step being replaced; ".del": a step being pruned.
+UNFINISHED_FOLDER = re.compile(r"\.step-(\d+)\.tmp-[0-9a-f]+")
+_REPLACED_FOLDER = re.compile(r"\.step-(\d+)\.old-[0-9a-f]+")
+_LEFTOVER_FOLDER = re.compile(r"\.step-(\d+)\.(tmp|old|del)-[0-9a-f]+")
+# Tests stop a save at these points (tests/models/crash_workers.py): called with the point's name.
+_fault_hook: Callable[[str], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +138,8 @@ class CheckpointInfo:
     model_class: str
     optimizer: dict[str, Any] | None  # {"class", "groups", "group_of"}; None: saved without one
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]  # DCP key -> (shape, dtype)
+    files: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # name -> {bytes, crc32}; {}: v1
+    storage: Storage = dataclasses.field(default_factory=dict)  # DCP key -> [(file, offset, length)]
 
     def model_entries(self) -> dict[str, tuple[int, ...]]:
         """Model entry name -> shape."""
@@ -105,44 +156,186 @@ def canonical_names(tied: Iterable[TiedParameter]) -> dict[str, str]:
     return {alias: t.name for t in tied for alias in t.aliases}
 
 
-def read_checkpoint_info(directory: str | os.PathLike[str]) -> CheckpointInfo:
-    """Read ``checkpoint.json`` and DCP's index; a clear error when ``directory`` is no checkpoint."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def complete_steps(directory: str | os.PathLike[str]) -> dict[int, Path]:
+    """The complete steps in ``directory``: step -> its ``step-N`` folder (one holding a manifest).
 
+    A ``.step-N.old-*`` folder (a step a crash left half-replaced) counts when no ``step-N`` does.
+    """
+    path = Path(directory)
+    out: dict[int, Path] = {}
+    if not path.is_dir():
+        return out
+    for child in sorted(path.iterdir()):
+        match = STEP_FOLDER.fullmatch(child.name) or _REPLACED_FOLDER.fullmatch(child.name)
+        if match and (child / MANIFEST).is_file() and (child.name.startswith("step-") or int(match[1]) not in out):
+            out[int(match[1])] = child
+    return dict(sorted(out.items()))
+
+
+def find_checkpoint(directory: str | os.PathLike[str]) -> Path:
+    """The folder to load: ``directory``'s newest complete step, or ``directory`` itself when it is one.
+
+    A folder with ``checkpoint.json`` in it is one (a ``step-N`` folder, or the
+    single-folder layout of earlier versions); an unfinished save is refused, naming
+    the newest complete step beside it, if any.
+    """
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointError(f"No checkpoint at {path}: it is not a directory. Pass the directory "
                               "save_checkpoint wrote.")
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        what = (
-            f"a torch.distributed.checkpoint without {MANIFEST} (not written by save_checkpoint, or "
-            "its save did not finish); to take only its weights, use Pipeline(..., weights=DIR)"
-            if (path / DCP_METADATA).is_file()
-            else "not a checkpoint"
+    unfinished = UNFINISHED_FOLDER.fullmatch(path.name)
+    if unfinished:
+        raise CheckpointError(
+            f"{path} is a save of step {unfinished[1]} that did not finish: it is not loadable, and its shards may "
+            f"be partly written. {_previous_advice(path.parent)}"
         )
-        raise CheckpointError(f"{path} is {what}. Resume from a directory Pipeline.save_checkpoint wrote.")
+    steps = complete_steps(path)
+    if (path / MANIFEST).is_file():
+        if steps and max(steps) >= _manifest_step(path):
+            return steps[max(steps)]  # a single-folder checkpoint that newer saves went beside
+        return path
+    if steps:
+        return steps[max(steps)]
+    if (path / DCP_METADATA).is_file():
+        raise CheckpointError(
+            f"{path} is a torch.distributed.checkpoint without {MANIFEST}: not written by save_checkpoint, or "
+            f"its save did not finish (then its shards may mix two steps). {_previous_advice(path)}"
+        )
+    pending = sorted(int(m[1]) for m in map(UNFINISHED_FOLDER.fullmatch, _names(path)) if m)
+    if pending:
+        raise CheckpointError(
+            f"{path} holds no complete checkpoint: the save of step {pending[-1]} did not finish "
+            f"(.step-{pending[-1]}.tmp-*). Start afresh, or resume from another directory."
+        )
+    raise CheckpointError(f"{path} is not a checkpoint. Resume from a directory Pipeline.save_checkpoint wrote.")
+
+
+def _names(path: Path) -> list[str]:
+    return [p.name for p in path.iterdir()] if path.is_dir() else []
+
+
+def _manifest_step(path: Path) -> int:
+    try:
+        return int(json.loads((path / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def _previous_advice(directory: Path, *, before: int | None = None) -> str:
+    """Where the newest complete step (older than ``before``) in ``directory`` is, to resume from it."""
+    steps = {k: v for k, v in complete_steps(directory).items() if before is None or k < before}
+    if not steps:
+        return (f"No complete checkpoint is in {directory}: start afresh, or resume from another directory "
+                "(do not load this one as weights: its files may mix two steps).")
+    newest = steps[max(steps)]
+    return f"Resume from the previous complete step, which exists at {newest} (pass that folder)."
+
+
+def read_manifest_files(folder: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """The ``files`` records of ``folder``'s manifest ({} for a version-1 manifest); checked as JSON."""
+    return _read_manifest(Path(folder))["files"]
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    manifest = path / MANIFEST
     try:
         data = json.loads(manifest.read_text())
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"its format is {data.get('format') if isinstance(data, dict) else data!r}")
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") not in READ_VERSIONS:
             raise ValueError(f"format version {data.get('format_version')!r}, this autopartition reads "
-                             f"{FORMAT_VERSION}")
-        step, model_class, optimizer = int(data["step"]), str(data["model"]), data["optimizer"]
+                             f"{', '.join(map(str, READ_VERSIONS))}")
+        step = data["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"its step is {step!r}, not a count of steps (an integer >= 0)")
+        files = data.get("files", {}) if data["format_version"] == 1 else data["files"]
+        if not isinstance(files, dict) or not all(
+            isinstance(r, dict) and isinstance(r.get("bytes"), int) and isinstance(r.get("crc32"), str)
+            for r in files.values()
+        ):
+            raise ValueError("its files are not name -> {bytes, crc32}")
+        data["model"], data["optimizer"] = str(data["model"]), data["optimizer"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{manifest} is not an autopartition checkpoint manifest ({exc}).") from exc
+        raise CheckpointError(f"{manifest} is not an autopartition checkpoint manifest ({exc}). "
+                              f"{_fix(path, _folder_step(path))}") from exc
+    data["files"] = files
+    return data
+
+
+def _folder_step(path: Path) -> int | None:
+    match = STEP_FOLDER.fullmatch(path.name)
+    return int(match[1]) if match else None
+
+
+def read_checkpoint_info(directory: str | os.PathLike[str]) -> CheckpointInfo:
+    """Find the folder to load (:func:`find_checkpoint`), read its manifest and DCP's index.
+
+    Every file the manifest lists must be there with its size, and DCP's index
+    must match its CRC-32 (it is unpickled); else an error naming the file.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = find_checkpoint(directory)
+    data = _read_manifest(path)
+    check_files(path, data["files"], checksum=(DCP_METADATA,), fix=_fix(path, int(data["step"])))
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
-        raise CheckpointError(f"{path / DCP_METADATA} cannot be read ({exc}); the checkpoint is incomplete.") from exc
+        raise CheckpointError(f"{path / DCP_METADATA} cannot be read ({type(exc).__name__}: {exc}); the "
+                              f"checkpoint is incomplete or corrupt. {_fix(path, int(data['step']))}") from exc
     tensors = {
         k: (tuple(v.size), v.properties.dtype)
         for k, v in metadata.state_dict_metadata.items()
         if isinstance(v, TensorStorageMetadata)
     }
-    return CheckpointInfo(path=path, step=step, model_class=model_class, optimizer=optimizer, tensors=tensors)
+    return CheckpointInfo(path=path, step=int(data["step"]), model_class=data["model"], optimizer=data["optimizer"],
+                          tensors=tensors, files=data["files"], storage=dcp_storage(metadata))
+
+
+def _fix(path: Path, step: int | None) -> str:
+    """What to do when the checkpoint at ``path`` (of ``step``) is damaged: the step before it, if any."""
+    if _folder_step(path) is None and not _REPLACED_FOLDER.fullmatch(path.name):
+        return "Resume from another complete checkpoint, or start afresh."  # a single-folder checkpoint
+    return _previous_advice(path.parent, before=step)
+
+
+def check_save_directory(directory: str | os.PathLike[str]) -> Path:
+    """Refuse a directory a checkpoint cannot be saved into, before any training: call it up front.
+
+    Not a directory, not writable (nor creatable), a plan directory (``plan.json``
+    without a manifest), or one step folder of a checkpoint.  Creates nothing.
+    """
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"Cannot save a checkpoint into {path}: it is a file. Pass a directory.")
+    if path.is_dir():
+        if (path / PLAN_FILE).is_file() and (path / DCP_METADATA).is_file() and not (path / MANIFEST).is_file():
+            raise CheckpointError(
+                f"{path} holds a checkpoint whose save did not finish (an earlier version saved in place): its "
+                "files may mix two steps. Save into a new directory; move or delete this one first if you "
+                "want the name."
+            )
+        if (path / PLAN_FILE).is_file() and not (path / MANIFEST).is_file():
+            stages = sorted(p.name for p in path.glob("stage_*.py"))
+            raise CheckpointError(
+                f"{path} is a plan directory (it holds {PLAN_FILE}{' and ' + stages[0] if stages else ''}): "
+                "a checkpoint saved there would sit among the plan's files. Save into a directory of its own, "
+                f"e.g. {path.parent / 'ckpt'}."
+            )
+        if STEP_FOLDER.fullmatch(path.name) and (path / MANIFEST).is_file():
+            raise CheckpointError(f"{path} is one step of a checkpoint. Save into its parent, {path.parent}: each "
+                                  "step goes into a step-N folder there.")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise CheckpointError(f"Cannot save a checkpoint into {path}: {existing} is a file, not a directory.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise CheckpointError(f"Cannot save a checkpoint into {path}: {existing} is not writable ({exc.strerror}). "
+                              "Pass a directory this job may write.") from exc
+    return path
 
 
 # ------------------------------------------------------------------- save
@@ -156,43 +349,161 @@ def save_checkpoint(
     keys: Collection[str],
     optimizer: torch.optim.Optimizer | None = None,
     step: int = 0,
+    keep: int | None = DEFAULT_KEEP,
 ) -> Path:
-    """Every rank writes its stages' entries (collective); rank 0 writes plan.json and checkpoint.json.
+    """Every rank writes its stages' entries into ``directory/step-<step>``, atomically (collective).
 
     ``modules``: this rank's stage modules; ``keys``: the whole model's
-    state-dict keys (which entries are persistent).  Returns the directory.
+    state-dict keys (which entries are persistent); ``keep``: how many of the
+    newest steps to keep (None: all).  Returns the step's folder.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(directory)
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     canon = canonical_names(plan.tied)
     flat: dict[str, torch.Tensor] = {}
     hyper: dict[str, dict[str, Any]] = {}
-    failure: Exception | None = None
+    failure: BaseException | None = None
+    temporary = ""
     try:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step={step!r}: pass the number of steps trained, an integer >= 0.")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise CheckpointError(f"keep={keep!r}: pass how many of the newest steps to keep (>= 1), or None for all.")
         for name, items in _local_entries(modules, keys=keys, canon=canon).items():
             flat[MODEL_PREFIX + name] = items[0][2].detach()
         if optimizer is not None:
             state, hyper = _optimizer_entries(optimizer, _parameter_names(modules, canon))
             flat.update(state)
         if rank == 0:
+            check_save_directory(path)
             path.mkdir(parents=True, exist_ok=True)
-            (path / MANIFEST).unlink(missing_ok=True)  # until the new one is written, no checkpoint here
+            temporary = f".step-{step}.tmp-{uuid.uuid4().hex[:12]}"
+            (path / temporary).mkdir()
+    except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised
+        failure = exc
+    temporary = _agree(failure, "save the checkpoint", temporary)[0]
+    folder = path / temporary
+    _at("shards")
+    try:
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(folder)))  # fsyncs every file it writes
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
+        failure = CheckpointError(f"Writing the shards into {folder} failed: {type(exc).__name__}: {exc}")
+    _agree(failure, "save the checkpoint")
+    # Every rank's shards are written (DCP gathered their results before writing .metadata); the files'
+    # checksums, the work split over the ranks, reach rank 0 with the optimizer's hyperparameters.
+    names: list[str] = []
+    try:
+        if rank == 0:  # the files DCP's index places tensors in, and the index
+            names = sorted({f for pieces in dcp_storage(_metadata(folder)).values() for f, _, _ in pieces})
+            names.append(DCP_METADATA)
+    except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised
+        failure = CheckpointError(f"Cannot read back {folder / DCP_METADATA}, just written: {exc}")
+    names = _agree(failure, "save the checkpoint", names)[0]
+    records: dict[str, dict[str, Any]] = {}
+    try:
+        for name in names[rank::world]:
+            records[name] = {"bytes": (folder / name).stat().st_size, "crc32": file_crc32(folder / name)}
+    except OSError as exc:
+        failure = CheckpointError(f"Cannot read back {exc.filename}, just written: {exc.strerror}.")
+    gathered = _agree(failure, "save the checkpoint", (hyper, records))
+    final = path / f"step-{step}"
+    try:
+        if rank == 0:
+            _at("plan")
+            (folder / PLAN_FILE).write_text(plan.to_json() + "\n")
+            files = {name: record for _, part in gathered for name, record in part.items()}
+            files[PLAN_FILE] = {"bytes": (folder / PLAN_FILE).stat().st_size, "crc32": file_crc32(folder / PLAN_FILE)}
+            per_rank = [h for h, _ in gathered]
+            manifest = _manifest(plan, step, None if optimizer is None else (type(optimizer).__name__, per_rank))
+            manifest["files"] = dict(sorted(files.items()))
+            _at("manifest")
+            _write_synced(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            _sync_directory(folder)
+            _at("rename")
+            _publish(folder, final, temporary)
+            _at("prune")
+            _prune(path, keep=keep, current=temporary)
     except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised
         failure = exc
     _agree(failure, "save the checkpoint")
-    dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(path)))
-    gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
-    dist.gather_object(hyper, gathered if rank == 0 else None, dst=0)
-    if rank == 0:
-        (path / PLAN_FILE).write_text(plan.to_json() + "\n")
-        manifest = _manifest(plan, step, None if optimizer is None else (type(optimizer).__name__, gathered))
-        temporary = path / (MANIFEST + ".tmp")
-        temporary.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(temporary, path / MANIFEST)
-    dist.barrier()
-    return path
+    return final
+
+
+def _at(point: str) -> None:
+    if _fault_hook is not None:
+        _fault_hook(point)
+
+
+def _metadata(folder: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(folder)).read_metadata()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    """``path`` holds ``text`` on disk, or keeps what it held: written beside, fsynced, renamed."""
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def _sync_directory(path: Path) -> None:
+    """Make renames and new names in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        handle = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def _publish(folder: Path, final: Path, token: str) -> None:
+    """Rename the written ``folder`` to ``final``; a step saved again replaces the old one.
+
+    The old one is first renamed aside (``.step-N.old-*``, still loadable), so that
+    no moment leaves step N absent from the directory.
+    """
+    replaced = None
+    if final.exists():
+        replaced = final.with_name(token.replace(".tmp-", ".old-"))
+        os.rename(final, replaced)
+        _at("replace")
+    os.rename(folder, final)
+    _sync_directory(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _prune(path: Path, *, keep: int | None, current: str) -> None:
+    """Keep the newest ``keep`` complete steps; remove what unfinished saves left (never this save's)."""
+    for child in sorted(path.iterdir()):
+        match = _REPLACED_FOLDER.fullmatch(child.name)
+        if match and not (path / f"step-{match[1]}").exists():
+            os.rename(child, path / f"step-{match[1]}")  # a crash stopped its replacement: it is that step
+    steps = complete_steps(path)
+    doomed = list(steps.values())[:-keep] if keep is not None else []
+    for folder in doomed:  # renamed first, so that a crash mid-removal leaves no half step-N behind
+        aside = path / f".step-{_folder_step(folder)}.del-{current.rpartition('-')[2]}"
+        try:
+            os.rename(folder, aside)
+        except OSError as exc:  # the new step is saved: an old one left behind is no reason to fail
+            warnings.warn(f"Cannot remove the old checkpoint step {folder}: {exc.strerror}.", stacklevel=3)
+            continue
+        _at("delete")
+        shutil.rmtree(aside, ignore_errors=True)
+    for child in sorted(path.iterdir()):
+        if _LEFTOVER_FOLDER.fullmatch(child.name) and child.name != current:
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def _manifest(plan: Plan, step: int, optimizer: tuple[str, list[dict[str, dict[str, Any]]]] | None) -> dict[str, Any]:
@@ -274,11 +585,16 @@ def load_checkpoint(
 ) -> int:
     """Fill this rank's stages (and ``optimizer``) from a checkpoint; returns its step.
 
+    ``directory``: a directory of steps (the newest complete one loads), one
+    ``step-N`` folder, or a single-folder checkpoint of earlier versions.
     Collective only to agree: any rank's problem (another model, no optimizer
-    state) raises on every rank before anything is read.
+    state, a missing, truncated or corrupt file) raises on every rank before
+    anything is read.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     canon = canonical_names(plan.tied)
-    failure: Exception | None = None
+    failure: BaseException | None = None
     info: CheckpointInfo | None = None
     entries: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
     names: dict[int, str] = {}
@@ -306,11 +622,13 @@ def load_checkpoint(
             if key[len(OPTIM_PREFIX):].rpartition(".")[0] in wanted_names:
                 shape, dtype = info.tensors[key]
                 targets[key] = torch.empty(shape, dtype=dtype)
+        # The files this rank reads: there, long enough, and (with a manifest) their CRC-32s match.
+        check_reads(info.path, info.storage, targets, info.files, fix=_fix(info.path, info.step))
         read_dcp(info.path, targets)
         _apply_model(modules, entries, targets)
         if optimizer is not None:
             optimizer.load_state_dict(_torch_optimizer_state(info, optimizer, names, targets))
-    except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - shared with every rank, then raised
         failure = exc
     _agree(failure, "load the checkpoint")
     return info.step
@@ -483,16 +801,23 @@ def _foreign_parameter(param: torch.Tensor) -> str:
     )
 
 
-def _agree(failure: Exception | None, what: str) -> None:
-    """Every rank learns whether any rank failed; all raise together (a lone raise would hang the others)."""
+def _agree(failure: BaseException | None, what: str, payload: Any = None) -> list[Any]:
+    """Every rank learns whether any rank failed; all raise together (a lone raise would hang the others).
+
+    Returns every rank's ``payload`` when none failed.
+    """
     notes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(notes, None if failure is None else str(failure))
+    note = None if failure is None else f"{type(failure).__name__}: {failure}"
+    dist.all_gather_object(notes, (note, payload))
     if failure is not None:
-        raise failure
-    failed = [(rank, note) for rank, note in enumerate(notes) if note is not None]
+        if isinstance(failure, Exception):
+            raise failure
+        raise CheckpointError(f"Cannot {what}: {note}") from failure  # DCP's CheckpointException
+    failed = [(rank, n) for rank, (n, _) in enumerate(notes) if n is not None]
     if failed:
         rank, note = failed[0]
         raise CheckpointError(f"Rank {rank} cannot {what}: {note}")
+    return [p for _, p in notes]
 
 
 def _shape(shape: Sequence[int]) -> str:

@@ -1,8 +1,11 @@
 """Communication: process groups, point-to-point boundary tensors, timeouts.
 
 Backend by device: NCCL with a CUDA device when one is visible, gloo on CPU.
-Every wait has a timeout; when a peer dies or times out, :class:`PeerFailure`
-names the peer (global rank, stage, replica) and the action this rank was on.
+Every wait has a timeout (:func:`rank_timeout`: ``Pipeline(timeout=...)``, else the
+``AUTOPARTITION_TIMEOUT`` variable, else 300 s); it also bounds the process group's
+collectives when the Pipeline creates the group.  When a peer dies or times out,
+:class:`PeerFailure` names the peer (global rank, stage, replica) and the action
+this rank was on.
 
 Example (two CPU ranks)::
 
@@ -29,6 +32,8 @@ import torch.distributed as dist
 from partitioner.ir import dtype_from_name
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_ENV",
     "Communicator",
     "DistCommunicator",
     "PeerFailure",
@@ -38,10 +43,35 @@ __all__ = [
     "init_distributed",
     "pick_device",
     "post_recv",
+    "rank_timeout",
     "recv_tensors",
     "send_tensors",
     "wait_all",
 ]
+
+
+TIMEOUT_ENV = "AUTOPARTITION_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def rank_timeout(timeout: float | None = None) -> float:
+    """Seconds a rank waits for a peer: ``timeout`` if given, else ``$AUTOPARTITION_TIMEOUT``, else 300."""
+    from partitioner.errors import AutopartitionError
+
+    if timeout is None:
+        text = os.environ.get(TIMEOUT_ENV)
+        if text is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout = float(text)
+        except ValueError:
+            timeout = -1.0
+        if not timeout > 0:
+            raise AutopartitionError(f"{TIMEOUT_ENV}={text!r}: give the seconds a rank waits for its peers, "
+                                     f"e.g. {TIMEOUT_ENV}=600.")
+    if not timeout > 0:
+        raise AutopartitionError(f"timeout={timeout!r}: give the seconds a rank waits for its peers (> 0).")
+    return float(timeout)
 
 
 class PeerFailure(RuntimeError):
@@ -117,7 +147,7 @@ def send_tensors(tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> lis
     for t in tensors:
         work = dist.isend(t.detach().contiguous(), dst=peer, tag=tag)
         if work is not None:
-            works.append(work)
+            works.append(_PeerWork(work, peer))
     return works
 
 
@@ -130,7 +160,7 @@ def post_recv(
     """
     out = [torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device=device) for s in specs]
     works = [dist.irecv(t, src=peer, tag=tag) for t in out]
-    return out, [w for w in works if w is not None]
+    return out, [_PeerWork(w, peer) for w in works if w is not None]
 
 
 def recv_tensors(
@@ -142,13 +172,33 @@ def recv_tensors(
     return out
 
 
+class _PeerWork:
+    """A point-to-point work and the rank at its other end, so that a timeout can name that rank."""
+
+    def __init__(self, work: Work, peer: int) -> None:
+        self.work = work
+        self.peer = peer
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)) -> bool:
+        return self.work.wait(timeout=timeout)
+
+
 def wait_all(works: Sequence[Work], *, timeout: float) -> None:
-    """Wait for every work; a failure or timeout becomes :class:`PeerFailure`."""
+    """Wait for every work; a failure or timeout becomes :class:`PeerFailure` (naming the peer when known)."""
     delta = datetime.timedelta(seconds=timeout)
     for work in works:
+        peer = getattr(work, "peer", None)
         try:
             finished = work.wait(timeout=delta)
         except Exception as exc:
-            raise PeerFailure(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            if peer is not None and _timed_out(first):
+                raise PeerFailure(f"no answer from rank {peer} within {timeout:g} s ({TIMEOUT_ENV}): {first}") from exc
+            raise PeerFailure(first) from exc
         if finished is False:
-            raise PeerFailure(f"no answer within {timeout:g} s")
+            who = f" from rank {peer}" if peer is not None else ""
+            raise PeerFailure(f"no answer{who} within {timeout:g} s ({TIMEOUT_ENV} or Pipeline(timeout=...))")
+
+
+def _timed_out(text: str) -> bool:
+    return "timed out" in text.lower() or "timeout" in text.lower()

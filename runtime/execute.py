@@ -13,7 +13,11 @@ dropped after the last action that needs it.
   stages of this rank is handed over in memory: the consumer's forward takes
   the producer's output detached (a leaf requiring grad, as a received one),
   and the consumer's backward adds its input gradient to the producer's output
-  gradient.
+  gradient.  An input the stage graph writes in place (``nn.ReLU(inplace=True)``
+  right after a cut; found once per stage,
+  :func:`runtime.meetings.inputs_written_in_place`) is handed to the forward as
+  a clone of the leaf: autograd refuses writes into a leaf requiring grad, and
+  the gradient sent back is still the one of the received value.
 * **Split backward.**  When the schedule has ``W`` actions, ``B`` computes
   only the gradient of the stage's received inputs and ``W`` the parameter
   gradients later, from the same autograd graph
@@ -22,7 +26,12 @@ dropped after the last action that needs it.
   posted ``_LOOKAHEAD`` receive actions ahead (gloo moves data only once the
   receiver has posted, so a late post adds milliseconds) and waited for with
   the configured timeout when their action comes, so the order the schedule
-  fixes cannot deadlock (the planner dry-ran it).
+  fixes cannot deadlock (the planner dry-ran it).  Receives from one peer rank
+  are *posted* in the order that peer sends (read from its row of the plan):
+  posting a message posts every one the peer sends to this rank before it.
+  NCCL pairs messages by order alone, and gloo pairs those of one tag in
+  order, so they pair right whatever order this rank's receive actions take
+  them in (a rank holding several stages may take them in another order).
 
 On failure the error names this rank, the stage and action, the peer, and
 shows the rank's schedule around the failing action.
@@ -45,7 +54,7 @@ from partitioner.capture import model_loss
 from partitioner.plan import Boundary, Plan
 from partitioner.schedule import Action
 from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
-from runtime.meetings import MarkedGraph, mark_meetings
+from runtime.meetings import MarkedGraph, inputs_written_in_place, mark_meetings
 from runtime.splitbackward import SplitBackward
 from runtime.stage import LocalStage
 
@@ -68,11 +77,17 @@ class ActionRecord:
 # ------------------------------------------------------------------- runner
 
 
+# One message: (direction F | B, sending stage, receiving stage, micro-batch).
+_Message = tuple[str, int, int, int]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Posted:
-    """Receives posted for one RF/RB action: per peer stage, its rank, boundaries, buffers and pending works."""
+    """The receive posted for one message: its boundaries, buffers and pending works."""
 
-    parts: tuple[tuple[int, int, tuple[Boundary, ...], list[torch.Tensor], list[Work]], ...]
+    boundaries: tuple[Boundary, ...]
+    tensors: list[torch.Tensor]
+    works: list[Work]
 
 
 @dataclasses.dataclass
@@ -94,6 +109,7 @@ class _Held:
     stage: LocalStage
     module: torch.nn.Module
     input_index: tuple[int, ...]  # positions of its model inputs among the plan's inputs
+    written: frozenset[int]  # positions of the forward's arguments it writes in place: handed over as clones
 
 
 def gradient_order(actions: Sequence[Action]) -> list[int]:
@@ -146,7 +162,7 @@ class StepRunner:
         self.on_gradients = on_gradients
         names = [t.name for t in plan.model.inputs]
         self._held = {
-            s.plan.index: _Held(s, m, tuple(names.index(n) for n in s.signature.model_inputs))
+            s.plan.index: _Held(s, m, tuple(names.index(n) for n in s.signature.model_inputs), _written(s))
             for s, m in zip(stages, modules)
         }
         self.pipeline_rank = stages[0].plan.rank
@@ -167,11 +183,15 @@ class StepRunner:
             last_use[a.stage, a.microbatch] = i
         self._last_use = {i: key for key, i in last_use.items()}
         self.records: list[ActionRecord] = []
-        self.unsplit: list[str] = []  # why a split backward ran whole (the first time)
+        self.unsplit: list[str] = []  # why a stage's split backward ran whole (once per stage)
         self._checked: set[int] = set()  # stages whose split backward's graph was checked
+        self._whole: dict[int, str] = {}  # stages whose backward runs whole in B, and why
         self._marked: dict[int, MarkedGraph] = {}  # stage graphs marked for the split backward
         self._receives = [i for i, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
-        self._posted: dict[tuple[str, int, int], _Posted] = {}
+        self._incoming = self._incoming_order(schedule.actions)  # per peer pipeline rank, its sends to me
+        self._sent_index = {m: k for order in self._incoming.values() for k, m in enumerate(order)}
+        self._posted: dict[_Message, _Posted] = {}  # posted, not yet waited for
+        self._posted_upto: dict[int, int] = {}  # per peer pipeline rank: how many of its messages are posted
         self._pending: list[Work] = []
         self._micro: list[tuple[tuple[torch.Tensor, ...], Any]] = []
         self._state: dict[tuple[int, int], _MicroBatch] = {}
@@ -204,7 +224,7 @@ class StepRunner:
         self._micro = list(microbatches)
         self._state = {}
         self._pending = []
-        self._posted = {}
+        self._posted, self._posted_upto = {}, {}
         losses: list[torch.Tensor] = []
         for position, action in enumerate(self.actions):
             start = time.time()
@@ -249,6 +269,10 @@ class StepRunner:
         inputs, target = self._micro[a.microbatch]
         sig = held.stage.signature
         args = [inputs[i] for i in held.input_index] + [batch.received[n] for n in sig.received]
+        # An op writing into an input (``nn.ReLU(inplace=True)`` on a received leaf, which autograd refuses)
+        # writes into a copy, as the whole model writes into its own tensor; the gradient still reaches the leaf.
+        if held.written:
+            args = [a.clone() if i in held.written else a for i, a in enumerate(args)]
         recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.split:
             marked = self._marked_graph(held, batch)
@@ -310,9 +334,12 @@ class StepRunner:
             sent = held.stage.signature.sent
             weights = self._marked[a.stage].weight_outputs
             weight_only = {i for i, (n, _, _) in enumerate(named) if n in sent and sent.index(n) in weights}
+            if a.stage in self._whole:  # found by the check on an earlier micro-batch (it runs once per stage)
+                batch.split.run_whole(self._whole[a.stage])
             got = (batch.split.backward_inputs(tensors, grads, [t for _, t in leaves], weight_only=weight_only)
                    if tensors else [])
-            if batch.split.unsplit is not None and not self.unsplit:
+            if batch.split.unsplit is not None and a.stage not in self._whole:
+                self._whole[a.stage] = batch.split.unsplit
                 self._note_unsplit(a.stage, batch.split.unsplit)
         else:
             self._full_backward(held, a, tensors, grads)
@@ -405,35 +432,67 @@ class StepRunner:
 
     # --------------------------------------------------------------- receives
 
+    def _incoming_order(self, rows: Sequence[Sequence[Action]]) -> dict[int, list[_Message]]:
+        """Per peer pipeline rank, the messages it sends this rank, in its order (as its SF / SB send them)."""
+        me, where = self.pipeline_rank, self._where
+        out: dict[int, list[_Message]] = {}
+        for peer, row in enumerate(rows):
+            if peer == me:
+                continue
+            for a in row:
+                s, i = a.stage, a.microbatch
+                if a.kind == "SF":
+                    targets = sorted({b.target for b in self.plan.stages[s].outputs if where[b.target] != peer})
+                    out.setdefault(peer, []).extend(("F", s, t, i) for t in targets if where[t] == me)
+                elif a.kind == "SB":
+                    sources = sorted({b.source for b in self.plan.stages[s].inputs if where[b.source] != peer})
+                    out.setdefault(peer, []).extend(("B", s, p, i) for p in sources if where[p] == me)
+        return out
+
+    def _messages(self, a: Action) -> list[_Message]:
+        """The messages receive ``a`` takes, in the order their senders send them."""
+        if a.kind == "RF":
+            found = [("F", p, a.stage, a.microbatch) for p, _ in self._remote_in(a.stage)]
+        else:
+            found = [("B", t, a.stage, a.microbatch) for t, _ in self._remote_out(a.stage)]
+        return sorted(found, key=lambda m: self._sent_index.get(m, -1))
+
     def _post_ahead(self, position: int) -> None:
         """Post the receives of this and the next ``_LOOKAHEAD`` receive actions, once each."""
         for i in [i for i in self._receives if i >= position][: _LOOKAHEAD + 1]:
-            action = self.actions[i]
-            key = (action.kind, action.stage, action.microbatch)
-            if key not in self._posted:
-                self._posted[key] = self._post(action)
+            for m in self._messages(self.actions[i]):
+                self._post(m)
 
-    def _post(self, a: Action) -> _Posted:
-        if a.kind == "RF":
-            groups = self._remote_in(a.stage)
-            tag = self._tag(a.stage, "F", a.microbatch)
+    def _post(self, m: _Message) -> None:
+        """Post message ``m``'s receive, after those of every message its sender sends this rank before it."""
+        peer = self._where[m[1]]
+        order, done = self._incoming.get(peer, []), self._posted_upto.get(peer, 0)
+        last = self._sent_index.get(m)
+        if last is None:
+            raise RuntimeError(f"pipeline rank {peer}'s actions never send message {m} (a plan bug)")
+        for k in range(done, last + 1):
+            self._posted[order[k]] = self._post_one(order[k])
+        self._posted_upto[peer] = max(done, last + 1)
+
+    def _post_one(self, m: _Message) -> _Posted:
+        direction, src, dst, mb = m
+        if direction == "F":
+            boundaries = [b for b in self.plan.stages[src].outputs if b.target == dst]
         else:
-            groups = [(t, [b for b in bs if _is_float(b)]) for t, bs in self._remote_out(a.stage)]
-            tag = self._tag(a.stage, "B", a.microbatch)
-        parts = []
-        for peer_stage, boundaries in groups:
-            peer = self._peer_rank(peer_stage)
-            specs = [RecvSpec(b.shape, b.dtype) for b in boundaries]
-            tensors, works = self.comm.post_recv(specs, peer=peer, tag=tag, device=self.device)
-            parts.append((peer_stage, peer, tuple(boundaries), tensors, works))
-        return _Posted(tuple(parts))
+            boundaries = [b for b in self.plan.stages[dst].outputs if b.target == src and _is_float(b)]
+        specs = [RecvSpec(b.shape, b.dtype) for b in boundaries]
+        tensors, works = self.comm.post_recv(specs, peer=self._peer_rank(src), tag=self._tag(dst, direction, mb),
+                                             device=self.device)
+        return _Posted(tuple(boundaries), tensors, works)
 
     def _wait(self, a: Action) -> list[tuple[Boundary, torch.Tensor]]:
-        posted = self._posted.pop((a.kind, a.stage, a.microbatch), None) or self._post(a)
         received: list[tuple[Boundary, torch.Tensor]] = []
-        for peer_stage, peer, boundaries, tensors, works in posted.parts:
-            self._wait_peer(works, peer=peer, stage=peer_stage)
-            received.extend(zip(boundaries, tensors))
+        for m in self._messages(a):
+            if m not in self._posted:
+                self._post(m)
+            posted = self._posted.pop(m)
+            self._wait_peer(posted.works, peer=self._peer_rank(m[1]), stage=m[1])
+            received.extend(zip(posted.boundaries, posted.tensors))
         return received
 
     def _wait_peer(self, works: Sequence[Work], *, peer: int, stage: int) -> None:
@@ -455,6 +514,13 @@ class StepRunner:
             f"rank {self.rank} (stage {action.stage}{held}, replica {self.replica}) stopped at action {action}: "
             f"{why}\n  schedule: {'... ' if lo else ''}{grid}{' ...' if hi < len(self.actions) else ''}"
         )
+
+
+def _written(stage: LocalStage) -> frozenset[int]:
+    """Positions of the stage forward's arguments (model inputs, then received) that its graph writes in place."""
+    names = [n.name for n in stage.module.graph.nodes if n.op == "placeholder"]
+    written = inputs_written_in_place(stage.module)
+    return frozenset(i for i, n in enumerate(names) if n in written)
 
 
 def _is_float(b: Boundary) -> bool:

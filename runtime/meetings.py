@@ -19,9 +19,17 @@ rewrites the stage's ``fx.GraphModule`` in place, once:
   does nothing otherwise (evaluation, verify), so the rewritten module computes
   exactly what it did.
 
+Every node the rewrite adds goes after its arguments (the log after the op, its
+aliases and its arguments, before the node that followed the op), and the result
+is linted.  A graph the rewrite cannot handle keeps its captured code and is
+reported ``unsplit``: its stage runs the exact whole backward in B.
+
 The forward then pays a few views per meeting op, not a Python hook per op.
 What data flow cannot show (a custom ``autograd.Function`` reading a weight it
 was not passed) is caught by the split backward's graph check.
+
+:func:`inputs_written_in_place` names the inputs a stage graph writes in place
+(the runtime hands those to the stage as copies).
 
 Example::
 
@@ -40,8 +48,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import enum
+import inspect
 import operator
 from collections.abc import Collection, Iterator
 from typing import Any
@@ -54,7 +64,7 @@ from torch.utils import _pytree as pytree
 
 from partitioner.ir import VALUE_KEY, dtype_from_name
 
-__all__ = ["LOG_NAME", "Known", "MarkedGraph", "Meeting", "MeetingLog", "mark_meetings"]
+__all__ = ["LOG_NAME", "Known", "MarkedGraph", "Meeting", "MeetingLog", "inputs_written_in_place", "mark_meetings"]
 
 LOG_NAME = "_autopartition_meetings"  # the log's submodule name in a marked stage module
 
@@ -160,14 +170,28 @@ def mark_meetings(gm: fx.GraphModule, *, active: Collection[str]) -> MarkedGraph
     ``active`` names the placeholders whose tensors need a gradient (received
     floating-point boundaries).  Marking a graph twice is refused.
     """
-    graph = gm.graph
-    side: dict[fx.Node, _Side] = {}
-    count = 0
-    unsplit: str | None = None
     if hasattr(gm, LOG_NAME):
         raise ValueError("this stage graph is marked already: mark it once")
     log = MeetingLog()
     gm.add_submodule(LOG_NAME, log)
+    original = copy.deepcopy(gm.graph)  # node for node; its meta is shared, not copied
+    try:
+        count, weight_outputs, unsplit = _mark(gm, active)
+        gm.graph.lint()
+        gm.recompile()
+    except Exception as exc:  # noqa: BLE001 - any graph we cannot rewrite keeps the exact whole backward
+        gm.graph = original  # the module as captured (recompiled); the log stays, never called
+        why = f"the stage graph could not be marked for a split backward ({type(exc).__name__}: {exc})"
+        return MarkedGraph(log, 0, frozenset(), why.splitlines()[0])
+    return MarkedGraph(log, count, weight_outputs, unsplit)
+
+
+def _mark(gm: fx.GraphModule, active: Collection[str]) -> tuple[int, frozenset[int], str | None]:
+    """The rewrite of :func:`mark_meetings`: (meeting ops, weight-only output positions, why unsplit)."""
+    graph = gm.graph
+    side: dict[fx.Node, _Side] = {}
+    count = 0
+    unsplit: str | None = None
     for node in list(graph.nodes):
         if node.op == "placeholder":
             side[node] = _Side.ACTIVATION if node.name in active else _Side.CONSTANT
@@ -183,7 +207,7 @@ def mark_meetings(gm: fx.GraphModule, *, active: Collection[str]) -> MarkedGraph
         params = _own_parameters(gm, node)
         reads_activation = _Side.ACTIVATION in inputs.values()
         reads_weight = _Side.WEIGHT in inputs.values() or bool(params)
-        mutated = _mutated_input(node)
+        mutated = _mutated_input(node, gm)
         if not _may_need_grad(node):
             side[node] = _Side.CONSTANT
         elif reads_activation:
@@ -201,9 +225,7 @@ def mark_meetings(gm: fx.GraphModule, *, active: Collection[str]) -> MarkedGraph
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     weight_outputs = frozenset(i for i, n in enumerate(flat) if isinstance(n, fx.Node) and side.get(n) == _Side.WEIGHT)
-    graph.lint()
-    gm.recompile()
-    return MarkedGraph(log, count, weight_outputs, unsplit)
+    return count, weight_outputs, unsplit
 
 
 # ------------------------------------------------------------------ rewriting
@@ -230,6 +252,9 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, weights: list[fx.Node], params: 
     """
     graph = gm.graph
     aliases: list[fx.Node] = []
+    # Every node made here goes before ``node`` (in the order made, so each after its arguments) and the
+    # log before the node that followed it: after the op, its aliases and the op's own arguments.
+    following = node.next
     with graph.inserting_before(node):
         for w in weights:
             a = graph.call_function(_alias, (w,))
@@ -239,7 +264,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, weights: list[fx.Node], params: 
         if params:
             reported, own = _functional(gm, node)
             aliases.extend(own)
-    with graph.inserting_after(reported):
+    with graph.inserting_before(following):
         graph.call_module(log_name, (reported, tuple(aliases), _known(reported, aliases)))
     return reported
 
@@ -315,20 +340,112 @@ def _functional(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, list[fx.Nod
 
 _INPLACE_OPERATORS = frozenset({
     "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
-    "iand", "ior", "ixor", "ilshift", "irshift", "setitem",
+    "iand", "ior", "ixor", "ilshift", "irshift", "setitem", "__setitem__",
 })
 
+# Ops whose result may share its first argument's storage (views, and ops that may return their input).
+_VIEW_NAMES = frozenset({
+    "getitem", "__getitem__", "getattr", "view", "view_as", "reshape", "reshape_as", "transpose", "permute",
+    "narrow", "select", "expand", "expand_as", "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
+    "hsplit", "vsplit", "dsplit", "unsqueeze", "squeeze", "flatten", "unflatten", "t", "movedim", "moveaxis",
+    "swapaxes", "swapdims", "diagonal", "unfold", "as_strided", "detach", "contiguous", "to", "type", "type_as",
+    "float", "double", "half", "bfloat16", "real", "imag", "view_as_real", "view_as_complex", "alias",
+    "identity", "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
+})
+_VIEW_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+                 nn.AlphaDropout, nn.FeatureAlphaDropout)
 
-def _mutated_input(node: fx.Node) -> fx.Node | None:
-    """The input ``node`` writes in place (its first argument), if it is an in-place op."""
+
+def inputs_written_in_place(gm: fx.GraphModule) -> frozenset[str]:
+    """Names of the placeholders whose tensor ``gm`` writes in place (directly or through a view of it).
+
+    A received boundary is a leaf requiring grad, which autograd refuses to let an op
+    write (``nn.ReLU(inplace=True)``, ``x += y``, ``x[i] = v``); the runtime hands such
+    an input to the stage as a clone.  Conservative: an op that may return its input
+    (a view, ``contiguous``, ``to``, an in-place op) passes the input on.
+
+    >>> class Net(torch.nn.Module):
+    ...     def forward(self, a, b, c):
+    ...         a.view(-1).add_(1)
+    ...         return torch.relu(b) + torch.nn.functional.relu(c, inplace=True)
+    >>> sorted(inputs_written_in_place(torch.fx.symbolic_trace(Net())))
+    ['a', 'c']
+    """
+    of: dict[fx.Node, frozenset[str]] = {}  # the placeholders whose storage a node's value may share
+    written: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            of[node] = frozenset({node.name})
+            continue
+        for target in _written_args(gm, node):
+            written |= of.get(target, frozenset())
+        first = next(iter(node.all_input_nodes), None)
+        if first is not None and of.get(first) and _may_alias_first(gm, node):
+            of[node] = of[first]
+    return frozenset(written)
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", "")
+
+
+def _may_alias_first(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node``'s value may share storage with its first input (a view of it, or the input itself)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return isinstance(module, _VIEW_MODULES) or getattr(module, "inplace", False) is True
+    if node.op not in ("call_function", "call_method"):
+        return False
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        inplace = target._schema.is_mutable
-    else:
-        name = target if isinstance(target, str) else getattr(target, "__name__", "")
-        inplace = name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-    first = node.args[0] if node.args else None
-    return first if inplace and isinstance(first, fx.Node) and node.op != "call_module" else None
+        return any(r.alias_info is not None for r in target._schema.returns)
+    return _name(node) in _VIEW_NAMES or bool(_written_args(gm, node))  # an in-place op returns what it wrote
+
+
+def _written_args(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The inputs ``node`` writes in place: ``x.add_(y)``, ``x += y``, ``x[i] = v``, ``relu(x, inplace=True)``,
+    ``nn.ReLU(inplace=True)(x)``, ``out=x``, an aten op whose schema writes an argument."""
+    first = node.args[0] if node.args else next(iter(node.kwargs.values()), None)
+    found: list[Any] = []
+    if node.op == "call_module":
+        if getattr(gm.get_submodule(str(node.target)), "inplace", False) is True:
+            found.append(first)
+    elif node.op in ("call_function", "call_method"):
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            schema = target._schema
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    found.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+        else:
+            name = _name(node)
+            by_name = name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+            if by_name or node.kwargs.get("inplace") is True or _inplace_positional(node):
+                found.append(first)
+            found.append(node.kwargs.get("out"))
+    return [n for n in found if isinstance(n, fx.Node)]
+
+
+def _inplace_positional(node: fx.Node) -> bool:
+    """``F.relu(x, True)``: an ``inplace`` parameter given by position."""
+    if node.op != "call_function" or not callable(node.target) or len(node.args) < 2:
+        return False
+    try:
+        bound = inspect.signature(node.target).bind_partial(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _mutated_input(node: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
+    """The input ``node`` writes in place (the first, if several), if it is an in-place op."""
+    written = _written_args(gm, node)
+    return written[0] if written else None
 
 
 def _may_need_grad(node: fx.Node) -> bool:

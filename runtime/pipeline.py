@@ -13,6 +13,8 @@ Example (in each rank started by ``autopartition run`` / torchrun)::
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -32,9 +34,20 @@ from partitioner.schedule import Action, validate
 from partitioner.timeline import TimelineEvent, write_chrome_trace
 from runtime import checkpoint
 from runtime.clip import clip_gradients
-from runtime.comm import PeerFailure, init_distributed, pick_device
+from runtime.comm import (
+    PeerFailure,
+    RecvSpec,
+    Work,
+    init_distributed,
+    pick_device,
+    rank_timeout,
+    recv_tensors,
+    send_tensors,
+    wait_all,
+)
 from runtime.evaluate import concat_microbatches, evaluate, evaluation_mode
 from runtime.execute import StepRunner, gradient_order
+from runtime.failure import reports_failures
 from runtime.materialise import InitWeights, materialise_modules
 from runtime.precision import PrecisionForward, cast_parameters, plan_at_precision, precision_loss
 from runtime.recompute import Recomputed
@@ -94,8 +107,21 @@ class Pipeline:
     replica's ``batch_size / dp`` samples (e.g. from a ``DistributedSampler`` over
     :attr:`dp_rank` / :attr:`dp_size`).  Either way a rank may pass ``None`` for
     what it does not read (:attr:`needs_inputs`, :attr:`needs_target`).
+
+    Pairing: with ``batch="replica"`` and a ``loss_fn`` the first stage's ranks read
+    the target with the inputs and send it to their replica's last stage, so each
+    sample's target meets its own inputs whichever data the last stage's ranks were
+    given.  On the first :meth:`step` (and the first :meth:`eval_step`) the ranks
+    compare a digest of everything they were given: ranks of one replica
+    (``batch="global"``: all ranks) given different samples are refused on every
+    rank, with the fix (e.g. a ``DistributedSampler`` over the global rank instead
+    of :attr:`dp_rank`).
+
+    ``timeout``: seconds any wait for a peer may take (default: ``$AUTOPARTITION_TIMEOUT``,
+    else 300); past it the rank stops with an error naming the peer and the action.
     """
 
+    @reports_failures  # a rank's error names its stage in the launcher's message (runtime.failure)
     def __init__(
         self,
         plan: Plan,
@@ -103,7 +129,7 @@ class Pipeline:
         loss_fn: LossFn | None = None,
         *,
         device: torch.device | None = None,
-        timeout: float = 300.0,
+        timeout: float | None = None,
         trace: bool = False,
         target_keyword: str | None = None,
         init_weights: InitWeights | None = None,
@@ -121,7 +147,7 @@ class Pipeline:
         self._target_keyword = target_keyword
         self._batch = batch
         self.device = device or pick_device()
-        self.timeout = timeout
+        self.timeout = timeout = rank_timeout(timeout)  # None: $AUTOPARTITION_TIMEOUT, else 300 s
         self.trace = trace
         init_distributed(self.device, timeout=timeout)
         self.rank = dist.get_rank()
@@ -184,6 +210,13 @@ class Pipeline:
             loss_fn=self._run_loss, device=self.device, timeout=timeout,
             on_gradients=None if self._reducer is None else self._reducer.start,
         )
+        # batch="replica": the target travels from the rank that read the inputs (stage 0) to the last
+        # stage, so that every sample's target meets its own inputs whatever sampler fed the last stage.
+        first, last = plan.stages[0].ranks[self.replica], plan.stages[-1].ranks[self.replica]
+        ships = batch == "replica" and loss_fn is not None and first != last and self.rank in (first, last)
+        self._ship = (first, last) if ships else None
+        self._fed: set[str] = set()  # step / eval_step: whose first feeding the ranks compared
+        self._shipping: list[Any] = []  # the target's sends in flight: buffers and works
         dist.barrier()
         self._clock_zero = time.time()  # right after a barrier: a common origin for traces
 
@@ -245,24 +278,29 @@ class Pipeline:
     @property
     def needs_target(self) -> bool:
         """Whether this rank reads the target: it computes the loss_fn, or (no loss_fn) it reads the inputs,
-        which the target then joins as a keyword."""
+        which the target then joins as a keyword.  With ``batch="replica"`` and a loss_fn the first stage's
+        ranks read it (with the inputs) and send it to the last stage, whose ranks then need none."""
         if self._loss_fn is None:
             return self.needs_inputs
+        if self._batch == "replica":
+            return 0 in self.stages
         return self.is_last_stage
 
+    @reports_failures
     def step(self, inputs: Any = None, target: Any = None) -> torch.Tensor | None:
         """Forward and backward one mini-batch; gradients end up in ``.grad``.
 
         ``inputs`` has the structure the plan was made with: a tensor, a tuple, a
         dict of keywords, or ``(args, kwargs)``.  Every rank passes the same
         mini-batch (``batch="replica"``: its replica's share), or None where it
-        reads no input (:attr:`needs_inputs`); only the last stage uses ``target``
-        (:attr:`needs_target`).  Returns the mini-batch mean loss on the last
-        stage's ranks, None on the others.
+        reads no input (:attr:`needs_inputs`); ``target`` only where
+        :attr:`needs_target` (``batch="replica"``: the first stage, which sends it
+        on).  The first call compares what the ranks were given (see the class).
+        Returns the mini-batch mean loss on the last stage's ranks, None on the others.
         """
-        flat, target = self._flatten(inputs, target)
-        micro = self._split(flat, target)
+        micro = self._feed(inputs, target, call="step")
         loss = self._runner.run(micro, record=self.trace)
+        self._target_sent()
         if self._reducer is not None:
             self._reducer.finish()
         sum_tied_grads([local.module for local in self._stages], self._groups)
@@ -271,6 +309,7 @@ class Pipeline:
             loss = loss / self.plan.dp
         return loss
 
+    @reports_failures
     def eval_step(self, inputs: Any = None, target: Any = None, *, return_outputs: bool = False) -> Any:
         """Forward one mini-batch without gradients (stages in eval mode); the mean loss on the last stage.
 
@@ -281,14 +320,14 @@ class Pipeline:
         replica's samples on the last stage's ranks (micro-batches concatenated).
         Every rank must call it.
         """
-        flat, target = self._flatten(inputs, target)
-        micro = self._split(flat, target)
+        micro = self._feed(inputs, target, call="eval_step")
         with evaluation_mode([local.module for local in self._stages]):
             loss, outputs = evaluate(
                 self._run_plan, list(zip(self._stages, self._runnables)), micro, replica=self.replica,
                 rank=self.rank, loss_fn=self._run_loss, device=self.device, timeout=self.timeout,
                 keep_outputs=return_outputs,
             )
+        self._target_sent()
         if loss is not None and self._groups.stage is not None:
             dist.all_reduce(loss, group=self._groups.stage)
             loss = loss / self.plan.dp
@@ -351,16 +390,23 @@ class Pipeline:
         sync_tied_weights([module for module, _ in loads], self._groups)
 
     def save_checkpoint(
-        self, directory: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None, step: int = 0
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int = 0,
+        keep: int | None = checkpoint.DEFAULT_KEEP,
     ) -> Path:
-        """Every rank: write model, optimizer state, step and plan in the original names (:mod:`runtime.checkpoint`)."""
+        """Every rank: write model, optimizer state, step and plan in the original names, atomically into
+        ``directory/step-<step>``, keeping the newest ``keep`` steps (:mod:`runtime.checkpoint`); returns it."""
         return checkpoint.save_checkpoint(directory, modules=self.modules, plan=self.plan,
-                                          keys=self._state_keys, optimizer=optimizer, step=step)
+                                          keys=self._state_keys, optimizer=optimizer, step=step, keep=keep)
 
     def load_checkpoint(
         self, directory: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None
     ) -> int:
-        """Every rank: load a checkpoint saved under any plan of this model; returns its step."""
+        """Every rank: load a checkpoint saved under any plan of this model (``directory``'s newest
+        complete step, or one ``step-N`` folder); returns its step."""
         return checkpoint.load_checkpoint(directory, modules=self.modules, plan=self.plan,
                                           keys=self._state_keys, optimizer=optimizer)
 
@@ -413,6 +459,91 @@ class Pipeline:
         return write_chrome_trace(Path(path), events, title="measured", pid=1, track_name="rank")
 
     # --------------------------------------------------------------- helpers
+
+    def _feed(self, inputs: Any, target: Any, *, call: str) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
+        """This replica's micro-batches (flat inputs, target), checked and paired (see the class doc)."""
+        flat, target = self._flatten(inputs, target)
+        micro = self._split(flat, target)  # the checks one rank can make alone first: a refusal sends nothing
+        if call not in self._fed:
+            self._check_feeds(flat, target, call=call)
+            self._fed.add(call)
+        if self._ship is None:
+            return micro
+        sender, receiver = self._ship
+        tag = 2 * len(self.plan.stages) * self.plan.microbatches + (2 if call == "eval_step" else 0)
+        if self.rank == sender:
+            self._send_target(target, receiver, tag=tag, call=call)
+            return micro
+        shipped = self._split(None, self._recv_target(sender, tag=tag, call=call))
+        return [(x, t) for (x, _), (_, t) in zip(micro, shipped)]
+
+    def _check_feeds(self, flat: tuple[torch.Tensor, ...] | None, target: Any, *, call: str) -> None:
+        """Every rank: refuse, on every rank, ranks that should share their samples but were given different ones."""
+        fed: dict[str, str] = {}
+        for spec, x in zip(self.plan.model.inputs, flat or ()):
+            if x is not None:
+                fed[f"input {spec.name!r}"] = _digest(x)
+        if target is not None:
+            fed["target"] = _digest(target)
+        note = {
+            "group": self.replica if self._batch == "replica" else 0,
+            "stages": list(self.stages),
+            "fed": fed,
+            # The rank sending this replica's target to its last stage, and the one receiving it.
+            "sends": self._ship is not None and self.rank == self._ship[0],
+            "receives_from": self._ship[0] if self._ship is not None and self.rank == self._ship[1] else None,
+        }
+        notes: list[Any] = [None] * dist.get_world_size()
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        try:
+            with on_device:
+                dist.all_gather_object(notes, note)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise PeerFailure(
+                f"Rank {self.rank}: not every rank answered while comparing the data of the first {call}() "
+                f"(timeout {self.timeout:g} s): {first}. Every rank must call {call}()."
+            ) from exc
+        message = _feeding_message(notes, batch=self._batch, call=call)
+        if message:
+            raise AutopartitionError(message)
+
+    def _send_target(self, target: Any, peer: int, *, tag: int, call: str) -> None:
+        """Start sending this replica's target to its last stage (never blocks; waited for after the step)."""
+        buffer = io.BytesIO()
+        # Leaves cloned: a view would carry its whole storage.
+        torch.save(pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, target),
+                   buffer)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        works = send_tensors([size], peer=peer, tag=tag) + send_tensors([data], peer=peer, tag=tag + 1)
+        self._shipping = [size, data, *works]
+        if target is None and call == "step":  # the last stage raises too, on receiving None
+            raise AutopartitionError(_unsent_message(self.rank, self.replica))
+
+    def _recv_target(self, sender: int, *, tag: int, call: str) -> Any:
+        """The target this replica's first stage read with the inputs."""
+        try:
+            (size,) = recv_tensors([RecvSpec((1,), "int64")], peer=sender, tag=tag, device=self.device,
+                                   timeout=self.timeout)
+            (data,) = recv_tensors([RecvSpec((int(size.item()),), "uint8")], peer=sender, tag=tag + 1,
+                                   device=self.device, timeout=self.timeout)
+        except PeerFailure as exc:
+            raise PeerFailure(
+                f"Rank {self.rank} (last stage, replica {self.replica}) waited for the target from rank {sender} "
+                f"(first stage), which reads it with the inputs: {exc}"
+            ) from exc
+        # weights_only: tensors and their containers, never code, even from a rank of this job.
+        target = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
+        if target is None and call == "step":
+            raise AutopartitionError(_unsent_message(sender, self.replica))
+        return target
+
+    def _target_sent(self) -> None:
+        """Wait for the target's sends of this step (started before it, so long done)."""
+        shipping, self._shipping = self._shipping, []
+        works: list[Work] = [w for w in shipping if not isinstance(w, torch.Tensor)]
+        wait_all(works, timeout=self.timeout)
 
     def _flatten(self, inputs: Any, target: Any) -> tuple[tuple[torch.Tensor, ...] | None, Any]:
         """The plan's flat input tensors (None: not given); without a loss_fn the target joins them as its keyword."""
@@ -480,6 +611,69 @@ class Pipeline:
             (tuple(piece(x, mb) for x in inputs), pytree.tree_map(lambda v, mb=mb: piece(v, mb), target))
             for mb in range(plan.microbatches)
         ]
+
+
+def _digest(value: Any) -> str:
+    """sha256 of a pytree of tensors (structure, dtypes, shapes and bytes): equal data, equal digests."""
+    leaves, spec = pytree.tree_flatten(value)
+    h = hashlib.sha256(str(spec).encode())
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            h.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
+            h.update(leaf.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()
+
+
+_SHARD_FIX = (
+    "shard with DistributedSampler(dataset, num_replicas=pipe.dp_size, rank=pipe.dp_rank) (the same seed "
+    "on every rank), not over the global rank: every rank of one replica must get the same samples"
+)
+
+
+def _feeding_message(notes: list[dict[str, Any]], *, batch: str, call: str) -> str | None:
+    """Why the ranks' first batches cannot train together (None: they can)."""
+    def who(ranks: list[int]) -> str:
+        stages = sorted({s for r in ranks for s in notes[r]["stages"]})
+        return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                f"(stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))})")
+
+    problems: list[str] = []
+    for group in sorted({n["group"] for n in notes}):
+        members = [r for r, n in enumerate(notes) if n["group"] == group]
+        where = f"replica {group}" if batch == "replica" else "the job"
+        for field in sorted({f for r in members for f in notes[r]["fed"]}):
+            holders: dict[str, list[int]] = {}
+            for r in members:
+                if field in notes[r]["fed"]:
+                    holders.setdefault(notes[r]["fed"][field], []).append(r)
+            if len(holders) > 1:
+                problems.append(f"in {where}, the {field} of {' differs from that of '.join(map(who, holders.values()))}")
+    # A target the first stage must send but was not given: always wrong in step(); in eval_step() (where
+    # None means no loss) wrong when the last stage was given one (it would be replaced by None).
+    given_last = {n["receives_from"] for n in notes if n["receives_from"] is not None and "target" in n["fed"]}
+    unsent = [r for r, n in enumerate(notes)
+              if n["sends"] and "target" not in n["fed"] and (call == "step" or r in given_last)]
+    if problems:
+        if batch == "replica":
+            fix = (f"With batch='replica' inputs and target would come from different samples: {_SHARD_FIX}.")
+        else:
+            fix = ("With batch='global' every rank passes the same whole mini-batch (the same data order and "
+                   f"seed on every rank); or use batch='replica' and {_SHARD_FIX}.")
+        return (f"The ranks were given different data for the first step: {'; '.join(problems)}. {fix} A rank may "
+                "pass None for what it does not read (pipe.needs_inputs, pipe.needs_target). No rank has trained.")
+    if unsent:
+        return _unsent_message(unsent[0], notes[unsent[0]]["group"])
+    return None
+
+
+def _unsent_message(rank: int, replica: int) -> str:
+    return (
+        f"Rank {rank} (stage 0, replica {replica}) got target=None: with batch='replica' the first stage's ranks "
+        "read the target with the inputs and send it to the last stage, so that every sample's target meets its "
+        "own inputs. Pass the target on the ranks where pipe.needs_target is True."
+    )
 
 
 def _runnable(local: LocalStage, precision: str, device: torch.device) -> torch.nn.Module:

@@ -69,6 +69,10 @@ class SplitBackward:
         """Why the backward cannot be split (None: it can)."""
         return self._reason
 
+    def run_whole(self, reason: str) -> None:
+        """Run the whole backward in B (W does nothing): another micro-batch of the stage found ``reason``."""
+        self._reason = self._reason or reason
+
     @contextlib.contextmanager
     def recording(self, log: MeetingLog) -> Iterator[None]:
         """Collect the meeting ops of the forward run inside (the marked module's ``log``)."""
@@ -84,10 +88,12 @@ class SplitBackward:
         ``weight_only``: positions in ``outputs`` of values computed from weights
         alone (their whole backward is W's).
         """
+        if not inputs:  # nothing received needs a gradient (a first or only stage): the whole backward is W's
+            weight_only = range(len(outputs))
         pairs = [(o, g) for i, (o, g) in enumerate(zip(outputs, grad_outputs)) if i not in weight_only]
         self._weight_roots = [(o, g if g is not None else torch.ones_like(o))
                               for i, (o, g) in enumerate(zip(outputs, grad_outputs)) if i in weight_only]
-        if self._reason is None and self._check:
+        if self._reason is None and self._check and inputs:
             self._reason = self._leak([o for o, _ in pairs], inputs)
         if self._reason is not None:
             torch.autograd.backward(list(outputs), list(grad_outputs))

@@ -62,6 +62,16 @@ from partitioner.capture import CallSpec, model_loss
 from partitioner.errors import AutopartitionError
 from partitioner.ir import dtype_name
 from partitioner.plan import Plan
+from runtime.failure import (
+    FAILURE_DIR_ENV,
+    RankFailure,
+    RankInputError,
+    describe_exit,
+    read_records,
+    record_failure,
+    summarise,
+    write_log,
+)
 from runtime.materialise import InitWeights, materialise_model
 from runtime.stage import call_spec, recapture
 
@@ -359,10 +369,8 @@ def verify(
                 nprocs=plan.gpus,
                 start_method="spawn",
             )
-        except mp.ProcessRaisedException as exc:
-            raise AutopartitionError(f"A rank failed while verifying the plan:\n{_last_lines(str(exc))}") from exc
-        except mp.ProcessExitedException as exc:
-            raise AutopartitionError(_rank_exit_message(Path(out), plan, exc)) from exc
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # one rank failed; the others were stopped
+            raise _rank_failure(Path(out), plan, exc) from None
         ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(plan.gpus)]
     say("verify: running the unpartitioned model on the same micro-batches")
     return _compare_steps(plan, model_file, ranks, steps=steps, lr=lr, tolerance=tol, dtype=dtype, traits=traits,
@@ -603,24 +611,31 @@ def _rank_main(
     rank: int, world: int, port: int, plan_dir: str, model_spec: str, steps: int, lr: float, out: str,
     timeout: float, dtype_text: str, seed: int = 0,
 ) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **{FAILURE_DIR_ENV: out})
+    torch.set_num_threads(1)
+    try:
+        _train_rank(rank, plan_dir, model_spec, steps, lr, out, timeout, dtype_text, seed)
+    except Exception as exc:  # noqa: BLE001 - recorded; the verifying process prints the first cause
+        record_failure(exc, rank=rank, directory=out)
+        sys.exit(2 if isinstance(exc, AutopartitionError) else 1)
+
+
+def _train_rank(
+    rank: int, plan_dir: str, model_spec: str, steps: int, lr: float, out: str, timeout: float, dtype_text: str,
+    seed: int,
+) -> None:
     from partitioner.modelfile import load_model_file
     from runtime.pipeline import Pipeline
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     dtype = getattr(torch, dtype_text)
-    try:
-        # verify checks the split in full precision against an fp32/fp64 reference; the plan's
-        # training precision (bf16-mixed, bf16) is checked by tests against autocast runs.
-        plan = dataclasses.replace(plan_in_dtype(Plan.load(plan_dir), dtype), precision="fp32")
-        model_file = load_model_file(model_spec)
-        model = _build(model_file, dtype)
-        pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout,
-                        init_weights=_init_weights(model_file), seed=seed)
-    except AutopartitionError as exc:  # a user error: one paragraph in the verifying process, no traceback
-        (Path(out) / f"rank{rank}.error").write_text(str(exc))
-        sys.exit(2)
+    # verify checks the split in full precision against an fp32/fp64 reference; the plan's
+    # training precision (bf16-mixed, bf16) is checked by tests against autocast runs.
+    plan = dataclasses.replace(plan_in_dtype(Plan.load(plan_dir), dtype), precision="fp32")
+    model_file = load_model_file(model_spec)
+    model = _build(model_file, dtype)
+    pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout,
+                    init_weights=_init_weights(model_file), seed=seed)
     inputs, target = _batch(model_file, plan, dtype)
     opt = torch.optim.SGD(pipe.parameters(), lr=lr, momentum=0.9)
     params = {n for n, _ in pipe.named_parameters()}
@@ -654,14 +669,32 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-def _rank_exit_message(out: Path, plan: Plan, exc: mp.ProcessExitedException) -> str:
-    errors = sorted(out.glob("rank*.error"))
-    if not errors:
-        return f"A rank exited while verifying the plan: {exc}"
-    rank = int(errors[0].stem[len("rank"):])
-    pipeline_rank, replica = plan.rank_layout()[rank]
-    stages = _stage_names(plan.stages_of(pipeline_rank))
-    return f"Rank {rank} ({stages}, replica {replica}) stopped: {errors[0].read_text().strip()}"
+def _rank_failure(
+    out: Path, plan: Plan, exc: mp.ProcessRaisedException | mp.ProcessExitedException
+) -> RankFailure:
+    """The first cause among the ranks' records (or the rank that died without one), as one paragraph.
+
+    Every rank's traceback goes to a log that outlives the run, named in the message.
+    """
+    records = read_records(out)
+    died: dict[int, str] = {}
+    if isinstance(exc, mp.ProcessExitedException):
+        died[exc.error_index] = describe_exit(exc.exit_code)  # negative: killed by that signal
+    elif isinstance(exc, mp.ProcessRaisedException) and all(r.rank != exc.error_index for r in records):
+        died[exc.error_index] = f"an exception outside the recorded part: {str(exc).strip().splitlines()[-1]}"
+    log = None
+    if records:
+        handle, name = tempfile.mkstemp(prefix="autopartition-verify-", suffix=".log")
+        os.close(handle)
+        write_log(records, name)
+        log = Path(name)
+    summary = summarise(records, died=died, log=log, what="verify's ranks", log_holds="Every rank's traceback")
+    text = summary.text.removeprefix("autopartition: error: ")  # the CLI adds it
+    if summary.cause is not None and summary.cause.stage is None and 0 <= summary.cause.rank < plan.gpus:
+        pipeline_rank, replica = plan.rank_layout()[summary.cause.rank]
+        text = text.replace(f"rank {summary.cause.rank}:", f"rank {summary.cause.rank} "
+                            f"({_stage_names(plan.stages_of(pipeline_rank))}, replica {replica}):", 1)
+    return (RankInputError if summary.exit_code == 2 else RankFailure)(text)
 
 
 def _stage_names(stages: Sequence[int]) -> str:
@@ -886,6 +919,3 @@ def _result(
         neutralised=neutralised, rank_places=places, pp=plan.pp,
     )
 
-
-def _last_lines(text: str, n: int = 12) -> str:
-    return "\n".join(text.strip().splitlines()[-n:])

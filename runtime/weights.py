@@ -11,7 +11,14 @@ Two formats, told apart by what ``path`` is:
   ``dcp.save(model.state_dict(), checkpoint_id=DIR)`` writes, or a checkpoint of
   :meth:`runtime.pipeline.Pipeline.save_checkpoint` (its ``model.`` entries).
   Only the wanted keys are read, without collectives (each rank on its own).
-  DCP's ``.metadata`` is a pickle: read only checkpoints you trust.
+  DCP's ``.metadata`` is a pickle: read only checkpoints you trust.  A directory
+  of Pipeline checkpoints (``step-N`` folders) gives its newest complete step; a
+  folder with a manifest (``checkpoint.json``) has every file's size checked and
+  the files this rank reads checked against their CRC-32; an unfinished save (a
+  ``.step-N.tmp-*`` folder, or ``plan.json`` without ``checkpoint.json``) is refused.
+
+A truncated or garbage file, or a shard shorter than the entries it should hold,
+is an error naming the file (never torch's or safetensors' own exception alone).
 
 Names are the original model's.  A tied parameter is found under any of its
 names (Hugging Face drops ``lm_head.weight`` when it is ``wte.weight``).  A
@@ -44,9 +51,10 @@ import difflib
 import json
 import os
 import warnings
+import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -59,6 +67,10 @@ __all__ = [
     "CheckpointError",
     "WeightSpec",
     "alias_map",
+    "check_files",
+    "check_reads",
+    "dcp_storage",
+    "file_crc32",
     "fill_module",
     "load_weights",
     "read_dcp",
@@ -74,6 +86,11 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"
 # A Pipeline checkpoint stores the model's tensors under this prefix (runtime.checkpoint).
 MODEL_PREFIX = "model."
+# runtime.checkpoint's manifest: a DCP folder holding one is a Pipeline checkpoint (sizes and CRC-32s).
+CHECKPOINT_MANIFEST = "checkpoint.json"
+PLAN_FILE = "plan.json"
+# Where a DCP entry's bytes lie: (file relative to the folder, offset, length) per stored piece.
+Storage = dict[str, list[tuple[str, int, int]]]
 
 # name -> (shape, dtype); dtype None keeps the stored dtype.
 WeightSpec = tuple[Sequence[int], torch.dtype | None]
@@ -263,6 +280,14 @@ def _open(path: Path) -> _Source:
             "torch.distributed.checkpoint are read (no pickles): convert it, e.g. with "
             "safetensors.torch.save_file(torch.load(path), 'model.safetensors')."
         )
+    if _pipeline_checkpoint(path):
+        from runtime.checkpoint import (  # it imports this module
+            find_checkpoint,
+            read_manifest_files,
+        )
+
+        folder = find_checkpoint(path)
+        return _Dcp(folder, files=read_manifest_files(folder))
     if (path / DCP_METADATA).is_file():
         return _Dcp(path)
     if (path / SAFETENSORS_INDEX).is_file():
@@ -279,6 +304,35 @@ def _open(path: Path) -> _Source:
     )
 
 
+def _pipeline_checkpoint(path: Path) -> bool:
+    """A folder Pipeline.save_checkpoint wrote, or a directory of its step folders, or an unfinished one."""
+    from runtime.checkpoint import STEP_FOLDER, UNFINISHED_FOLDER
+
+    if (path / CHECKPOINT_MANIFEST).is_file() or UNFINISHED_FOLDER.fullmatch(path.name):
+        return True
+    if (path / DCP_METADATA).is_file():
+        return (path / PLAN_FILE).is_file()  # plan.json without a manifest: a save that did not finish
+    return any(STEP_FOLDER.fullmatch(p.name) or UNFINISHED_FOLDER.fullmatch(p.name) for p in path.iterdir())
+
+
+def _safe_open(path: Path) -> Any:
+    """``safetensors.safe_open`` of ``path``; a truncated or garbage file is an error naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:
+        raise CheckpointError(_unreadable_safetensors(path, exc)) from exc
+
+
+def _unreadable_safetensors(path: Path, exc: BaseException) -> str:
+    size = path.stat().st_size if path.is_file() else 0
+    return (
+        f"{path} is not a readable safetensors file ({size} bytes; {_first_line(exc)}): it is truncated "
+        "(an interrupted download or copy) or not safetensors at all. Download or save it again."
+    )
+
+
 class _Safetensors:
     """One or several safetensors files; ``files`` maps each tensor name to the file holding it."""
 
@@ -289,11 +343,9 @@ class _Safetensors:
 
     @staticmethod
     def from_files(paths: Sequence[Path]) -> _Safetensors:
-        from safetensors import safe_open
-
         files: dict[str, Path] = {}
         for path in paths:
-            with safe_open(str(path), framework="pt", device="cpu") as f:  # reads the header only
+            with _safe_open(path) as f:  # reads the header only (and checks the file is as long as it says)
                 for key in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                     files[key] = path
         return _Safetensors(files, str(paths[0]) if len(paths) == 1 else f"{len(paths)} safetensors files")
@@ -329,45 +381,55 @@ class _Safetensors:
 
     def shape(self, key: str) -> Sequence[int]:
         if key not in self._shapes:
-            from safetensors import safe_open
-
-            with safe_open(str(self.files[key]), framework="pt", device="cpu") as f:
-                self._shapes[key] = f.get_slice(key).get_shape()
+            with _safe_open(self.files[key]) as f:
+                try:
+                    self._shapes[key] = f.get_slice(key).get_shape()
+                except Exception as exc:
+                    raise CheckpointError(f"{self.files[key]} does not hold {key}, though the index says so "
+                                          f"({_first_line(exc)}). Download every shard again.") from exc
         return self._shapes[key]
 
     def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
         by_file: dict[Path, list[str]] = {}
         for key in keys:
             by_file.setdefault(self.files[key], []).append(key)
         out: dict[str, torch.Tensor] = {}
         for path, names in by_file.items():
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with _safe_open(path) as f:
                 for key in names:
-                    out[key] = f.get_tensor(key)
+                    try:
+                        out[key] = f.get_tensor(key)
+                    except Exception as exc:
+                        raise CheckpointError(_unreadable_safetensors(path, exc)) from exc
         return out
 
 
 class _Dcp:
-    """A torch.distributed.checkpoint directory, read without collectives."""
+    """A torch.distributed.checkpoint directory, read without collectives.
 
-    def __init__(self, path: Path) -> None:
+    ``files``: its manifest's file records (a Pipeline checkpoint), checked before reading.
+    """
+
+    def __init__(self, path: Path, *, files: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.path = path
         self.describe = f"the checkpoint {path}"
+        self.files = files
+        if files:
+            check_files(path, files, checksum=(DCP_METADATA,), fix=_WEIGHTS_FIX)
         try:
             metadata = FileSystemReader(str(path)).read_metadata()
         except Exception as exc:
             raise CheckpointError(
-                f"{path / DCP_METADATA} cannot be read as torch.distributed.checkpoint metadata ({exc}). "
-                "The checkpoint is incomplete or corrupt."
+                f"{path / DCP_METADATA} cannot be read as torch.distributed.checkpoint metadata "
+                f"({_first_line(exc)}). The checkpoint is incomplete or corrupt."
             ) from exc
         self.tensors = {
             k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
         }
+        self.storage = dcp_storage(metadata)
 
     def candidates(self, names: Sequence[str]) -> list[str]:
         return [*names, *(MODEL_PREFIX + n for n in names)]
@@ -385,26 +447,121 @@ class _Dcp:
         return tuple(self.tensors[key].size)
 
     def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        check_reads(self.path, self.storage, keys, self.files, fix=_WEIGHTS_FIX)
         return read_dcp(self.path, {k: torch.empty(self.shape(k), dtype=self.tensors[k].properties.dtype)
                                     for k in keys})
+
+
+_WEIGHTS_FIX = "Load the weights from another complete checkpoint (an earlier step-N folder), or save them again."
 
 
 def read_dcp(path: Path, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fill ``targets`` (key -> tensor of the stored shape) from the DCP directory ``path``, in place.
 
-    No collectives: each rank reads its own keys, whatever the other ranks do.
+    No collectives: each rank reads its own keys, whatever the other ranks do.  DCP's
+    failures (its ``CheckpointException`` is a BaseException; EOFError, unpickling
+    errors) become a :class:`CheckpointError` naming ``path``.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if not targets:
         return targets
-    with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the intent
-        warnings.simplefilter("ignore")
-        dcp.load(dict(targets), storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the intent
+            warnings.simplefilter("ignore")
+            dcp.load(dict(targets), storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    except (Exception, CheckpointException) as exc:
+        inner = list(exc.failures.values()) if isinstance(exc, CheckpointException) else []
+        cause: BaseException = inner[0][0] if inner else exc  # failures: rank -> (exception, traceback)
+        raise CheckpointError(
+            f"The checkpoint {path} cannot be read: {type(cause).__name__}: {_first_line(cause)}. One of its "
+            f"files ({', '.join(sorted(p.name for p in path.glob('*.distcp'))[:5]) or 'none'}) is corrupt or "
+            "was written by another torch. Resume from another complete checkpoint (an earlier step-N folder)."
+        ) from exc
     return targets
 
 
+# ----------------------------------------------------------------- integrity
+
+
+def file_crc32(path: Path) -> str:
+    """The CRC-32 of the file at ``path`` (zlib's), as 8 hex digits; read in 16 MiB pieces."""
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def check_files(
+    folder: Path, files: Mapping[str, Mapping[str, Any]], *, checksum: Iterable[str] = (), fix: str
+) -> None:
+    """Every file a manifest lists (name -> ``{"bytes", "crc32"}``) is in ``folder`` with its size;
+    those named in ``checksum`` also with their CRC-32.  Otherwise an error naming the file, then ``fix``."""
+    for name, record in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: the manifest lists it ({record['bytes']} bytes). {fix}")
+        size = path.stat().st_size
+        if size != record["bytes"]:
+            what = "truncated" if size < record["bytes"] else "longer than written"
+            raise CheckpointError(f"{path} is {what}: {size} bytes, the manifest says {record['bytes']}. {fix}")
+    for name in checksum:
+        stored = files.get(name)
+        found = file_crc32(folder / name) if stored is not None else None
+        if stored is not None and found != stored["crc32"]:
+            raise CheckpointError(
+                f"{folder / name} is corrupt: its CRC-32 is {found}, the manifest says {stored['crc32']}. {fix}"
+            )
+
+
+def dcp_storage(metadata: Any) -> Storage:
+    """DCP metadata's ``storage_data`` by entry: key -> [(file, offset, length)]."""
+    out: Storage = {}
+    for index, info in getattr(metadata, "storage_data", {}).items():
+        out.setdefault(index.fqn, []).append((str(info.relative_path), int(info.offset), int(info.length)))
+    return out
+
+
+def check_reads(
+    folder: Path,
+    storage: Storage,
+    keys: Iterable[str],
+    files: Mapping[str, Mapping[str, Any]] | None,
+    *,
+    fix: str,
+) -> None:
+    """The files ``keys``' bytes lie in are there and long enough; with a manifest, their CRC-32s match.
+
+    Cheap without a manifest (a ``stat`` per file), so a truncated shard of an
+    older checkpoint is named too rather than left to DCP's unpickling error.
+    """
+    needed: dict[str, int] = {}
+    for key in keys:
+        for name, offset, length in storage.get(key, ()):
+            needed[name] = max(needed.get(name, 0), offset + length)
+    for name, end in sorted(needed.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: DCP's index places tensors in it. {fix}")
+        size = path.stat().st_size
+        if size < end:
+            raise CheckpointError(f"{path} is truncated: {size} bytes, its tensors need {end}. {fix}")
+    if files:
+        check_files(folder, {n: files[n] for n in needed if n in files}, checksum=sorted(needed), fix=fix)
+        unlisted = sorted(n for n in needed if n not in files)
+        if unlisted:
+            raise CheckpointError(f"{folder / unlisted[0]} is not in the manifest {folder / CHECKPOINT_MANIFEST}, "
+                                  f"yet DCP's index places tensors in it. {fix}")
+
+
 # ----------------------------------------------------------------- messages
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _shape(shape: Sequence[int]) -> str:

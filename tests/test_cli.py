@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -500,13 +501,80 @@ def test_out_keeps_another_models_plan(tmp_path: Path, capsys: pytest.CaptureFix
     args = [_model(tmp_path), "--gpus", "1", "--device", "h100", "--out", str(tmp_path / "plan")]
     assert main(args) == 2
     message = _error_of(capsys)
-    assert "holds a plan for GPT, not Sequential" in message and "--force" in message
+    assert "holds the plan of another model: a GPT with graph fingerprint 0123456789abcdef" in message
+    assert "while this Sequential from" in message and "--force" in message
     assert Plan.load(tmp_path / "plan").model.class_name == "GPT"
     assert main([*args, "--force"]) == 0
     assert Plan.load(tmp_path / "plan").model.class_name == "Sequential"
     capsys.readouterr()
     assert main(args) == 0  # the same model again: replaced, and said
     assert f"replacing the plan for Sequential in {tmp_path / 'plan'}" in capsys.readouterr().err
+
+
+GPT_MEDIUM = f"{GPT}:gpt_medium"
+OTHER_GPT = """
+import torch
+from torch import nn
+
+class GPT(nn.Module):  # another model of the same class name as examples/gpt.py's
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(512, 32)
+        self.head = nn.Linear(32, 512)
+
+    def forward(self, idx):
+        return self.head(self.wte(idx))
+
+def build_model():
+    torch.manual_seed(0)
+    return GPT()
+
+def example_inputs(batch_size):
+    return (torch.zeros(batch_size, 32, dtype=torch.long),)
+"""
+
+
+def test_out_tells_models_apart_by_fingerprint_not_class_name(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 19: --out replaced another model's plan because both classes are named GPT."""
+    out = tmp_path / "plan"
+    common = ["--gpus", "1", "--device", "h100", "--batch-size", "4", "--out", str(out)]
+    assert main([GPT, *common]) == 0
+    first = Plan.load(out)
+    other = _model(tmp_path, text=OTHER_GPT)
+    for spec in (GPT_MEDIUM, other):  # two other GPTs: refused before planning
+        capsys.readouterr()
+        assert main([spec, *common]) == 2
+        message = _error_of(capsys)
+        assert f"holds the plan of another model: a GPT with graph fingerprint {first.model.fingerprint} from {GPT}" \
+            in message and "--force" in message
+        assert Plan.load(out) == first  # kept
+    assert first.model.source == GPT  # recorded: the model file (resolved) the plan was made from
+    assert main([other, *common, "--force"]) == 0
+    assert Plan.load(out).model.source == other
+    capsys.readouterr()
+    assert main([other, *common, "--batch-size", "8"]) == 0  # the same model file again: replaced
+    assert f"replacing the plan for GPT in {out}" in capsys.readouterr().err
+
+
+def test_out_replaces_a_plan_of_the_same_graph_from_elsewhere(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan without a model file (made from Python, or before plans recorded one): the fingerprint decides."""
+    out = tmp_path / "plan"
+    common = ["--gpus", "1", "--device", "h100", "--batch-size", "4", "--out", str(out)]
+    original = _model(tmp_path, text=OTHER_GPT)
+    assert main([original, *common]) == 0
+    data = json.loads((out / "plan.json").read_text())
+    data["model"].pop("source", None)
+    (out / "plan.json").write_text(json.dumps(data))
+    copy = tmp_path / "copy_of_model.py"
+    copy.write_text(Path(original).read_text())
+    capsys.readouterr()
+    assert main([str(copy), *common]) == 0
+    assert f"replacing the plan for GPT in {out}{os.sep} (the same graph)" in capsys.readouterr().err
+    assert Plan.load(out).model.source == str(copy)
+    assert main([GPT, *common]) == 2  # another file, another graph
+    assert "holds the plan of another model" in _error_of(capsys)
 
 
 def test_out_refuses_a_directory_of_other_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -547,11 +615,11 @@ def test_run_sets_omp_threads_and_says_what_starts(tmp_path: Path, monkeypatch: 
 
     seen: list[dict[str, str]] = []
 
-    def fake_run(command: list[str], *, env: dict[str, str], check: bool) -> Any:
+    def fake_run(command: list[str], *, env: dict[str, str], job: Path, grace: float) -> tuple[int, None]:
         seen.append(env)
-        return subprocess.CompletedProcess(command, 0)
+        return 0, None
 
-    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    monkeypatch.setattr(launch, "_supervise", fake_run)
     if preset is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:

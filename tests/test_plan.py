@@ -336,3 +336,64 @@ def test_a_corrupt_jitter_is_refused_on_load(jitter: float | str) -> None:
     data["cost_model"]["action_jitter"] = float(jitter)
     with pytest.raises(PlanFormatError, match="action_jitter"):
         Plan.from_json(json.dumps(data))
+
+
+# ----------------------------------------------------------------- hand-edited sizes (issue 19 item 5)
+
+
+def _first_forward(d: dict[str, Any]) -> None:
+    d["actions"][0][0] = "0F7"  # a micro-batch the plan does not have
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # A batch_size edited by hand aborted a rank inside gloo: its micro-batches no longer matched the
+        # boundary shapes the receiving rank allocates.
+        (lambda d: d.update(batch_size=8), (r"plan.model.inputs\[0\] \(x\) holds micro-batches of 2 samples, but "
+                                           r"batch_size / \(dp x microbatches\) = 8 / \(1 x 2\) = 4")),
+        (lambda d: d.update(batch_size=5), "plan.batch_size is 5, not a multiple of dp x microbatches = 1 x 2"),
+        (lambda d: d.update(batch_size=0), "plan.batch_size is 0, expected a whole number of at least 1"),
+        (lambda d: d.update(batch_size=-4), "plan.batch_size is -4"),
+        (lambda d: d.update(microbatches=0), "plan.microbatches is 0, expected a whole number of at least 1"),
+        (lambda d: d.update(microbatches=-2), "plan.microbatches is -2"),
+        (lambda d: d.update(microbatches=1, batch_size=2), "0F1, for micro-batch 1, but plan.microbatches is 1"),
+        (lambda d: d.update(microbatches=4, batch_size=8), ("stage 0 runs the forward of 2 micro-batches, but "
+                                                           "plan.microbatches is 4")),
+        (_first_forward, "0F7, for micro-batch 7, but plan.microbatches is 2"),
+        (lambda d: d["actions"][0].__setitem__(0, "1F0"), "stage 1 is not on pipeline rank 0"),
+        (lambda d: d["actions"][0].__setitem__(0, "9F0"), "stage 9 is not on pipeline rank 0"),
+        (lambda d: d["actions"][0].__setitem__(0, "zero"), "Cannot parse schedule action 'zero'"),
+        (lambda d: d.update(gpus=4), r"plan.gpus is 4, expected pp x dp = 2 x 1 = 2"),
+        (lambda d: d.update(gpus_per_node=3), "plan.gpus_per_node is 3, which does not divide plan.gpus"),
+        (lambda d: d.update(schedule="gpipe2"), "plan.schedule is 'gpipe2', expected one of"),
+        (lambda d: d["model"]["inputs"][0].update(dtype="float33"), "unknown dtype 'float33'"),
+        (lambda d: d["model"]["inputs"][0].update(shape=[2, -4]), "sizes cannot be negative"),
+        (lambda d: d["stages"][0]["outputs"][0].update(shape=[2, 8]), r"boundary relu into stage 1 is \[2, 8\]"),
+        (lambda d: d["stages"][0]["outputs"][0].update(target=5), "relu.* goes 0 -> 5"),
+        (lambda d: d["stages"][1]["inputs"].clear(), "boundary relu into stage 1 .* but missing where received"),
+        (lambda d: d["stages"][1].update(index=0), r"plan.stages\[1\].index is 0, expected 1"),
+    ],
+)
+def test_hand_edited_sizes_are_refused_on_load(tmp_path: Path, change: Any, message: str) -> None:
+    directory, data = _saved(example_plan(), tmp_path)
+    Plan.load(directory)  # as saved: fine
+    change(data)
+    _write(directory, data)
+    with pytest.raises(PlanFormatError, match=message) as caught:
+        Plan.load(directory)
+    assert "autopartition model.py" in str(caught.value)  # and what to do: plan again
+
+
+def test_an_edited_batch_size_of_a_real_plan_is_refused(real_plan: Plan, tmp_path: Path) -> None:
+    directory, data = _saved(real_plan, tmp_path)
+    data["batch_size"] *= 2  # 8 of 2 x 4 micro-batches of 2 would be, by the recorded shapes, 4 x 2
+    _write(directory, data)
+    with pytest.raises(PlanFormatError, match="batch_size, dp or microbatches was edited after planning") as caught:
+        Plan.load(directory)
+    assert "--batch-size" in str(caught.value)
+    # A batch that still splits into the recorded micro-batches (more of them) is an edited micro-batch count.
+    data["microbatches"] *= 2
+    _write(directory, data)
+    with pytest.raises(PlanFormatError, match="forward of 2 micro-batches, but plan.microbatches is 4"):
+        Plan.load(directory)

@@ -378,3 +378,82 @@ def test_a_backward_boundary_is_an_internal_error() -> None:
     first, second = (n.name for n in compute_nodes(gm))
     with pytest.raises(InternalError, match="flows backward 1->0"):
         assemble._boundaries(gm, {first: 1, second: 0}, 2)
+
+
+# ----------------------------------------------------------------- micro-batch sizes the graph differs at
+
+
+class PosNet(nn.Module):
+    """Position embeddings expanded to the batch only when it has several samples, as Hugging Face's mask code
+    does: exported at one sample, the graph loses that ``expand`` and later nodes are renamed."""
+
+    def __init__(self, d: int = 32, seq: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(seq, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        ids = torch.arange(s).unsqueeze(0)
+        if b > 1:
+            ids = ids.expand(b, -1)
+        h = x + self.pos(ids).expand(b, -1, -1)
+        for layer in self.layers:
+            h = torch.relu(layer(h)) + h
+        return h.sum(dim=(1, 2))
+
+
+def _posnet() -> PosNet:
+    torch.manual_seed(0)
+    return PosNet()
+
+
+def test_one_sample_micro_batches_are_planned_on_their_own_graph() -> None:
+    """The export at one sample differs from the costed one (two samples); its nodes map onto the costed blocks."""
+    from inprocess import run_stages
+
+    model, inputs = _posnet(), (torch.randn(4, 16, 32),)
+    graphs = {size: capture(model, (inputs[0][:size],), method="export").graph_module for size in (1, 2)}
+    assert graph_fingerprint(graphs[1]) != graph_fingerprint(graphs[2])
+    options = {"gpus": 2, "pp": 2, "microbatches": "auto", "schedule": "1f1b", "device": "h100",
+               "capture_method": "export"}
+    free = compile(model, inputs, **options)  # type: ignore[arg-type]
+    memory = {c.microbatches: c.memory_bytes for c in free.candidates}
+    assert memory[4] is not None and memory[2] is not None and memory[4] < memory[2]
+    # 1F1B on 2 stages holds two micro-batches: under this cap only one-sample micro-batches fit.
+    plan = compile(model, inputs, **options, memory_per_gpu=(memory[4] + memory[2]) / 2)  # type: ignore[arg-type]
+    assert (plan.microbatches, plan.microbatch_size) == (4, 1)
+    assert plan.model.fingerprint == graph_fingerprint(graphs[1])
+    assert plan.model.inputs[0].shape == (1, 16, 32)
+    assert [c.status for c in plan.candidates if c.microbatches == 4] == ["optimal"]
+    # It runs: every stage rebuilt from the graph at one sample gives the model's own loss and gradients.
+    loss, grads = run_stages(plan, _posnet, inputs, loss_fn=lambda out, _target: out.sum())
+    reference = _posnet()
+    expected = reference(*inputs).sum() / 4
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_a_size_that_cannot_be_captured_is_skipped_not_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every simulated candidate at a size whose capture fails: skipped with the reason, and the next best drafted."""
+    from partitioner import planner, search
+    from partitioner.errors import CaptureError
+
+    real = planner.capture
+
+    def capture_but_not_16(model: nn.Module, inputs: object, **kwargs: object) -> object:
+        if isinstance(inputs, tuple) and inputs[0].shape[0] == 16:
+            raise CaptureError("no graph at 16 samples (test)")
+        return real(model, inputs, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(planner, "capture", capture_but_not_16)
+    monkeypatch.setattr(search, "SIMULATED_CANDIDATES", 1)  # the whole-batch micro-batch alone is simulated
+    model, inputs = _posnet(), (torch.randn(16, 16, 32),)
+    plan = compile(model, inputs, gpus=2, pp=2, microbatches="auto", schedule="1f1b", device="h100",
+                   capture_method="export")
+    rows = {c.microbatches: c for c in plan.candidates}
+    assert rows[1].status == "skipped"
+    assert "cannot be planned at 16 samples per micro-batch: no graph at 16 samples (test)" in rows[1].note
+    assert plan.microbatches != 1 and plan.stages

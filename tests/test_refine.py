@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 
 import _brute
@@ -261,3 +262,34 @@ def test_layer_starts_make_refinement_never_slower_than_hand_splits(stages: int)
     found = refine_split(problem, solved.stage_of, stages, microbatches=8, schedule="1f1b", alternatives=starts)
     for start in starts:
         assert found.after_s <= sim.step(start, sim.recompute(start)) + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_limit_cuts_off_only_steps_at_or_past_it(seed: int) -> None:
+    """``step(limit=)`` (lower bound, early stop, memo) returns the step when it is under the limit, else inf."""
+    problem, stages, microbatches, schedule = _case(seed)
+    rng = random.Random(seed)
+    splits = {tuple(sorted(rng.randrange(stages) for _ in range(problem.size))) for _ in range(12)}
+    for split in (s for s in splits if check_assignment(problem, s, stages) is None):
+        exact = SplitSimulator(problem, stages, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
+        step = exact.step(split)
+        cut = SplitSimulator(problem, stages, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
+        for limit in (step * 0.5, step * (1 - 1e-6), step * (1 + 1e-9), step * 2, step * 0.9, math.inf):
+            assert cut.step(split, limit=limit) == (step if step < limit else math.inf)
+        assert cut.simulations == 6  # remembered or cut off, each call counts
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_refinement_with_cut_offs_is_the_refinement_without(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cutting off slower candidates changes nothing the search finds, only how long it takes."""
+    problem, stages, microbatches, schedule = _case(seed)
+    start = solve(problem, stages=stages, microbatches=microbatches, schedule=schedule)  # type: ignore[arg-type]
+    if start is None:
+        pytest.skip("no split fits")
+    run = lambda: refine_split(problem, start.stage_of, stages, microbatches=microbatches,
+                               schedule=schedule, budget=60)  # type: ignore[arg-type]
+    fast = run()
+    step = SplitSimulator.step
+    monkeypatch.setattr(SplitSimulator, "step", lambda self, split, recompute=None, **_: step(self, split, recompute))
+    slow = run()
+    assert dataclasses.replace(fast, wall_s=0.0) == dataclasses.replace(slow, wall_s=0.0)

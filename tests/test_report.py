@@ -137,3 +137,30 @@ def test_report_of_a_chunked_plan_draws_both_figures(
     assert all(a > 0 for a in activations)
     # The timeline tells a rank's chunks apart by the stages its boxes name.
     assert track_stages(sim.events) == {r: plan.stages_of(r) for r in range(ranks)}
+
+
+def test_timeline_draws_one_collection_per_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Boxes are batched per track (a 70B plan has ~17,000 of them; a patch per box took over a minute)."""
+    from partitioner import figures
+
+    drawn: list[object] = []
+    save = figures._save
+
+    def keep(fig: object, path: Path) -> Path:
+        drawn.append(fig)
+        return save(fig, path)
+
+    monkeypatch.setattr(figures, "_save", keep)
+    plan = pipeline_plan(4, 8, kind="1f1b")
+    sim = simulate(plan)
+    timeline_png(sim.events, tmp_path / "timeline.png", title="4 x 8 1F1B")
+    (ax,) = drawn[0].axes  # type: ignore[attr-defined]
+    tracks = sorted({e.track for e in sim.events})
+    compute = [e for e in sim.events if e.kind in ("F", "B", "W")]
+    # Per track: one collection of its compute boxes, one of its waits, one of its all-reduce buckets.
+    assert len(ax.collections) <= 3 * len(tracks) < len(compute)
+    filled = [c for c in ax.collections if len(c.get_facecolors()) and c.get_facecolors()[0][3] > 0]
+    assert len(filled) == len(tracks)
+    assert sorted(len(c.get_paths()) for c in filled) == sorted(
+        sum(1 for e in compute if e.track == t) for t in tracks)
+    assert ax.get_xlim()[1] == pytest.approx(max(e.end_s for e in sim.events) * 1e3 * 1.02)

@@ -257,3 +257,52 @@ def test_a_weight_written_in_place_by_an_activation_runs_whole() -> None:
     gm = fx.symbolic_trace(_Writes())
     marked = mark_meetings(gm, active=["x"])
     assert marked.unsplit is not None and "writes an activation into a weight-side tensor" in marked.unsplit
+
+
+class _ConvNorm(torch.nn.Module):
+    """Convolution, GroupNorm, BatchNorm: modules the marking runs through ``functional_call``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.gn = torch.nn.GroupNorm(2, 4)
+        self.bn = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(torch.relu(self.gn(self.conv(x))))
+
+
+def test_convolutions_and_norms_split_exactly() -> None:
+    torch.manual_seed(0)
+    block = _ConvNorm()
+    gm = fx.symbolic_trace(_ConvNorm())
+    gm.load_state_dict(block.state_dict())
+    x, grad = torch.randn(3, 2, 4, 4), torch.randn(3, 4, 4, 4)
+    plain = x.clone().requires_grad_()
+    block(plain).backward(grad)
+    marked = mark_meetings(gm, active=["x"])
+    assert (marked.meetings, marked.unsplit) == (3, None)
+    leaf = x.clone().requires_grad_()
+    split = SplitBackward(unsplit=marked.unsplit)
+    with split.recording(marked.log):
+        out = gm(leaf)
+    (gx,) = split.backward_inputs([out], [grad], [leaf])
+    assert gx is not None and all(p.grad is None for p in gm.parameters())  # B: no parameter gradient
+    split.backward_weights()
+    torch.testing.assert_close(gx, plain.grad, rtol=0, atol=TOLERANCE)
+    for (name, p), q in zip(gm.named_parameters(), block.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOLERANCE, msg=name)
+
+
+def test_without_inputs_needing_a_gradient_w_does_the_whole_backward() -> None:
+    """An only stage (or a first one): B computes nothing, W every parameter gradient."""
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(_ConvNorm())
+    marked = mark_meetings(gm, active=[])
+    split = SplitBackward(unsplit=marked.unsplit)
+    with split.recording(marked.log):
+        loss = gm(torch.randn(3, 2, 4, 4)).square().mean()  # the loss, outside the graph
+    assert split.backward_inputs([loss], [None], []) == []
+    assert all(p.grad is None for p in gm.parameters()) and split.unsplit is None
+    split.backward_weights()
+    assert all(p.grad is not None for p in gm.parameters())

@@ -33,7 +33,7 @@ from runtime.verify import (
     RandomOp,
     VerifyResult,
     _compare_steps,
-    _rank_exit_message,
+    _rank_failure,
     model_traits,
     plan_in_dtype,
     reference_microbatches,
@@ -263,11 +263,60 @@ def test_mismatch_says_whether_the_model_has_random_ops_or_batch_statistics() ->
     assert ModelTraits().facts() == "The model has no random ops, and no batch statistics"
 
 
-def test_a_user_error_in_a_rank_is_one_paragraph(tmp_path: Path) -> None:
-    (tmp_path / "rank1.error").write_text("The plan was made for a TinyMLP, but the model is a Net.\n")
+def test_a_user_error_in_a_rank_is_one_paragraph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from partitioner.errors import PlanMismatchError
+    from runtime import failure
+
+    monkeypatch.setattr(failure, "_this_rank_stages", None)  # as in a rank that built no Pipeline yet
+    try:
+        raise PlanMismatchError("The plan was made for a TinyMLP, but the model is a Net.")
+    except PlanMismatchError as exc:
+        failure.record_failure(exc, rank=1, directory=tmp_path)
     exited = torch.multiprocessing.ProcessExitedException("process 1 terminated with exit code 2", 1, 1, 2)
-    text = _rank_exit_message(tmp_path, example_plan(), exited)
-    assert text == "Rank 1 (stage 1, replica 0) stopped: The plan was made for a TinyMLP, but the model is a Net."
+    error = _rank_failure(tmp_path, example_plan(), exited)
+    assert isinstance(error, failure.RankInputError) and error.exit_code == 2  # an AutopartitionError: exit 2
+    assert str(error).splitlines()[0] == (
+        "rank 1 (stage 1, replica 0): PlanMismatchError: The plan was made for a TinyMLP, but the model is a Net.")
+
+
+def test_a_rank_that_died_without_a_record_is_named(tmp_path: Path) -> None:
+    from runtime import failure
+
+    killed = torch.multiprocessing.ProcessExitedException("process 0 terminated with signal SIGKILL", 0, 7, -9,
+                                                          "SIGKILL")
+    error = _rank_failure(tmp_path, example_plan(), killed)
+    assert type(error) is failure.RankFailure and error.exit_code == 1
+    assert str(error).startswith("rank 0 ended with signal SIGKILL without raising an error")
+
+
+@pytest.mark.slow  # spawns two ranks
+@pytest.mark.parametrize(("fault", "code", "first"), [
+    # The model file's loss_fn raising is the model file's error (ModelFileError, bad input), at its line.
+    ("raise", 2, ("autopartition: error: rank 1 (stage 1, action 1F1): ModelFileError: dying.py:loss_fn(...) "
+                  "raised TypeError: the loss got a str where a tensor belongs")),
+    ("exit", 1, "autopartition: error: rank 1 ended with exit code 17 without raising an error"),
+])
+def test_a_failing_rank_is_named_with_its_cause_not_a_graph_dump(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fault: str, code: int,
+    first: str,
+) -> None:
+    from planning_helpers import make_plan  # type: ignore[import-not-found]  # tests/models, on sys.path
+
+    from partitioner.cli import main
+
+    spec = str(MODELS / "dying.py")
+    make_plan(spec, tmp_path, pp=2, microbatches=4, schedule="1f1b")
+    monkeypatch.setenv("AUTOPARTITION_TEST_DIE_RANK", "1")  # the spawned ranks inherit it
+    monkeypatch.setenv("AUTOPARTITION_TEST_FAULT", fault)
+    assert main(["verify", str(tmp_path), "--model", spec, "--steps", "2"]) == code
+    err = capsys.readouterr().err
+    lines = err[err.index("autopartition: error:"):].splitlines()
+    assert lines[0].startswith(first), err
+    assert "Traceback" not in err and "A rank failed" not in err
+    if fault == "raise":
+        assert lines[1] == "  at tests/models/dying.py:52: raise TypeError(TYPE_ERROR)", err
+        log = Path(lines[-1].rsplit(": ", 1)[1])
+        assert "Traceback" in log.read_text()
 
 
 # ------------------------------------------------------------------ spawned ranks

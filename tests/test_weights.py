@@ -6,12 +6,19 @@ casts, a rank's reads limited to its own tensors, the errors, and filling a
 model built on meta.  Then two spawned CPU ranks (gloo) build a two-stage
 Pipeline with ``weights=`` from each source (and into a model built on meta):
 each rank's state equals the whole model loaded from the same state dict.
+
+Damaged files are errors naming the file: a truncated or garbage safetensors file, a
+Pipeline checkpoint's shard that its manifest's size or CRC-32 does not match.  A
+directory of Pipeline checkpoints gives its newest complete step; an unfinished save
+(a ``.step-N.tmp-*`` folder, or ``plan.json`` and shards without ``checkpoint.json``)
+is refused rather than read as a mix of two steps.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,6 +47,7 @@ TIED = (TiedParameter("wte.weight", ("lm_head.weight", "wte.weight"), (0, 1)),)
 ALIASES = alias_map(TIED)
 
 import checkpoint_workers
+from crash_workers import single_rank_group
 from planning_helpers import make_plan
 from rank_workers import spawn_and_wait
 
@@ -211,18 +219,73 @@ def test_paths_that_hold_no_weights_are_clear_errors(tmp_path: Path) -> None:
         read_stage_weights(tmp_path / "sharded", spec)
 
 
+def test_truncated_or_garbage_safetensors_files_are_named(tmp_path: Path) -> None:
+    state = _state()
+    file = tmp_path / "model.safetensors"
+    save_file(_hf_style(state), str(file))
+    whole = file.read_bytes()
+    spec = _specs(state, ["layers.0.weight"])
+    for label, data in (("truncated", whole[: len(whole) // 2]), ("garbage", b"not safetensors at all" * 4)):
+        bad = tmp_path / f"{label}.safetensors"
+        bad.write_bytes(data)
+        with pytest.raises(CheckpointError) as error:
+            read_stage_weights(bad, spec)
+        message = str(error.value)
+        assert f"{bad} is not a readable safetensors file ({len(data)} bytes" in message, message
+        assert "truncated" in message and "Download or save it again" in message, message
+    _, second = _write_sharded(tmp_path / "sharded", _hf_style(state))
+    second.write_bytes(second.read_bytes()[:-8])  # a shard whose download stopped short
+    with pytest.raises(CheckpointError, match=f"{second} is not a readable safetensors file"):
+        read_stage_weights(tmp_path / "sharded", _specs(state, ["ln_f.bias"]))
+
+
+def test_pipeline_checkpoints_give_their_newest_complete_step_and_refuse_unfinished_ones(tmp_path: Path) -> None:
+    from partitioner.plan import example_plan
+    from runtime.checkpoint import save_checkpoint
+
+    root = tmp_path / "ckpt"
+    states = {}
+    model = load_model_file(SPEC).build()
+    with single_rank_group():
+        for step in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(float(step))
+            states[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            save_checkpoint(root, modules=[model], plan=example_plan(), keys=set(model.state_dict()), step=step)
+    names = ["layers.1.weight", "lm_head.weight", "scale"]
+    for path, step in ((root, 2), (root / "step-1", 1)):
+        got = read_stage_weights(path, _specs(states[step], names), ALIASES)
+        for name in names:
+            assert torch.equal(got[name], states[step][name]), (path, name)
+    unfinished = root / ".step-3.tmp-0a1b2c"
+    shutil.copytree(root / "step-2", unfinished)
+    (unfinished / "checkpoint.json").unlink()
+    with pytest.raises(CheckpointError, match=f"did not finish.*exists at {root / 'step-2'}"):
+        read_stage_weights(unfinished, _specs(states[2], names), ALIASES)
+    half = tmp_path / "half"  # as an interrupted save of earlier versions left it: plan.json, no manifest
+    shutil.copytree(unfinished, half)
+    with pytest.raises(CheckpointError, match="did not finish") as error:
+        read_stage_weights(half, _specs(states[2], names), ALIASES)
+    assert "weights=" not in str(error.value)
+    shard = root / "step-2" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-16])
+    with pytest.raises(CheckpointError, match=f"{shard} is truncated"):
+        read_stage_weights(root, _specs(states[2], names), ALIASES)
+
+
 def test_model_built_on_meta_is_filled_and_keeps_its_tie(tmp_path: Path) -> None:
     state = _state()
     save_file(_hf_style(state), str(tmp_path / "model.safetensors"))
     model_file = load_model_file(SPEC)
     with torch.device("meta"):
-        model = model_file.build()
+        model: Any = model_file.build()  # a TiedLM: its submodules by attribute
     assert model.wte.weight.is_meta
     load_weights([model], tmp_path, keys=set(state), tied=TIED)
     assert model.lm_head.weight is model.wte.weight and isinstance(model.wte.weight, torch.nn.Parameter)
     for name, value in model.state_dict().items():
         assert not value.is_meta and torch.equal(value, state[name]), name
-    real = model_file.build()  # real tensors are overwritten in place
+    real: Any = model_file.build()  # real tensors are overwritten in place
     before = real.layers[0].weight
     load_weights([real], tmp_path, keys=set(state), tied=TIED)
     assert real.layers[0].weight is before and torch.equal(before, state["layers.0.weight"])
@@ -248,7 +311,11 @@ def test_cli_run_passes_weights_to_the_ranks_in_the_environment(
     example_plan().save(tmp_path / "plan")
     (tmp_path / "model.safetensors").write_bytes(b"")
     seen: list[str | None] = []
-    monkeypatch.setattr(launch, "run_plan", lambda *args: seen.append(os.environ.get(WEIGHTS_ENV)) or 0)
+    def run_plan(*args: Any) -> int:
+        seen.append(os.environ.get(WEIGHTS_ENV))
+        return 0
+
+    monkeypatch.setattr(launch, "run_plan", run_plan)
     before = os.environ.get(WEIGHTS_ENV)
     monkeypatch.setenv(WEIGHTS_ENV, "")  # so that the value cli.main sets is undone after the test
     monkeypatch.delenv(WEIGHTS_ENV)

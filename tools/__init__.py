@@ -5,4 +5,4 @@ bench_runtime`` or ``from tools.benchplanner import baselines``, with the reposi
 ``sys.path`` (``tests/conftest.py`` puts it there; a script run by path inserts it itself).
 """
 
-__all__ = ["bench_large", "bench_planner", "bench_predict", "bench_runtime", "bench_schedules", "bench_startup", "benchplanner"]
+__all__ = ["bench_large", "bench_planner", "bench_predict", "bench_runtime", "bench_schedules", "bench_startup", "benchplanner", "model_matrix"]

@@ -10,14 +10,15 @@ Commands (from the repository root)::
 Cases (all ``--device h100``, ``precision="bf16-mixed"``, ``optimizer="adam"``,
 ``recompute="auto"``, ``microbatches="auto"``, ``schedule="auto"``, 8 GPUs per node):
 
-=============  ==============================  =====  ============================  =============
-case           model file                      GPUs   batch (sequences x tokens)    targets
-=============  ==============================  =====  ============================  =============
-llama3-70b     examples/llama.py:llama3_70b      64     256 x 4,096 = 1 M tokens     < 60 s, < 2 GB
-llama3-405b    examples/llama.py:llama3_405b  1,024   1,024 x 4,096 = 4 M tokens     < 3 min, < 4 GB
-gpt3-175b      examples/gpt3.py:gpt3_175b       512   1,536 x 2,048 = 3.2 M tokens   (reported)
-gpt3-xl        examples/gpt3.py:gpt3_xl           8      32 x 2,048                  (reported)
-=============  ==============================  =====  ============================  =============
+==============  ==============================  =====  ============================  =============
+case            model file                      GPUs   batch (sequences x tokens)    targets
+==============  ==============================  =====  ============================  =============
+llama3-70b      examples/llama.py:llama3_70b      64     256 x 4,096 = 1 M tokens     < 60 s, < 2 GB
+llama3-405b     examples/llama.py:llama3_405b  1,024   1,024 x 4,096 = 4 M tokens     < 3 min, < 4 GB
+llama3-405b-8m  examples/llama.py:llama3_405b  1,024   2,048 x 4,096 = 8 M tokens     < 90 s, < 4 GB
+gpt3-175b       examples/gpt3.py:gpt3_175b       512   1,536 x 2,048 = 3.2 M tokens   (reported)
+gpt3-xl         examples/gpt3.py:gpt3_xl           8      32 x 2,048                  (reported)
+==============  ==============================  =====  ============================  =============
 
 Batches: Llama 3 405B's first pre-training stage used 4 M-token batches of 4,096-token
 sequences (Llama 3 paper, section 3.4.1); GPT-3 175B used 3.2 M tokens (Brown et al.
@@ -115,6 +116,8 @@ class Case:
 CASES: tuple[Case, ...] = (
     Case("llama3-70b", "examples/llama.py:llama3_70b", 64, 256, 4096, 60.0, 2e9),
     Case("llama3-405b", "examples/llama.py:llama3_405b", 1024, 1024, 4096, 180.0, 4e9),
+    # Twice the batch: every replica's micro-batches are one sample, the size the graph is not costed at.
+    Case("llama3-405b-8m", "examples/llama.py:llama3_405b", 1024, 2048, 4096, 90.0, 4e9),
     Case("gpt3-175b", "examples/gpt3.py:gpt3_175b", 512, 1536, 2048),
     Case("gpt3-xl", "examples/gpt3.py:gpt3_xl", 8, 32, 2048),
 )

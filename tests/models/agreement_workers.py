@@ -86,3 +86,72 @@ def compile_worker(
         _train_step(plan, model_file, rank, out)
 
     _run(rank, out_dir, body)
+
+
+def rank0_compiles_worker(
+    rank: int, world: int, port: int, model_spec: str, out_dir: str, options: dict[str, Any], plan_dir: str
+) -> None:
+    """Rank 0 alone calls ``compile()`` and saves the plan; every rank waits at a barrier, then ``Plan.load``s it."""
+    import torch.distributed as dist
+
+    from partitioner.modelfile import load_model_file
+    from partitioner.plan import Plan
+    from partitioner.planner import compile
+
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+
+    def body() -> None:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PIPELINE_TIMEOUT_S))
+        if rank == 0:
+            model_file = load_model_file(model_spec)
+            batch = options.pop("batch")
+            compile(model_file.build(), model_file.example_inputs(batch), **options).save(plan_dir)
+        dist.barrier()
+        (out / f"rank{rank}.json").write_text(Plan.load(plan_dir).to_json())
+        dist.barrier()
+        dist.destroy_process_group()
+
+    _run(rank, out_dir, body)
+
+
+def compile_calls_worker(
+    rank: int, world: int, port: int, model_spec: str, out_dir: str, calls: list[dict[str, Any]]
+) -> None:
+    """Each rank makes the ``compile()`` calls of ``calls`` whose ``ranks`` name it, in order.
+
+    ``rank{R}.json`` holds the plans it got so far (JSON list of plan texts),
+    ``rank{R}.txt`` ``ok`` or the first error.  A call waits for rank 0's plan at most
+    its ``wait_s`` seconds (default: ``PIPELINE_TIMEOUT_S``).  A final
+    barrier keeps rank 0 (which hosts the store) alive until every rank is done.
+    """
+    import json
+
+    import torch.distributed as dist
+
+    from partitioner import agree
+    from partitioner.modelfile import load_model_file
+    from partitioner.planner import compile
+
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PIPELINE_TIMEOUT_S))
+
+    def body() -> None:
+        model_file = load_model_file(model_spec)
+        plans = []
+        for call in calls:
+            if rank in call["ranks"]:
+                options = dict(call["options"])
+                batch = options.pop("batch")
+                agree.COMPILE_WAIT_S = call.get("wait_s", PIPELINE_TIMEOUT_S)
+                plans.append(compile(model_file.build(), model_file.example_inputs(batch), **options).to_json())
+                (out / f"rank{rank}.json").write_text(json.dumps(plans))
+
+    try:
+        _run(rank, out_dir, body)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
