@@ -133,5 +133,6 @@ def test_a_rank_killed_mid_shard_leaves_the_previous_step_and_damage_is_agreed(
 
 
 @pytest.mark.slow  # one saving job per kill point, ~10 s each
+@pytest.mark.exhaustive  # the in-process tests of test_checkpoint.py cover every kill point
 def test_every_kill_point_leaves_a_loadable_step_with_its_exact_values(tmp_path: Path, plan_dir: Path) -> None:
     _run(tuple(p for p in POINTS if p not in DEFAULT_POINTS), tmp_path, plan_dir)

@@ -348,7 +348,12 @@ def _summary(err: str) -> list[str]:
 
 
 @pytest.mark.slow  # starts torchrun with two ranks (~15 s)
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+@pytest.mark.parametrize("signum", [
+    signal.SIGTERM,
+    # the stand-in torchrun tests cover these on every run; real ones in the exhaustive tier
+    pytest.param(signal.SIGINT, marks=pytest.mark.exhaustive),
+    pytest.param(signal.SIGHUP, marks=pytest.mark.exhaustive),
+])
 def test_stopping_the_launcher_stops_every_rank(tmp_path: Path, signum: int) -> None:
     process, out = _launch(tmp_path, steps=0)
     started = _wait_for(lambda: all((out / f"step{r}").exists() for r in range(2)) or process.poll() is not None, 120)

@@ -310,6 +310,7 @@ def test_a_schedule_that_cannot_run_is_dropped_and_refused_naming_ones_that_run(
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # tests/test_model_matrix.py's cnn row and cells on ranks
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
 def test_cnn_with_a_long_skip_verifies_on_two_gloo_ranks(tmp_path: Path, schedule: str) -> None:
     from runtime.verify import verify
