@@ -493,17 +493,8 @@ class Pipeline:
             "sends": self._ship is not None and self.rank == self._ship[0],
             "receives_from": self._ship[0] if self._ship is not None and self.rank == self._ship[1] else None,
         }
-        notes: list[Any] = [None] * dist.get_world_size()
-        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        try:
-            with on_device:
-                dist.all_gather_object(notes, note)
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            raise PeerFailure(
-                f"Rank {self.rank}: not every rank answered while comparing the data of the first {call}() "
-                f"(timeout {self.timeout:g} s): {first}. Every rank must call {call}()."
-            ) from exc
+        notes = _gather_notes(note, device=self.device, timeout=self.timeout,
+                              comparing=f"the data of the first {call}()", must=f"call {call}()")
         message = _feeding_message(notes, batch=self._batch, call=call)
         if message:
             raise AutopartitionError(message)
@@ -723,18 +714,7 @@ def _agree(plan: Plan, failure: Exception | None, *, device: torch.device, timeo
         "failure": None if failure is None else
                    (type(failure).__name__, str(failure), isinstance(failure, AutopartitionError)),
     }
-    notes: list[Any] = [None] * dist.get_world_size()
-    # Objects travel as tensors on the current device: under NCCL that must be this rank's GPU.
-    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    try:
-        with on_device:
-            dist.all_gather_object(notes, note)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        raise PeerFailure(
-            f"Rank {dist.get_rank()}: not every rank answered while comparing plans (timeout {timeout:g} s): "
-            f"{first}. Every rank must build a Pipeline."
-        ) from exc
+    notes = _gather_notes(note, device=device, timeout=timeout, comparing="plans", must="build a Pipeline")
     if len({n["digest"] for n in notes}) > 1:
         raise PlanMismatchError(_mismatch_message(notes))
     if failure is not None:
@@ -768,3 +748,21 @@ def _mismatch_message(notes: list[dict[str, Any]]) -> str:
         f"The ranks hold different plans ({'; '.join(holders)}); they differ in {', '.join(fields)}. "
         f"Running them would compute a wrong loss or hang, so no rank starts.{models} {_SAFE_PATTERN}"
     )
+
+
+def _gather_notes(note: dict[str, Any], *, device: torch.device, timeout: float, comparing: str,
+                  must: str) -> list[Any]:
+    """Every rank's ``note`` (an all-gather of JSON-able objects); a rank that does not answer is a PeerFailure."""
+    notes: list[Any] = [None] * dist.get_world_size()
+    # Objects travel as tensors on the current device: under NCCL that must be this rank's GPU.
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    try:
+        with on_device:
+            dist.all_gather_object(notes, note)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise PeerFailure(
+            f"Rank {dist.get_rank()}: not every rank answered while comparing {comparing} (timeout {timeout:g} s): "
+            f"{first}. Every rank must {must}."
+        ) from exc
+    return notes

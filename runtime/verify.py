@@ -637,7 +637,8 @@ def _train_rank(
     pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout,
                     init_weights=_init_weights(model_file), seed=seed)
     inputs, target = _batch(model_file, plan, dtype)
-    opt = torch.optim.SGD(pipe.parameters(), lr=lr, momentum=0.9)
+    # A rank whose stages hold no parameter (a stage of shape ops only) has nothing to step.
+    opt = torch.optim.SGD(pipe.parameters(), lr=lr, momentum=0.9) if list(pipe.parameters()) else None
     params = {n for n, _ in pipe.named_parameters()}
 
     def snapshot() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -651,7 +652,8 @@ def _train_rank(
         p, b = snapshot()
         record["params"].append(p)
         record["buffers"].append(b)
-        opt.zero_grad()
+        if opt is not None:
+            opt.zero_grad()
         with derandomised:
             loss = pipe.step(inputs, target)
         if loss is not None:
@@ -659,7 +661,8 @@ def _train_rank(
         record["grads"].append(
             {n: q.grad.detach().clone() for n, q in pipe.named_parameters() if q.grad is not None}
         )
-        opt.step()
+        if opt is not None:
+            opt.step()
     p, b = snapshot()
     record["params"].append(p)
     record["buffers"].append(b)
