@@ -20,7 +20,8 @@ from runtime.pipeline import Pipeline
 
 out = Path(os.environ["AUTOPARTITION_TEST_OUT"])
 rank = int(os.environ["RANK"])
-(out / f"pid{rank}").write_text(str(os.getpid()))
+(out / f"pid{rank}.tmp").write_text(str(os.getpid()))
+(out / f"pid{rank}.tmp").replace(out / f"pid{rank}")  # whole, never read half-written
 torch.set_num_threads(1)
 plan = plan_from_env()
 pipe = Pipeline(plan, dying.build_model(), dying.loss_fn, device=torch.device("cpu"))
