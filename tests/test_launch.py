@@ -420,7 +420,7 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout_and_is_named(tmp_path: Pa
     summary = _summary(err)
     assert summary[0] == ("autopartition: error: rank 1 (stage 1) stopped answering: rank 0 (stage 0, action 0RB1) "
                           "got no answer from it within 3 s."), err
-    assert summary[1] == "  at tests/models/failing_workers.py:35: loss = pipe.step(inputs, target)", err
+    assert summary[1] == "  at tests/models/failing_workers.py:36: loss = pipe.step(inputs, target)", err
     assert "AUTOPARTITION_TIMEOUT" in summary[2]
     assert took < 15, took
     assert not [p for p in pids if _alive(p)], "a rank outlived the launcher"
