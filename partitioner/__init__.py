@@ -2,7 +2,7 @@
 
 ``import partitioner`` is cheap and does not import torch: :func:`compile` (which
 needs torch) and :class:`Plan` are imported on first use, so the command line's
-``--help`` and the torch-free solver modules (``partitioner.problem`` and friends)
+``--help`` and the torch-free solver modules (``partitioner.solve.problem`` and friends)
 stay fast to import.
 
 Example::
@@ -24,12 +24,12 @@ from partitioner.errors import AutopartitionError
 
 if TYPE_CHECKING:  # the real names for type checkers; at run time module __getattr__ below
     from partitioner.plan import Plan
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
 __all__ = ["AutopartitionError", "Plan", "compile", "load_plan"]
 
 # Public name -> the module that defines it, imported on first access.
-_LAZY = {"compile": "partitioner.planner", "Plan": "partitioner.plan"}
+_LAZY = {"compile": "partitioner.search.planner", "Plan": "partitioner.plan"}
 
 
 def __getattr__(name: str) -> Any:

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
 from partitioner.defaults import SCHEDULES
 from partitioner.errors import AutopartitionError
-from partitioner.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
-from partitioner.progress import Reporter, hide_library_output
+from partitioner.report.progress import Reporter, hide_library_output
 from partitioner.units import SIZE_HELP, parse_size, plural
 
 __all__ = ["main", "parse_size"]  # parse_size lives in partitioner.units
@@ -250,9 +250,9 @@ def _calibrate_parser() -> argparse.ArgumentParser:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from partitioner.calibration import calibrate, recalibrated, stage_pairs
     from partitioner.plan import Plan
-    from partitioner.timeline import read_events
+    from partitioner.schedule.timeline import read_events
+    from partitioner.search.calibrate import calibrate, recalibrated, stage_pairs
 
     plan = Plan.load(args.plan)
     found = calibrate(plan, args.trace, plan_label=f"plan {args.plan}")
@@ -322,9 +322,9 @@ def _run_parser() -> argparse.ArgumentParser:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from partitioner import planner
     from partitioner.modelfile import load_model_file
-    from partitioner.table import format_plan
+    from partitioner.report.table import format_plan
+    from partitioner.search import planner
 
     say = Reporter(quiet=args.quiet)
     out = Path(args.out)
@@ -458,8 +458,8 @@ def _model_source(spec: str) -> str:
 
 def _fingerprint(model: Any, inputs: Any, method: str) -> str | None:
     """The graph fingerprint of ``model`` captured by ``method``; None when it cannot be captured so."""
-    from partitioner.capture import capture
-    from partitioner.ir import graph_fingerprint
+    from partitioner.graph.capture import capture
+    from partitioner.graph.ir import graph_fingerprint
 
     try:
         return graph_fingerprint(capture(model, inputs, method=cast(Any, method)).graph_module)
@@ -481,7 +481,7 @@ def _training_script(model: str) -> str:
 
 def _show(args: argparse.Namespace) -> int:
     from partitioner.plan import Plan
-    from partitioner.table import format_plan
+    from partitioner.report.table import format_plan
 
     plan = Plan.load(args.plan)
     print(format_plan(plan))
@@ -591,11 +591,11 @@ def _version() -> str:
 
 
 def _write_report(plan: Any, directory: Path, *, say: Callable[[str], None] | None = None) -> Path | None:
-    """Call ``partitioner.report.write_report`` when that module exists; return where it wrote."""
+    """Call ``partitioner.report.markdown.write_report`` when that module exists; return where it wrote."""
     try:
-        report = importlib.import_module("partitioner.report")
+        report = importlib.import_module("partitioner.report.markdown")
     except ImportError as exc:
-        if getattr(exc, "name", None) != "partitioner.report":
+        if getattr(exc, "name", None) != "partitioner.report.markdown":
             (say or _stderr)(f"no report written: {type(exc).__name__}: {exc}")
         return None
     written = report.write_report(plan, directory)

@@ -29,6 +29,7 @@ from partitioner.errors import ScheduleError
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_SCHEDULE",
+    "MAX_ACTION_JITTER",
     "SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
     "ScheduleKind",
@@ -49,6 +50,10 @@ SPLIT_BACKWARD_SCHEDULES: tuple[ScheduleKind, ...] = ("zb-h1", "zbv")
 # MiB of gradients per DDP all-reduce bucket: DDP's own default
 # (torch.nn.parallel.DistributedDataParallel, ``bucket_cap_mb``).
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+# Largest spread of one action about its stage's median, as the std of log(seconds / median): e^1 either
+# way.  Beyond it a trace is not of a steady run (calibration files and plan.json are checked against it).
+MAX_ACTION_JITTER = 1.0
 
 
 def splits_backward(kind: str) -> bool:

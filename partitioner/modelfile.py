@@ -45,8 +45,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from partitioner.capture import CallSpec, split_call
 from partitioner.errors import CaptureError, ModelFileError
+from partitioner.graph.capture import CallSpec, split_call
 
 __all__ = ["ModelFile", "forward_failure", "load_model_file", "split_spec"]
 

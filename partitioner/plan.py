@@ -36,19 +36,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Union
 
-from partitioner.blockgraph import BlockGraph
-from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
+from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, MAX_ACTION_JITTER
 from partitioner.errors import PlanFormatError
-from partitioner.ir import tensor_nbytes
-from partitioner.problem import relative_gap
-from partitioner.schedule import Schedule
-
-if typing.TYPE_CHECKING:
-    from partitioner.simulate import Simulation
+from partitioner.graph.ir import tensor_nbytes
+from partitioner.orders import Schedule
+from partitioner.solve.blockgraph import BlockGraph
+from partitioner.solve.problem import relative_gap
 
 __all__ = [
     "FORMAT_VERSION",
-    "MAX_ACTION_JITTER",
     "Boundary",
     "Candidate",
     "CostModelInfo",
@@ -68,7 +64,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 3
-MAX_ACTION_JITTER = 1.0  # a spread of e^1 either way: beyond it a trace is not of a steady run
 LINKS = ("intra", "inter")  # a message or all-reduce inside one node, or between nodes
 STAGE_RECOMPUTE = ("none", "full")  # keep activations, or recompute each block's forward in backward
 
@@ -147,7 +142,7 @@ ADDED_IN_VERSION = "added_in_version"
 
 @dataclasses.dataclass(frozen=True)
 class Refinement:
-    """The simulation-guided refinement of the solver's split (:mod:`partitioner.refine`).
+    """The simulation-guided refinement of the solver's split (:mod:`partitioner.schedule.refine`).
 
     ``before_s``: the simulated step of the solver's split; ``after_s``: of the
     split kept (never more); ``moves``: boundary moves accepted.
@@ -177,7 +172,7 @@ class SolverInfo:
 
     @property
     def gap(self) -> float:
-        """Share the objective may lie above the optimum (:func:`partitioner.problem.relative_gap`)."""
+        """Share the objective may lie above the optimum (:func:`partitioner.solve.problem.relative_gap`)."""
         return relative_gap(self.objective, self.lower_bound)
 
 
@@ -240,10 +235,10 @@ class CostModelInfo:
     inter_node_bandwidth: float | None = None  # bytes/s per GPU between nodes; None: link_bandwidth
     inter_node_latency: float | None = None  # seconds per message between nodes; None: link_latency
     # FLOP/s of one GPU for the MFU: the peaks the model's FLOPs run at, never below what a node was
-    # timed at (partitioner.assemble.mfu_peak_flops)
+    # timed at (partitioner.search.assemble.mfu_peak_flops)
     peak_flops: float | None = None
     message_host_s: float = 0.0  # seconds of a rank's own time per message sent or received
-    # A calibration from a traced run (partitioner.calibration): node times x scale, + action_host_s per action.
+    # A calibration from a traced run (partitioner.cost.calibration): node times x scale, + action_host_s per action.
     calibration_scale: float = dataclasses.field(default=1.0, metadata={ADDED_IN_VERSION: 3})
     action_host_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
     # and each compute action's spread about its time (the simulator's jitter; 0: every action as predicted).
@@ -272,8 +267,8 @@ class Plan:
     stage_code: tuple[str, ...]  # readable generated code per stage; never executed
     # From the planner, in memory only (never in plan.json): save() draws it as graph.png, blocks.graphml.
     block_graph: BlockGraph | None = dataclasses.field(default=None, compare=False, repr=False)
-    precision: str = "fp32"  # partitioner.precision.PRECISIONS
-    optimizer: str = "adam"  # partitioner.precision.OPTIMIZERS; its states: cost_model.optimizer_states
+    precision: str = "fp32"  # partitioner.cost.precision.PRECISIONS
+    optimizer: str = "adam"  # partitioner.cost.precision.OPTIMIZERS; its states: cost_model.optimizer_states
     gpus_per_node: int | None = None  # node of rank r: r // gpus_per_node; None: one node
     chunks: int = 1  # stages per pipeline rank (interleaved-1f1b: v; zbv: 2)
 
@@ -299,18 +294,6 @@ class Plan:
     def stage_ranks(self) -> tuple[int, ...]:
         """Pipeline rank of every stage, by stage index."""
         return tuple(s.rank for s in self.stages)
-
-    def simulate(self) -> Simulation:
-        """Discrete-event simulation of one step (see :mod:`partitioner.simulate`)."""
-        from partitioner.simulate import simulate
-
-        return simulate(self)
-
-    def report(self) -> str:
-        """The stage table and summary, as ``autopartition show`` prints it."""
-        from partitioner.table import format_plan
-
-        return format_plan(self)
 
     def schedule_data(self) -> Schedule:
         return Schedule.from_strings(self.schedule, self.microbatches, self.actions)
@@ -356,7 +339,10 @@ class Plan:
             ) from exc
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``plan.json`` and ``stage_K.py`` (and the block graph's pictures, if any) into ``directory``."""
+        """Write ``plan.json`` and ``stage_K.py`` (and ``blocks.graphml``, if any) into ``directory``.
+
+        The pictures (``graph.png`` among them) are the report's: :func:`partitioner.report.markdown.write_report`.
+        """
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         (path / "plan.json").write_text(self.to_json() + "\n")
@@ -365,7 +351,7 @@ class Plan:
         for index, code in enumerate(self.stage_code):
             (path / f"stage_{index}.py").write_text(code)
         if self.block_graph is not None:
-            self.block_graph.save(path, title=self.model.class_name)
+            self.block_graph.write_graphml(path)
         return path
 
     @staticmethod
@@ -466,7 +452,7 @@ def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
 
 def _check_names(plan: Plan) -> None:
     """Fields that hold one of a few names: a misspelt one is a corrupt plan."""
-    from partitioner.precision import OPTIMIZERS, PRECISIONS
+    from partitioner.cost.precision import OPTIMIZERS, PRECISIONS
 
     checks: list[tuple[str, str, Sequence[str]]] = [
         ("plan.precision", plan.precision, PRECISIONS),
@@ -585,11 +571,11 @@ def _described(b: Boundary | None) -> str:
 def _check_actions(plan: Plan) -> None:
     """Every action parses and names a stage of its row's rank and one of the plan's micro-batches.
 
-    Completeness and order are the runtime's full check (:func:`partitioner.schedule.validate`);
+    Completeness and order are the runtime's full check (:func:`partitioner.schedule.lower.validate`);
     this catches an edited micro-batch count or a mistyped action before any rank starts.
     """
     from partitioner.errors import ScheduleError
-    from partitioner.schedule import Action
+    from partitioner.orders import Action
 
     forwards: dict[int, set[int]] = {st.index: set() for st in plan.stages}
     for rank, row in enumerate(plan.actions):

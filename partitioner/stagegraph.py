@@ -13,7 +13,7 @@ are baked in as literals rather than sent.
 Example::
 
     >>> import torch
-    >>> from partitioner.capture import capture
+    >>> from partitioner.graph.capture import capture
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     >>> c = capture(m, (torch.randn(2, 4),))
     >>> sig = StageSignature(model_inputs=("input_1",), received=(), sent=("_0",), outputs=())
@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import fx
 
-from partitioner.capture import CapturedModel
 from partitioner.errors import PlanMismatchError
-from partitioner.ir import KIND_KEY
+from partitioner.graph.capture import CapturedModel
+from partitioner.graph.ir import KIND_KEY
 from partitioner.plan import StagePlan
 
 __all__ = ["StageSignature", "build_stage", "closure", "stage_signature"]

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from partitioner.ir import dtype_from_name
+from partitioner.graph.ir import dtype_from_name
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

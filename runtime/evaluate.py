@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from partitioner.capture import model_loss
 from partitioner.errors import InternalError
+from partitioner.graph.capture import model_loss
 from partitioner.plan import Boundary, Plan
 from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
 from runtime.execute import StepFailure

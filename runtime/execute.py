@@ -50,9 +50,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
-from partitioner.capture import model_loss
+from partitioner.graph.capture import model_loss
+from partitioner.orders import Action
 from partitioner.plan import Boundary, Plan
-from partitioner.schedule import Action
 from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
 from runtime.meetings import MarkedGraph, inputs_written_in_place, mark_meetings
 from runtime.splitbackward import SplitBackward
@@ -115,7 +115,7 @@ class _Held:
 def gradient_order(actions: Sequence[Action]) -> list[int]:
     """The stages of a row in the order their gradients are complete (after their last W, else last B).
 
-    >>> from partitioner.schedule import parse_actions
+    >>> from partitioner.orders import parse_actions
     >>> gradient_order(parse_actions(["0F0", "3F0", "3B0", "0B0", "3W0", "0W0"]))
     [3, 0]
     """

@@ -62,7 +62,7 @@ from torch import fx, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils import _pytree as pytree
 
-from partitioner.ir import VALUE_KEY, dtype_from_name
+from partitioner.graph.ir import VALUE_KEY, dtype_from_name
 
 __all__ = ["LOG_NAME", "Known", "MarkedGraph", "Meeting", "MeetingLog", "inputs_written_in_place", "mark_meetings"]
 

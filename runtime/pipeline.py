@@ -27,11 +27,12 @@ from torch.utils import _pytree as pytree
 
 from partitioner import errors
 from partitioner.agree import plan_digest, plan_sections
-from partitioner.capture import split_call
 from partitioner.errors import AutopartitionError, PlanMismatchError
+from partitioner.graph.capture import split_call
+from partitioner.orders import Action
 from partitioner.plan import Plan
-from partitioner.schedule import Action, validate
-from partitioner.timeline import TimelineEvent, write_chrome_trace
+from partitioner.schedule.lower import validate
+from partitioner.schedule.timeline import TimelineEvent, write_chrome_trace
 from runtime import checkpoint
 from runtime.clip import clip_gradients
 from runtime.comm import (

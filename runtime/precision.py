@@ -22,7 +22,7 @@ allocated.
 Example::
 
     >>> import torch
-    >>> from partitioner.capture import capture
+    >>> from partitioner.graph.capture import capture
     >>> m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
     >>> tokens = torch.zeros(2, 3, dtype=torch.long)
     >>> c = capture(m, (tokens,))
@@ -46,11 +46,11 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from partitioner.cost.precision import check_precision
 from partitioner.errors import AutopartitionError
-from partitioner.ir import dtype_name
-from partitioner.meta import FakeState, StandIns, attribute, fake_like, home_device
+from partitioner.graph.ir import dtype_name
+from partitioner.graph.meta import FakeState, StandIns, attribute, fake_like, home_device
 from partitioner.plan import Boundary, Plan
-from partitioner.precision import check_precision
 
 __all__ = [
     "PrecisionForward",
@@ -137,7 +137,7 @@ def boundary_dtypes(
 ) -> dict[str, str]:
     """The dtype of every tensor node of ``gm`` when it runs under ``precision``, by node name.
 
-    The graph runs on fake stand-ins (:mod:`partitioner.meta`) of its inputs,
+    The graph runs on fake stand-ins (:mod:`partitioner.graph.meta`) of its inputs,
     parameters and buffers: nothing is allocated and no weight is read.
     ``device_type`` picks autocast's op lists (``cuda`` and ``cpu`` differ a
     little); by default the inputs' device.

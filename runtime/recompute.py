@@ -1,7 +1,7 @@
 """Activation recomputation at run time: a stage whose plan says ``recompute == "full"`` checkpoints each block.
 
 A stage module (an ``fx.GraphModule``) is cut into *blocks*: runs of
-consecutive compute nodes of one layer (:func:`partitioner.meta.layer_of` of
+consecutive compute nodes of one layer (:func:`partitioner.graph.meta.layer_of` of
 the node's module: ``layers.3``, ``model.layers.3``, ``lm_head``), with
 root-level glue (a residual add, ``x.view``) joining the block before it (or
 the first block, when it leads).  :class:`Recomputed` runs each block under
@@ -22,7 +22,7 @@ module's parameters only, under their original names.
 Example::
 
     >>> import torch
-    >>> from partitioner.capture import capture
+    >>> from partitioner.graph.capture import capture
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     >>> gm = capture(m, (torch.randn(3, 4),)).graph_module
     >>> block_nodes(gm)
@@ -44,8 +44,8 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from partitioner.errors import InternalError
-from partitioner.ir import module_path
-from partitioner.meta import layer_of
+from partitioner.graph.ir import module_path
+from partitioner.graph.meta import layer_of
 
 __all__ = ["Recomputed", "block_nodes"]
 

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from partitioner.capture import CallSpec, CapturedModel, capture
 from partitioner.errors import PlanMismatchError
-from partitioner.ir import ValueInfo, dtype_from_name, graph_fingerprint
+from partitioner.graph.capture import CallSpec, CapturedModel, capture
+from partitioner.graph.ir import ValueInfo, dtype_from_name, graph_fingerprint
+from partitioner.graph.values import propagate_values
 from partitioner.plan import Plan, StagePlan
 from partitioner.stagegraph import StageSignature, build_stage, stage_signature
-from partitioner.values import propagate_values
 
 __all__ = ["LocalStage", "build_local_stage", "build_local_stages", "call_spec", "example_microbatch", "recapture"]
 

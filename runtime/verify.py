@@ -58,9 +58,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from partitioner.capture import CallSpec, model_loss
 from partitioner.errors import AutopartitionError
-from partitioner.ir import dtype_name
+from partitioner.graph.capture import CallSpec, model_loss
+from partitioner.graph.ir import dtype_name
 from partitioner.plan import Plan
 from runtime.failure import (
     FAILURE_DIR_ENV,

@@ -9,9 +9,9 @@ block order, what the interval DP solves).
 Each assignment is priced with every recomputation choice its mode allows
 (all ``2**P`` per-stage choices under "auto") and the least step time among
 those that fit is kept; :func:`best_choice` asserts that the problem's local
-rule (:func:`~partitioner.problem.choose_recompute`) reaches that least.  Links
+rule (:func:`~partitioner.solve.problem.choose_recompute`) reaches that least.  Links
 (node-crossing transfers and all-reduces) are priced by the shared closed form,
-:func:`~partitioner.problem.step_time`, checked by hand in ``test_problem.py``.
+:func:`~partitioner.solve.problem.step_time`, checked by hand in ``test_problem.py``.
 
 Imported from the test modules as ``import _brute`` (pytest's default
 ``prepend`` import mode puts ``tests/`` on ``sys.path``; ``tests`` has no
@@ -27,7 +27,7 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TypedDict, TypeVar
 
-from partitioner.problem import (
+from partitioner.solve.problem import (
     RECOMPUTE_MODES,
     PartitionProblem,
     RecomputeMode,
@@ -87,7 +87,7 @@ def best_choice(
     Every choice is enumerated; the stage costs and memory of "keep" and
     "recompute" are taken once each and combined per choice (the closed form,
     spelled out here: ``sum t + (M-1) max t + max (all-reduce + latency)``).
-    Asserts that :func:`~partitioner.problem.choose_recompute` attains the least.
+    Asserts that :func:`~partitioner.solve.problem.choose_recompute` attains the least.
     """
     options = recompute_options(problem, stages)
     if len(options) == 1:

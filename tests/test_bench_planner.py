@@ -14,7 +14,7 @@ import random
 import _brute
 import pytest
 
-from partitioner.problem import PartitionProblem, check_assignment, step_time
+from partitioner.solve.problem import PartitionProblem, check_assignment, step_time
 from tools.benchplanner import baselines, reference, zoo
 
 

@@ -64,8 +64,8 @@ def test_bench_schedules_calibrates_each_plan_on_the_others_only() -> None:
     """No plan's prediction is fitted on its own run, nor on a configuration of the very same plan."""
     import dataclasses
 
+    from partitioner.orders import Action
     from partitioner.plan import example_plan
-    from partitioner.schedule import Action
     from tools import bench_schedules
 
     gpipe = example_plan()

@@ -1,6 +1,6 @@
 """The block graph: the solver's DiGraph view, the plan's pictures, and plan.json left alone.
 
-A compiled plan carries a :class:`~partitioner.blockgraph.BlockGraph` in memory;
+A compiled plan carries a :class:`~partitioner.solve.blockgraph.BlockGraph` in memory;
 ``Plan.save`` writes it as ``graph.png`` and ``blocks.graphml``, never into
 ``plan.json``, and ``autopartition show`` works from ``plan.json`` alone whether
 the pictures are there or not.
@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from partitioner import compile
-from partitioner.blockgraph import GRAPH_FILES, Block, BlockGraph, problem_graph
-from partitioner.graphfig import block_graph_png
 from partitioner.plan import Plan, example_plan
-from partitioner.report import report_markdown, write_report
+from partitioner.report.graphfig import GRAPH_PNG, block_graph_png
+from partitioner.report.markdown import report_markdown, write_report
+from partitioner.solve.blockgraph import GRAPHML_FILE, Block, BlockGraph, problem_graph
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -62,9 +62,9 @@ def test_block_graph_cut_edges_and_networkx() -> None:
 
 def test_save_writes_png_and_graphml_that_reads_back(tmp_path: Path) -> None:
     bg = small_graph()
-    png, graphml = bg.save(tmp_path, title="diamond")
-    assert [png.name, graphml.name] == list(GRAPH_FILES)
-    assert png.read_bytes()[:8] == PNG
+    graphml = bg.write_graphml(tmp_path)
+    png = block_graph_png(bg, tmp_path / GRAPH_PNG, title="diamond")
+    assert graphml.name == GRAPHML_FILE and png.read_bytes()[:8] == PNG
     back = nx.read_graphml(graphml, node_type=int)
     assert sorted(back.edges) == [(0, 1), (0, 2), (1, 3), (2, 3)]
     for v, block in enumerate(bg.blocks):
@@ -94,8 +94,13 @@ def test_plan_json_does_not_change_and_pictures_are_optional(tmp_path: Path) -> 
     Plan.save(drawn, tmp_path / "drawn")
     assert (tmp_path / "drawn" / "plan.json").read_text() == (tmp_path / "plain" / "plan.json").read_text()
     assert "block_graph" not in (tmp_path / "drawn" / "plan.json").read_text()
-    assert all((tmp_path / "drawn" / name).exists() for name in GRAPH_FILES)
-    assert not any((tmp_path / "plain" / name).exists() for name in GRAPH_FILES)
+    assert (tmp_path / "drawn" / GRAPHML_FILE).exists() and not (tmp_path / "plain" / GRAPHML_FILE).exists()
+    # The picture is the report's: drawn from the block graph the plan carries in memory, pointed to by report.md.
+    write_report(drawn, tmp_path / "drawn")
+    write_report(plain, tmp_path / "plain")
+    assert (tmp_path / "drawn" / GRAPH_PNG).read_bytes()[:8] == PNG and not (tmp_path / "plain" / GRAPH_PNG).exists()
+    assert "](graph.png)" in (tmp_path / "drawn" / "report.md").read_text()
+    assert "graph.png" not in (tmp_path / "plain" / "report.md").read_text()
     loaded = Plan.load(tmp_path / "drawn")
     assert loaded == plain and loaded.block_graph is None
     # The report mentions graph.png exactly when it is there; regenerating it needs plan.json only.

@@ -1,14 +1,21 @@
 """Architecture rules (docs/architecture.md), checked on the source and in fresh interpreters.
 
-* The solver modules are numbers in, numbers out: they import where torch is missing.
-* Dependencies point one way: no partitioner module but the CLI imports ``runtime``.
-* The runtime reads plans; it never imports the planner's solving passes.
+* The passes are layers: ``base`` (errors, units, defaults, orders) < ``graph/`` (and
+  modelfile) < ``cost/`` < ``solve/`` < ``plan`` (plan, stagegraph, agree) <
+  ``schedule/`` < ``report/`` < ``search/`` < ``cli``.  No module imports one of a
+  higher layer, and no two subpackages (or flat modules) import each other, even
+  through others.
+* ``solve/``, ``schedule/``, ``plan``, ``orders``, ``units``, ``errors``, ``defaults``
+  and cost's numbers-only modules import where torch is missing.
+* Only the CLI (and ``cost.splitcost``, which times the runtime's split backward)
+  imports ``runtime``, inside functions; the runtime imports no solving pass.
 * ``import partitioner`` and ``autopartition --help`` do not import torch.
 
-Imports are read with :mod:`ast` (``import``, ``from ... import`` and
-``importlib.import_module("...")`` / ``__import__("...")`` strings, at any depth,
-so imports inside functions count too) and, where the rule is about what a
-module pulls in transitively, checked in a subprocess.
+Imports are read with :mod:`ast` (``import``, ``from ... import``, relative imports
+and ``importlib.import_module("...")`` / ``__import__("...")`` strings, at any depth,
+so imports inside functions and ``TYPE_CHECKING`` blocks count too) and, where the
+rule is about what a module pulls in transitively, checked in a subprocess.  Each
+checker is also run on a small tree that breaks its rule, so none passes vacuously.
 """
 
 from __future__ import annotations
@@ -20,40 +27,59 @@ import sys
 import textwrap
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Modules that must import without torch. The first three are the solver; the rest are
-# pure helpers some versions have (listed here so they are held to the rule when present).
+# Every unit of the partitioner (a subpackage, or a flat module) and its layer: a module may import
+# its own layer and the ones below it.  A new file must be placed here (test_every_unit_has_a_layer).
+LAYERS: dict[str, int] = {
+    "errors": 0, "units": 0, "defaults": 0, "orders": 0,
+    "graph": 1, "modelfile": 1,
+    "cost": 2,
+    "solve": 3,
+    "plan": 4, "stagegraph": 4, "agree": 4,
+    "schedule": 5,
+    "report": 6,
+    "search": 7,
+    "cli": 8, "__main__": 8, "__init__": 8,
+}
+
+# Modules that must import without torch: the solver, the schedules, the plan and the base,
+# and the cost pass's numbers-only modules.
+TORCH_FREE_UNITS = ("solve", "schedule")
 TORCH_FREE = (
-    "partitioner.problem",
-    "partitioner.interval",
-    "partitioner.solve",
+    "partitioner.plan",
+    "partitioner.orders",
     "partitioner.units",
-    "partitioner.commcost",
-    "partitioner.defaults",
     "partitioner.errors",
-    "partitioner.precision",
-    "partitioner.devices",
+    "partitioner.defaults",
+    "partitioner.cost.nodecost",
+    "partitioner.cost.comm",
+    "partitioner.cost.devices",
+    "partitioner.cost.precision",
+    "partitioner.cost.calibration",
 )
-_REQUIRED = {"partitioner.problem", "partitioner.interval", "partitioner.solve"}
 
 # The partitioner modules allowed to import the runtime, inside functions only (importing the
 # partitioner loads none of it): the CLI launches it; splitcost times its split backward.
-RUNTIME_IMPORTERS = {"partitioner.cli", "partitioner.splitcost"}
+RUNTIME_IMPORTERS = {"partitioner.cli", "partitioner.cost.splitcost"}
 
-# What the runtime must not import: the passes that solve, and the names that lead to them.
+# What the runtime must not import: the passes that solve and report, and the names that lead to them.
+# (The plan it reads holds solve's BlockGraph and problem's gap helper; from cost/ it reads dtype names only.)
 SOLVING_PASSES = (
-    "partitioner.planner",
     "partitioner.search",
-    "partitioner.scaledcosts",
-    "partitioner.assemble",
-    "partitioner.solve",
-    "partitioner.interval",
-    "partitioner.formulate",
-    "partitioner.coarsen",
-    "partitioner.cost",
+    "partitioner.solve.ilp",
+    "partitioner.solve.interval",
+    "partitioner.solve.formulate",
+    "partitioner.solve.coarsen",
+    "partitioner.solve.scaledcosts",
+    "partitioner.report",
+    "partitioner.cost.nodes",
+    "partitioner.cost.measured",
+    "partitioner.cost.splitcost",
+    "partitioner.cost.calibration",
     "partitioner.compile",  # `from partitioner import compile` loads the planner
 )
 
@@ -75,12 +101,22 @@ def _module_name(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
-def _sources(package: str) -> list[Path]:
-    return sorted((ROOT / package).glob("*.py"))
+def _dotted(path: Path) -> str:
+    """The importable name: ``partitioner/solve/__init__.py`` is ``partitioner.solve``."""
+    name = _module_name(path)
+    return name.removesuffix(".__init__")
 
 
-def _existing(modules: tuple[str, ...]) -> list[str]:
-    return [m for m in modules if (ROOT / (m.replace(".", "/") + ".py")).exists()]
+def _sources(package: str, root: Path | None = None) -> list[Path]:
+    return sorted((root or ROOT).joinpath(package).rglob("*.py"))
+
+
+def _unit(module: str) -> str | None:
+    """The layer unit of a partitioner module: its subpackage, or the flat module's name."""
+    parts = module.split(".")
+    if parts[0] != "partitioner":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def _imports(path: Path) -> set[str]:
@@ -129,35 +165,123 @@ def _loaded_after(code: str, *, no_torch: bool = False) -> list[str]:
     return list(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-# ----------------------------------------------------------------- the solver needs no torch
+# ----------------------------------------------------------------- the checkers
 
 
-def test_solver_modules_import_without_torch() -> None:
-    modules = _existing(TORCH_FREE)
-    assert _REQUIRED <= set(modules)
+def _partitioner_imports(root: Path) -> dict[str, set[str]]:
+    """Module -> the partitioner modules it imports (any depth, TYPE_CHECKING included).
+
+    The bare package name is left out: ``from partitioner import x`` imports ``x`` (and the
+    package's ``__init__`` loads nothing eagerly but ``errors``).
+    """
+    return {_dotted(path): {n for n in _imports(path) if _unit(n) is not None and n != "partitioner"}
+            for path in _sources("partitioner", root)}
+
+
+def _upward_imports(root: Path) -> dict[str, list[str]]:
+    """Every import of a module from a higher layer than the importer's; unplaced units count as upward."""
+    found: dict[str, list[str]] = {}
+    for module, names in _partitioner_imports(root).items():
+        mine = LAYERS.get(_unit(module) or "", -1)
+        up = sorted(n for n in names if LAYERS.get(_unit(n) or "", 99) > mine)
+        if up:
+            found[module] = up
+    return found
+
+
+def _unit_cycles(root: Path) -> list[list[str]]:
+    """Import circles between units (subpackages and flat modules), through any number of others."""
+    graph = nx.DiGraph()
+    for module, names in _partitioner_imports(root).items():
+        for name in names:
+            a, b = _unit(module), _unit(name)
+            if a and b and a != b:
+                graph.add_edge(a, b)
+    return [sorted(c) for c in nx.simple_cycles(graph)]
+
+
+def _runtime_importers(root: Path) -> dict[str, list[str]]:
+    """Partitioner modules (other than the allowed ones) that import the runtime."""
+    found = {}
+    for path in _sources("partitioner", root):
+        names = sorted(n for n in _imports(path) if _within(n, "runtime"))
+        if names and _dotted(path) not in RUNTIME_IMPORTERS:
+            found[_dotted(path)] = names
+    return found
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, source in files.items():
+        target = tmp_path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(textwrap.dedent(source))
+    return tmp_path
+
+
+# ----------------------------------------------------------------- the layers
+
+
+def test_every_unit_has_a_layer() -> None:
+    units = {_unit(_dotted(path)) for path in _sources("partitioner")}
+    assert units - set(LAYERS) == set(), "place the new subpackage or flat module in LAYERS"
+    flat = [p for p in (ROOT / "partitioner").glob("*.py")]
+    assert len(flat) <= 12, sorted(p.name for p in flat)
+
+
+def test_no_pass_reaches_up() -> None:
+    assert _upward_imports(ROOT) == {}
+
+
+def test_no_import_circle_between_subpackages() -> None:
+    assert _unit_cycles(ROOT) == []
+
+
+def test_the_layer_checkers_catch_a_break(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    root = _tree(tmp_path, {
+        "partitioner/solve/ilp.py": "from partitioner.search import planner\n",
+        "partitioner/search/planner.py": "def f():\n    import partitioner.solve.ilp\n",
+        "partitioner/cost/nodes.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..plan import Plan\n",
+        "partitioner/plan.py": "from partitioner.cost import nodes\n",
+        "partitioner/graph/ir.py": "def f():\n    import runtime.stage\n",
+    })
+    assert _upward_imports(root) == {
+        "partitioner.solve.ilp": ["partitioner.search", "partitioner.search.planner"],
+        "partitioner.cost.nodes": ["partitioner.plan", "partitioner.plan.Plan"],
+    }
+    assert sorted(map(sorted, _unit_cycles(root))) == [["cost", "plan"], ["search", "solve"]]
+    assert _runtime_importers(root) == {"partitioner.graph.ir": ["runtime.stage"]}
+
+
+# ----------------------------------------------------------------- torch-free layers
+
+
+def _torch_free_modules() -> list[str]:
+    modules = [_dotted(p) for unit in TORCH_FREE_UNITS for p in _sources(f"partitioner/{unit}")]
+    return sorted({*modules, *TORCH_FREE})
+
+
+def test_solver_schedules_and_plan_import_without_torch() -> None:
+    modules = _torch_free_modules()
+    assert {"partitioner.solve.ilp", "partitioner.solve.formulate", "partitioner.schedule.simulate"} <= set(modules)
     loaded = _loaded_after("\n".join(f"import {m}" for m in modules), no_torch=True)
     assert "torch" not in loaded
 
 
 def test_the_torch_blocker_works() -> None:
-    done = _python(_NO_TORCH + "import partitioner.capture\n")
+    done = _python(_NO_TORCH + "import partitioner.graph.capture\n")
     assert done.returncode != 0 and "torch is not available here" in done.stderr
 
 
-# ----------------------------------------------------------------- dependencies point one way
+# ----------------------------------------------------------------- the runtime
 
 
 def test_only_the_cli_imports_the_runtime() -> None:
-    offenders = {
-        _module_name(path): sorted(n for n in _imports(path) if _within(n, "runtime"))
-        for path in _sources("partitioner")
-        if _module_name(path) not in RUNTIME_IMPORTERS
-    }
-    assert {m: names for m, names in offenders.items() if names} == {}
+    assert _runtime_importers(ROOT) == {}
 
 
 def test_partitioner_does_not_load_the_runtime() -> None:
-    modules = [_module_name(p) for p in _sources("partitioner")]
+    modules = [_dotted(p) for p in _sources("partitioner")]
     modules = [m for m in modules if m not in RUNTIME_IMPORTERS and not m.endswith("__main__")]
     loaded = _loaded_after("\n".join(f"import {m}" for m in modules))
     assert [m for m in loaded if _within(m, "runtime")] == []
@@ -165,14 +289,14 @@ def test_partitioner_does_not_load_the_runtime() -> None:
 
 def test_runtime_never_imports_the_solving_passes() -> None:
     offenders = {
-        _module_name(path): sorted(n for n in _imports(path) if _within(n, SOLVING_PASSES))
+        _dotted(path): sorted(n for n in _imports(path) if _within(n, SOLVING_PASSES))
         for path in _sources("runtime")
     }
     assert {m: names for m, names in offenders.items() if names} == {}
 
 
 def test_runtime_does_not_load_the_solving_passes() -> None:
-    modules = [_module_name(p) for p in _sources("runtime")]
+    modules = [_dotted(p) for p in _sources("runtime")]
     loaded = _loaded_after("\n".join(f"import {m}" for m in modules))
     assert [m for m in loaded if _within(m, SOLVING_PASSES)] == []
 
@@ -184,8 +308,8 @@ def test_runtime_does_not_load_the_solving_passes() -> None:
         ("from runtime import launch", {"runtime", "runtime.launch"}),
         ("def f():\n    importlib.import_module('runtime.verify')", {"runtime.verify"}),
         ("from partitioner import compile", {"partitioner", "partitioner.compile"}),
-        ("from . import planner", {"partitioner", "partitioner.planner"}),
-        ("from .solve import solve", {"partitioner.solve", "partitioner.solve.solve"}),
+        ("from .search import planner", {"partitioner.search", "partitioner.search.planner"}),
+        ("from .solve.ilp import solve", {"partitioner.solve.ilp", "partitioner.solve.ilp.solve"}),
     ],
 )
 def test_import_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str,
@@ -204,7 +328,7 @@ def test_import_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: 
 def test_import_partitioner_does_not_import_torch() -> None:
     loaded = _loaded_after("import partitioner\nfrom partitioner import AutopartitionError, load_plan")
     assert "torch" not in loaded
-    assert "partitioner.planner" not in loaded
+    assert "partitioner.search.planner" not in loaded
 
 
 def test_help_does_not_import_torch() -> None:
@@ -223,7 +347,7 @@ def test_help_does_not_import_torch() -> None:
 
 def test_compile_is_still_reachable_from_the_package() -> None:
     import partitioner
-    from partitioner import planner
+    from partitioner.search import planner
 
     assert partitioner.compile is planner.compile
     assert "compile" in dir(partitioner)

@@ -1,4 +1,4 @@
-"""partitioner.calibration: fitting a traced run, files, and planning with the fit."""
+"""partitioner.cost.calibration: fitting a traced run, files, and planning with the fit."""
 
 from __future__ import annotations
 
@@ -10,21 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.calibration import (
-    Calibration,
-    CalibrationError,
+from partitioner.cost.calibration import Calibration, CalibrationError, fit, load_calibration
+from partitioner.orders import Action
+from partitioner.plan import Plan, example_plan
+from partitioner.schedule.simulate import simulate
+from partitioner.schedule.timeline import TimelineEvent, write_chrome_trace
+from partitioner.search.calibrate import (
     action_jitter,
     calibrate,
-    fit,
-    load_calibration,
     plan_calibration,
     recalibrated,
     stage_pairs,
 )
-from partitioner.plan import Plan, example_plan
-from partitioner.schedule import Action
-from partitioner.simulate import simulate
-from partitioner.timeline import TimelineEvent, write_chrome_trace
 
 # ----------------------------------------------------------------- fit
 

@@ -12,10 +12,10 @@ import torch
 from _examples import example as _example
 from torch import fx, nn
 
-from partitioner import capture as capture_mod
-from partitioner.capture import CapturedModel, capture
 from partitioner.errors import CaptureError
-from partitioner.ir import KIND_KEY, compute_nodes, module_path, node_parameters
+from partitioner.graph import capture as capture_mod
+from partitioner.graph.capture import CapturedModel, capture
+from partitioner.graph.ir import KIND_KEY, compute_nodes, module_path, node_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 

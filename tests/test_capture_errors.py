@@ -18,9 +18,9 @@ import torch
 from _examples import example as _example
 from torch import nn
 
-from partitioner import planner
 from partitioner.cli import main
 from partitioner.errors import CaptureError
+from partitioner.search import planner
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT_PY = ROOT / "examples" / "gpt.py"

@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan, TiedParameter
-from partitioner.planner import compile
+from partitioner.search.planner import compile
 from runtime import checkpoint as ckpt
 from runtime.checkpoint import (
     CheckpointError,

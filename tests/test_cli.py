@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 
-from partitioner import cli, planner
+from partitioner import cli
 from partitioner.cli import main, parse_size
 from partitioner.errors import AutopartitionError, InfeasibleError, InternalError
 from partitioner.plan import Plan, example_plan
-from partitioner.table import format_plan
+from partitioner.report.table import format_plan
+from partitioner.search import planner
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -107,9 +108,9 @@ def test_report_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         calls.append((plan, Path(directory)))
         return Path(directory) / "report.html"
 
-    fake = types.ModuleType("partitioner.report")
+    fake = types.ModuleType("partitioner.report.markdown")
     fake.write_report = write_report  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "partitioner.report", fake)
+    monkeypatch.setitem(sys.modules, "partitioner.report.markdown", fake)
     plan_dir = _saved_plan(tmp_path)
     assert main(["show", str(plan_dir)]) == 0
     assert calls == [(example_plan(), plan_dir)]
@@ -648,8 +649,8 @@ def test_hugging_face_example_command_plans(tmp_path: Path, capsys: pytest.Captu
 
 
 def test_calibrate_then_plan_with_the_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from partitioner.schedule import Action
-    from partitioner.timeline import TimelineEvent, write_chrome_trace
+    from partitioner.orders import Action
+    from partitioner.schedule.timeline import TimelineEvent, write_chrome_trace
 
     model = _model(tmp_path, layers=4)
     first, second = tmp_path / "plan", tmp_path / "again"

@@ -10,10 +10,10 @@ import torch
 from _examples import example as _example
 from torch import fx, nn
 
-from partitioner.capture import capture
-from partitioner.coarsen import coarsen
-from partitioner.ir import KIND_KEY, VALUE_KEY, compute_nodes, module_path
-from partitioner.values import propagate_values
+from partitioner.graph.capture import capture
+from partitioner.graph.ir import KIND_KEY, VALUE_KEY, compute_nodes, module_path
+from partitioner.graph.values import propagate_values
+from partitioner.solve.coarsen import coarsen
 
 ROOT = Path(__file__).resolve().parent.parent
 

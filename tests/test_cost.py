@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.capture import CapturedModel, capture
-from partitioner.cost import COST_KEY, NodeCost, _calibrated, predicted_times, profile
-from partitioner.devices import DEVICES, device_spec
-from partitioner.values import propagate_values
+from partitioner.cost.devices import DEVICES, device_spec
+from partitioner.cost.nodecost import NodeCost, predicted_times
+from partitioner.cost.nodes import COST_KEY, _calibrated, profile
+from partitioner.graph.capture import CapturedModel, capture
+from partitioner.graph.values import propagate_values
 
 B, IN, HID, OUT = 16, 32, 64, 8
 
@@ -214,7 +215,7 @@ def test_profiling_keeps_existing_gradients() -> None:
 def test_cpu_flash_attention_counts_its_matmuls() -> None:
     # scaled_dot_product_attention on CPU (and CPU fake) tensors runs a kernel torch's
     # FLOP registry does not list; its two matmuls must still be counted, fwd and bwd.
-    from partitioner.cost import _FlopCount
+    from partitioner.cost.nodes import _FlopCount
 
     b, h, t, d = 2, 4, 16, 8
     q = torch.randn(b, h, t, d, requires_grad=True)
@@ -253,7 +254,7 @@ def test_in_situ_backward_times_replace_isolated_ones() -> None:
 
 def test_measured_times_sum_to_a_plain_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """The clocks say how a pass divides among nodes; plain passes (no clocks) say how long it takes."""
-    from partitioner import cost
+    from partitioner.cost import nodes as cost
 
     inputs = (torch.randn(B, IN),)
     captured = _captured(_mlp(), inputs)

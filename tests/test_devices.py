@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from partitioner.devices import DEVICES, DeviceSpec
+from partitioner.cost.devices import DEVICES, DeviceSpec
 
 
 @pytest.mark.parametrize(

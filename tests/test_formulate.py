@@ -9,12 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.capture import CapturedModel, capture
-from partitioner.coarsen import coarsen
-from partitioner.cost import NodeCost, predicted_times, profile
-from partitioner.devices import DEVICES, DeviceSpec
+from partitioner.cost.devices import DEVICES, DeviceSpec
+from partitioner.cost.nodecost import NodeCost, predicted_times
+from partitioner.cost.nodes import profile
 from partitioner.errors import AutopartitionError
-from partitioner.formulate import (
+from partitioner.graph.capture import CapturedModel, capture
+from partitioner.graph.values import propagate_values
+from partitioner.solve.coarsen import coarsen
+from partitioner.solve.formulate import (
     GraphCosts,
     allreduce_seconds,
     at_precision,
@@ -23,8 +25,7 @@ from partitioner.formulate import (
     node_times,
     transfer_seconds,
 )
-from partitioner.problem import PartitionProblem
-from partitioner.values import propagate_values
+from partitioner.solve.problem import PartitionProblem
 
 V, H, B, T = 50, 16, 4, 6
 SPEC = DEVICES["h100"]

@@ -15,12 +15,12 @@ import torch
 from inprocess import run_stages
 from torch import Tensor, nn
 
-from partitioner.capture import CallSpec, capture, model_loss, split_call
 from partitioner.errors import CaptureError
+from partitioner.graph.capture import CallSpec, capture, model_loss, split_call
+from partitioner.graph.values import propagate_values
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from partitioner.planner import compile
-from partitioner.values import propagate_values
+from partitioner.search.planner import compile
 
 KW_NET = str(Path(__file__).parent / "models" / "kw_net.py")
 TOLERANCE = 1e-5

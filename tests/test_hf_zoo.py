@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from partitioner.capture import split_call
+from partitioner.graph.capture import split_call
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from partitioner.planner import compile
+from partitioner.search.planner import compile
 
 MODELS = Path(__file__).parent / "models"
 ZOO = ["gpt2", "bert", "vit", "qwen2", "bart", "mixtral"]

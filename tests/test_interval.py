@@ -1,4 +1,4 @@
-"""The interval DP (:func:`partitioner.interval.solve_intervals`) against brute force.
+"""The interval DP (:func:`partitioner.solve.interval.solve_intervals`) against brute force.
 
 The reference (``_brute.brute_force_intervals``) tries every split of the
 blocks, in their given order, into contiguous non-empty stages.  Without
@@ -21,8 +21,13 @@ import _brute
 import numpy as np
 import pytest
 
-from partitioner.interval import down_sets, interval_matrices, solve_down_sets, solve_intervals
-from partitioner.problem import (
+from partitioner.solve.interval import (
+    down_sets,
+    interval_matrices,
+    solve_down_sets,
+    solve_intervals,
+)
+from partitioner.solve.problem import (
     Partition,
     PartitionProblem,
     check_assignment,

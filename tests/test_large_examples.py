@@ -144,7 +144,7 @@ def test_hand_made_splits_are_megatron_and_torchtitan() -> None:
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
 def test_hand_made_splits_of_a_chunked_plan_use_every_stage(schedule: str) -> None:
     """About 1 s each: 2 ranks x 2 chunks, so the hand-made splits cut 4 stages (not pp = 2) on the same ranks."""
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
     from tools import bench_large
 
     model_file = load_model_file(GPT3)
@@ -204,7 +204,7 @@ def test_bench_large_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 def test_gpt3_xl_plans_on_meta_in_seconds_with_bf16_mixed() -> None:
     """Issue 8: the 1.3B GPT plans with bf16-mixed for 8 H100s in seconds, and fits."""
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     model_file = load_model_file(f"{GPT3}:gpt3_xl")
     model = model_file.build()

@@ -1,4 +1,4 @@
-"""partitioner.measured: a model measured once is planned again from the same numbers."""
+"""partitioner.cost.measured: a model measured once is planned again from the same numbers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import partitioner
-from partitioner import measured
+from partitioner.cost import measured
 
 
 @pytest.fixture(autouse=True)

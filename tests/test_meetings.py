@@ -21,8 +21,8 @@ import torch
 from chunked import plan_schedule
 from torch import fx, nn
 
-from partitioner.capture import capture
-from partitioner.ir import dtype_from_name
+from partitioner.graph.capture import capture
+from partitioner.graph.ir import dtype_from_name
 from partitioner.modelfile import load_model_file
 from runtime import meetings
 from runtime.meetings import inputs_written_in_place, mark_meetings

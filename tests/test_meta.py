@@ -18,12 +18,12 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import partitioner
-from partitioner import cost
-from partitioner.capture import CapturedModel, capture
 from partitioner.cli import main
+from partitioner.cost import nodes as cost
 from partitioner.errors import AutopartitionError
-from partitioner.meta import layer_of, layers
-from partitioner.values import propagate_values
+from partitioner.graph.capture import CapturedModel, capture
+from partitioner.graph.meta import layer_of, layers
+from partitioner.graph.values import propagate_values
 
 ROOT = Path(__file__).resolve().parent.parent
 gpt = example("gpt")
@@ -103,9 +103,9 @@ def test_counting_a_2gb_meta_model_allocates_nothing() -> None:
     script = textwrap.dedent("""
         import resource, time, torch
         from torch import nn
-        from partitioner.capture import capture
-        from partitioner.cost import profile
-        from partitioner.values import propagate_values
+        from partitioner.graph.capture import capture
+        from partitioner.cost.nodes import profile
+        from partitioner.graph.values import propagate_values
         with torch.device("meta"):
             model = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(8)])
         assert sum(p.nbytes for p in model.parameters()) > 2 * 1024**3

@@ -28,8 +28,8 @@ import pytest
 import torch
 from inprocess import run_stages  # type: ignore[import-not-found]  # tests/models, on sys.path
 
-from partitioner.capture import CallSpec, model_loss
 from partitioner.errors import AutopartitionError
+from partitioner.graph.capture import CallSpec, model_loss
 from partitioner.modelfile import load_model_file
 from tools.model_matrix import (
     DEFAULT_SCHEDULE,

@@ -16,9 +16,9 @@ import torch
 from _examples import example as _example
 
 from partitioner import compile, load_plan
-from partitioner.capture import capture
 from partitioner.errors import PlanFormatError
-from partitioner.ir import graph_fingerprint
+from partitioner.graph.capture import capture
+from partitioner.graph.ir import graph_fingerprint
 from partitioner.plan import FORMAT_VERSION, Plan, example_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,9 +82,9 @@ def test_plan_json_is_json_not_pickle(real_plan: Plan, tmp_path: Path) -> None:
     for stage in data["stages"]:
         for key in ("index", "ranks", "nodes", "parameters", "inputs", "outputs", "predicted"):
             assert key in stage, key
-    # A compiled plan also draws its block graph (graph.png, blocks.graphml; see test_blockgraph.py).
+    # A compiled plan also writes its block graph as data (its picture is the report's; see test_blockgraph.py).
     assert sorted(p.name for p in directory.iterdir()) == [
-        "blocks.graphml", "graph.png", "plan.json", "stage_0.py", "stage_1.py"]
+        "blocks.graphml", "plan.json", "stage_0.py", "stage_1.py"]
     assert (directory / "stage_1.py").read_text() == real_plan.stage_code[1]
 
 

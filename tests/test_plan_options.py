@@ -26,16 +26,16 @@ import torch
 from torch import nn
 
 from partitioner import compile
-from partitioner.capture import capture
-from partitioner.cost import profile
+from partitioner.cost.devices import DEVICES
+from partitioner.cost.nodes import profile
 from partitioner.defaults import SCHEDULES
-from partitioner.devices import DEVICES
 from partitioner.errors import AutopartitionError, InfeasibleError
-from partitioner.formulate import node_times
+from partitioner.graph.capture import capture
+from partitioner.graph.values import propagate_values
 from partitioner.plan import FORMAT_VERSION, Plan
-from partitioner.report import report_markdown
-from partitioner.table import WIDTH, format_plan
-from partitioner.values import propagate_values
+from partitioner.report.markdown import report_markdown
+from partitioner.report.table import WIDTH, format_plan
+from partitioner.solve.formulate import node_times
 
 D = 64
 BLOCKS = 4

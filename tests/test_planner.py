@@ -14,14 +14,16 @@ import torch
 from _examples import example as _example
 from torch import nn
 
-from partitioner import assemble, compile, scaledcosts
-from partitioner.capture import capture
+from partitioner import compile
 from partitioner.errors import AutopartitionError, InfeasibleError, InternalError
-from partitioner.ir import compute_nodes, graph_fingerprint
+from partitioner.graph.capture import capture
+from partitioner.graph.ir import compute_nodes, graph_fingerprint
+from partitioner.graph.values import propagate_values
 from partitioner.plan import Plan
-from partitioner.planner import stage_layout
-from partitioner.schedule import validate
-from partitioner.values import propagate_values
+from partitioner.schedule.lower import validate
+from partitioner.search import assemble
+from partitioner.search.planner import stage_layout
+from partitioner.solve import scaledcosts
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8
@@ -438,8 +440,9 @@ def test_one_sample_micro_batches_are_planned_on_their_own_graph() -> None:
 
 def test_a_size_that_cannot_be_captured_is_skipped_not_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every simulated candidate at a size whose capture fails: skipped with the reason, and the next best drafted."""
-    from partitioner import planner, search
     from partitioner.errors import CaptureError
+    from partitioner.search import layouts as search
+    from partitioner.search import planner
 
     real = planner.capture
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.errors import AutopartitionError
-from partitioner.precision import (
+from partitioner.cost.precision import (
     OPTIMIZERS,
     PRECISIONS,
     activation_scale,
@@ -17,6 +16,7 @@ from partitioner.precision import (
     state_bytes,
     static_bytes_per_element,
 )
+from partitioner.errors import AutopartitionError
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The closed-form cost model of :mod:`partitioner.problem`, on hand-computed examples.
+"""The closed-form cost model of :mod:`partitioner.solve.problem`, on hand-computed examples.
 
 Every expected number below is worked out by hand in the comments next to it,
 not by calling the code under test.
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from partitioner.problem import (
+from partitioner.solve.problem import (
     Partition,
     PartitionProblem,
     allreduce_latencies,

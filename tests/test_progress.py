@@ -7,7 +7,7 @@ import itertools
 import logging
 import sys
 
-from partitioner.progress import PLAIN_EVERY, Reporter, hide_library_output, report_progress
+from partitioner.report.progress import PLAIN_EVERY, Reporter, hide_library_output, report_progress
 
 
 class _Clock:

@@ -15,12 +15,12 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 import partitioner
-from partitioner import cost
-from partitioner.capture import CapturedModel, capture
-from partitioner.meta import materialise
+from partitioner.cost import nodes as cost
+from partitioner.graph.capture import CapturedModel, capture
+from partitioner.graph.meta import materialise
+from partitioner.graph.values import propagate_values
 from partitioner.plan import Plan
 from partitioner.stagegraph import build_stage, stage_signature
-from partitioner.values import propagate_values
 
 METHODS = ["symbolic_trace", "export"]
 
@@ -261,7 +261,7 @@ def test_t5_relative_position_buckets_measured_on_real_values() -> None:
 
 
 def _kinds(captured: CapturedModel) -> dict[str, Any]:
-    from partitioner.ir import KIND_KEY
+    from partitioner.graph.ir import KIND_KEY
 
     return {n.name: n.meta.get(KIND_KEY) for n in captured.graph_module.graph.nodes}
 

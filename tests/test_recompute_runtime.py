@@ -22,7 +22,7 @@ from rank_workers import spawn_and_wait
 from runtime_workers import plan_model, reference_run
 from torch import fx
 
-from partitioner.capture import capture
+from partitioner.graph.capture import capture
 from runtime.recompute import Recomputed, block_nodes
 from runtime.verify import free_port
 

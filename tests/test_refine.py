@@ -1,9 +1,9 @@
-"""Simulation-guided refinement (:mod:`partitioner.refine`) and its use by the planner.
+"""Simulation-guided refinement (:mod:`partitioner.schedule.refine`) and its use by the planner.
 
-* the fast replay gives the step :func:`~partitioner.simulate.simulate_schedule`
+* the fast replay gives the step :func:`~partitioner.schedule.simulate.simulate_schedule`
   gives, on random schedules, topologies and times;
 * refinement never makes a split worse in simulation, keeps it valid
-  (:func:`~partitioner.problem.check_assignment`) and within memory, on random
+  (:func:`~partitioner.solve.problem.check_assignment`) and within memory, on random
   problems (chains and DAGs, replicas, nodes, recomputation);
 * on a chain with a heavy cross-node transfer, where the closed form mis-ranks
   splits, the refined split simulates faster than the solver's;
@@ -22,15 +22,10 @@ import _brute
 import pytest
 
 from partitioner.defaults import splits_backward
+from partitioner.orders import stage_ranks
 from partitioner.plan import Plan, Refinement, example_plan
-from partitioner.problem import (
-    PartitionProblem,
-    check_assignment,
-    stage_memory,
-    step_time,
-    within_limit,
-)
-from partitioner.refine import (
+from partitioner.schedule.lower import compute_order, lower
+from partitioner.schedule.refine import (
     SplitSimulator,
     StepModel,
     _replay,
@@ -39,9 +34,15 @@ from partitioner.refine import (
     refine_split,
     shift_boundary,
 )
-from partitioner.schedule import compute_order, lower, stage_ranks
-from partitioner.simulate import simulate_schedule
-from partitioner.solve import solve
+from partitioner.schedule.simulate import simulate_schedule
+from partitioner.solve.ilp import solve
+from partitioner.solve.problem import (
+    PartitionProblem,
+    check_assignment,
+    stage_memory,
+    step_time,
+    within_limit,
+)
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -129,8 +130,8 @@ def test_refinement_never_worse_valid_and_fits(seed: int) -> None:
 def test_refinement_of_a_chunked_layout(seed: int) -> None:
     # Several stages per rank: moves keep each stage under its cap and every rank under the GPU's limit
     # (the exact per-rank walk), and the fast replay still judges them.
-    from partitioner.problem import rank_memory
-    from partitioner.search import schedule_problem
+    from partitioner.search.layouts import schedule_problem
+    from partitioner.solve.problem import rank_memory
 
     rng = random.Random(seed)
     kind, chunks = [("interleaved-1f1b", 2), ("zbv", 2), ("zb-h1", 1), ("interleaved-1f1b", 3)][seed % 4]
@@ -227,7 +228,7 @@ def test_plan_records_refinement_and_loads_without_it(tmp_path: object) -> None:
 
 def test_planner_refines_and_never_loses() -> None:
     torch = pytest.importorskip("torch")
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
     x = torch.randn(32, 64)
@@ -246,7 +247,7 @@ def test_layer_starts_make_refinement_never_slower_than_hand_splits(stages: int)
     # Embedding, 8 equal layers of 2 blocks, head; the head is heavy, so the solver's
     # closed form and the hand-made splits disagree. Whatever the solver found, the
     # refined split must simulate no slower than equal layers or first/last lighter.
-    from partitioner.refine import layer_starts
+    from partitioner.schedule.refine import layer_starts
 
     block_layer: list[int | None] = [None, *[i for i in range(8) for _ in range(2)], None]
     n = len(block_layer)

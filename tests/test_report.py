@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from chunked import plan_schedule
 
-from partitioner.figures import rank_memory_bars, stage_bars_png, timeline_png, track_stages
 from partitioner.plan import (
     Boundary,
     Candidate,
@@ -20,11 +19,12 @@ from partitioner.plan import (
     TiedParameter,
     example_plan,
 )
-from partitioner.problem import in_flight
-from partitioner.report import REPORT_FILES, report_markdown, write_report
-from partitioner.schedule import compute_order, lower
-from partitioner.simulate import simulate, stage_static_bytes
-from partitioner.timeline import read_events
+from partitioner.report.figures import rank_memory_bars, stage_bars_png, timeline_png, track_stages
+from partitioner.report.markdown import REPORT_FILES, report_markdown, write_report
+from partitioner.schedule.lower import compute_order, lower
+from partitioner.schedule.simulate import simulate, stage_static_bytes
+from partitioner.schedule.timeline import read_events
+from partitioner.solve.problem import in_flight
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIB = 2**20
@@ -141,7 +141,7 @@ def test_report_of_a_chunked_plan_draws_both_figures(
 
 def test_timeline_draws_one_collection_per_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Boxes are batched per track (a 70B plan has ~17,000 of them; a patch per box took over a minute)."""
-    from partitioner import figures
+    from partitioner.report import figures
 
     drawn: list[object] = []
     save = figures._save

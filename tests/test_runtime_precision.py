@@ -35,7 +35,7 @@ from rank_workers import spawn_and_wait
 from runtime_workers import plan_model, reference_run
 from torch import fx
 
-from partitioner.capture import capture
+from partitioner.graph.capture import capture
 from partitioner.modelfile import load_model_file
 from runtime.precision import PrecisionForward, boundary_dtypes, plan_at_precision
 from runtime.stage import example_microbatch

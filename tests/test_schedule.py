@@ -9,16 +9,10 @@ from typing import Any
 
 import pytest
 
+from partitioner.defaults import SCHEDULES
 from partitioner.errors import ScheduleError
-from partitioner.schedule import (
-    SCHEDULES,
-    Action,
-    Schedule,
-    compute_order,
-    lower,
-    parse_actions,
-    validate,
-)
+from partitioner.orders import Action, Schedule, parse_actions
+from partitioner.schedule.lower import compute_order, lower, validate
 
 PLAIN = ("gpipe", "1f1b")  # one stage per rank, whole backward: the kinds this file covers
 CHAIN2: dict[str, Any] = {"sends_to": ((1,), ()), "receives_from": ((), (0,))}

@@ -28,13 +28,14 @@ import pytest
 import torch
 from chunked import plan_schedule  # type: ignore[import-not-found]  # tests/models, on sys.path
 
-import partitioner.assemble
+import partitioner.search.assemble
 from partitioner import compile
 from partitioner.errors import AutopartitionError, ScheduleError
-from partitioner.ir import dtype_from_name
+from partitioner.graph.ir import dtype_from_name
 from partitioner.modelfile import load_model_file
+from partitioner.orders import Schedule, stage_ranks
 from partitioner.plan import Plan
-from partitioner.schedule import Schedule, compute_order, lower, stage_ranks, validate
+from partitioner.schedule.lower import compute_order, lower, validate
 from runtime.comm import RecvSpec, Work
 from runtime.execute import StepRunner
 from runtime.stage import build_local_stages, call_spec
@@ -285,7 +286,7 @@ def test_a_schedule_that_cannot_run_is_dropped_and_refused_naming_ones_that_run(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Should a chunked schedule's plan ever fail validation, auto drops it with the reason in the
     # candidate table, and a fixed schedule is refused naming the schedules that always run.
-    build = partitioner.assemble.build_plan
+    build = partitioner.search.assemble.build_plan
 
     def refuse_zbv(*args: Any, **kwargs: Any) -> Plan:
         solved = args[4]
@@ -293,7 +294,7 @@ def test_a_schedule_that_cannot_run_is_dropped_and_refused_naming_ones_that_run(
             raise ScheduleError("The schedule deadlocks: (injected)")
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(partitioner.assemble, "build_plan", refuse_zbv)
+    monkeypatch.setattr(partitioner.search.assemble, "build_plan", refuse_zbv)
     mf = load_model_file(str(Path(__file__).parent / "models" / "mlp.py"))
     torch.manual_seed(0)
     plan = compile(mf.build(), mf.example_inputs(8), gpus=2, pp=2, dp=1, microbatches=4, schedule="auto",

@@ -12,17 +12,9 @@ import pytest
 
 from partitioner.defaults import SCHEDULES, schedule_chunks, splits_backward
 from partitioner.errors import ScheduleError
-from partitioner.schedule import (
-    Action,
-    Schedule,
-    compute_order,
-    lower,
-    parse_actions,
-    stage_ranks,
-    validate,
-)
-from partitioner.scheduleorders import peak_activations
-from partitioner.simulate import Simulation, simulate_schedule
+from partitioner.orders import Action, Schedule, parse_actions, peak_activations, stage_ranks
+from partitioner.schedule.lower import compute_order, lower, validate
+from partitioner.schedule.simulate import Simulation, simulate_schedule
 
 # (kind, chunks) for every kind and the chunk counts it takes.
 VARIANTS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-h1", 1), ("zbv", 2)]

@@ -28,9 +28,15 @@ from torch import nn
 from partitioner import compile
 from partitioner.defaults import splits_backward
 from partitioner.errors import AutopartitionError, InfeasibleError
-from partitioner.formulate import weight_seconds
+from partitioner.orders import Schedule, stage_ranks
 from partitioner.plan import Plan
-from partitioner.problem import (
+from partitioner.report.table import format_plan
+from partitioner.schedule.lower import compute_order, lower, validate
+from partitioner.schedule.refine import SplitSimulator
+from partitioner.schedule.simulate import simulate, simulate_schedule
+from partitioner.search.layouts import rank_in_flight
+from partitioner.solve.formulate import weight_seconds
+from partitioner.solve.problem import (
     PartitionProblem,
     in_flight,
     rank_memory,
@@ -39,11 +45,6 @@ from partitioner.problem import (
     stage_memory,
     step_time,
 )
-from partitioner.refine import SplitSimulator
-from partitioner.schedule import Schedule, compute_order, lower, stage_ranks, validate
-from partitioner.search import rank_in_flight
-from partitioner.simulate import simulate, simulate_schedule
-from partitioner.table import format_plan
 
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zbv": 2}
 

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from partitioner.commcost import Link
+from partitioner.cost.comm import Link
 from partitioner.errors import ScheduleError
+from partitioner.orders import Schedule, parse_actions
 from partitioner.plan import Boundary, Plan, example_plan
-from partitioner.schedule import Schedule, compute_order, lower, parse_actions
-from partitioner.simulate import (
+from partitioner.schedule.lower import compute_order, lower
+from partitioner.schedule.simulate import (
     allreduce_buckets,
     boundary_seconds,
     bucket_count,

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner import planner
-from partitioner.assemble import mfu_peak_flops
-from partitioner.calibration import Calibration
-from partitioner.devices import DEVICES
+from partitioner.cost.calibration import Calibration
+from partitioner.cost.devices import DEVICES
 from partitioner.errors import PlanFormatError
 from partitioner.plan import Plan
+from partitioner.search import planner
+from partitioner.search.assemble import mfu_peak_flops
 
 # ----------------------------------------------------------------- MFU
 

@@ -29,8 +29,9 @@ from pathlib import Path
 import _brute
 import pytest
 
-from partitioner.interval import solve_intervals
-from partitioner.problem import (
+from partitioner.solve.ilp import is_chain, solve, solve_ilp
+from partitioner.solve.interval import solve_intervals
+from partitioner.solve.problem import (
     Partition,
     PartitionProblem,
     check_assignment,
@@ -39,7 +40,6 @@ from partitioner.problem import (
     stage_memory,
     step_time,
 )
-from partitioner.solve import is_chain, solve, solve_ilp
 
 REL = 1e-9
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,8 +281,8 @@ def test_one_stage_over_memory_is_infeasible() -> None:
 
 _SOLVE_ONCE = textwrap.dedent(
     """
-    from partitioner.problem import PartitionProblem
-    from partitioner.solve import solve_ilp
+    from partitioner.solve.problem import PartitionProblem
+    from partitioner.solve.ilp import solve_ilp
     z = (0.0,) * 3
     p = PartitionProblem(time_s=(1.0, 4.0, 1.0), static_bytes=z, activation_bytes=z,
                          allreduce_s=z, transfer_s=z, edges=((0, 2), (1, 2)))
@@ -313,7 +313,7 @@ def test_highs_banner_would_be_printed_without_quieting(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     """Control for the test above: the banner is real, so its absence means something."""
-    code = "import contextlib, partitioner.solve as s\ns._quiet = contextlib.nullcontext\n"
+    code = "import contextlib, partitioner.solve.ilp as s\ns._quiet = contextlib.nullcontext\n"
     _run_fresh(code + _SOLVE_ONCE)
     out, _ = capfd.readouterr()
     assert "objective 18.0" in out

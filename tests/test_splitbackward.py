@@ -203,7 +203,7 @@ def test_w_takes_linear_and_norm_gradients_without_autograd(monkeypatch: pytest.
 
 def test_an_exported_graph_splits_the_same() -> None:
     """Exported graphs hold aten ops on parameters read by get_attr: the same meetings, the same gradients."""
-    from partitioner.capture import capture
+    from partitioner.graph.capture import capture
 
     torch.manual_seed(0)
     block = _Block()

@@ -1,12 +1,13 @@
-"""partitioner/splitcost.py: the split backward's cost, fitted from chains at two sizes, and where it is spent."""
+"""partitioner/cost/splitcost.py: the split backward's cost, fitted from chains at two sizes, and where it is spent."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from partitioner import splitcost
-from partitioner.splitcost import SplitOverhead, split_overhead
+from partitioner.cost import splitcost
+from partitioner.cost.nodecost import SplitOverhead
+from partitioner.cost.splitcost import split_overhead
 
 
 def test_the_fit_separates_host_time_from_the_share_and_finds_each_part(monkeypatch: pytest.MonkeyPatch) -> None:

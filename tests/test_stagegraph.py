@@ -11,12 +11,12 @@ from _examples import example as _example
 from torch import fx, nn
 
 from partitioner import compile
-from partitioner.capture import CapturedModel, capture
 from partitioner.errors import PlanMismatchError
-from partitioner.ir import KIND_KEY, compute_nodes, graph_fingerprint, node_parameters
+from partitioner.graph.capture import CapturedModel, capture
+from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, node_parameters
+from partitioner.graph.values import propagate_values
 from partitioner.plan import Plan
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
-from partitioner.values import propagate_values
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ from partitioner.plan import (
     TiedParameter,
     example_plan,
 )
-from partitioner.table import WIDTH, format_bytes, format_plan, format_seconds
+from partitioner.report.table import WIDTH, format_bytes, format_plan, format_seconds
 
 
 @pytest.mark.parametrize(
@@ -164,8 +164,8 @@ def test_exact_dp_lower_bound_is_its_objective(seed: int) -> None:
     """The exact interval DP reported the bound it pruned with, below its own optimum (gap > 0)."""
     import random
 
-    from partitioner.problem import PartitionProblem
-    from partitioner.solve import solve
+    from partitioner.solve.ilp import solve
+    from partitioner.solve.problem import PartitionProblem
 
     rng = random.Random(seed)
     n = 12

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from partitioner.schedule import compute_order, lower
-from partitioner.simulate import simulate_schedule
-from partitioner.timeline import (
+from partitioner.schedule.lower import compute_order, lower
+from partitioner.schedule.simulate import simulate_schedule
+from partitioner.schedule.timeline import (
     TimelineEvent,
     chrome_trace,
     events_from_trace,
@@ -67,7 +67,7 @@ def test_measured_ranks_under_another_pid() -> None:
 
 
 def test_weight_gradients_have_their_own_colour() -> None:
-    from partitioner.timeline import COMPUTE_KINDS, KIND_COLORS
+    from partitioner.schedule.timeline import COMPUTE_KINDS, KIND_COLORS
 
     events = [TimelineEvent(0, "F0", "0F0", 0, "F", 0.0, 1.0), TimelineEvent(0, "B0", "0B0", 0, "B", 1.0, 2.0),
               TimelineEvent(0, "W0", "0W0", 0, "W", 2.0, 3.0), TimelineEvent(0, "SB0", "0SB0", 0, "SB", 2.0, 2.0)]
@@ -81,7 +81,7 @@ def test_weight_gradients_have_their_own_colour() -> None:
 
 def test_one_track_per_pipeline_rank() -> None:
     # ZB-V on 2 ranks: four stages, two tracks; each event still names its stage.
-    from partitioner.schedule import stage_ranks
+    from partitioner.orders import stage_ranks
 
     where = stage_ranks("zbv", ranks=2, chunks=2)
     chain: dict[str, Any] = {"sends_to": ((1,), (2,), (3,), ()), "receives_from": ((), (0,), (1,), (2,))}

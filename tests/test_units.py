@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from partitioner import cli, figures, table, units
+from partitioner import cli, units
+from partitioner.report import figures, table
 from partitioner.units import (
     GIB,
     MIB,
@@ -141,7 +142,7 @@ def test_pure_modules_import_without_torch() -> None:
         package = types.ModuleType("partitioner")  # skip partitioner/__init__, which imports the planner
         package.__path__ = [{str(Path(units.__file__).parent)!r}]
         sys.modules["partitioner"] = package
-        import partitioner.commcost, partitioner.defaults, partitioner.problem, partitioner.units
+        import partitioner.cost.comm, partitioner.defaults, partitioner.solve.problem, partitioner.units
         print(partitioner.units.format_bytes(partitioner.units.parse_size("1GiB")))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.capture import capture
 from partitioner.errors import CaptureError
-from partitioner.ir import VALUE_KEY, ValueInfo, dtype_name
-from partitioner.values import propagate_values
+from partitioner.graph.capture import capture
+from partitioner.graph.ir import VALUE_KEY, ValueInfo, dtype_name
+from partitioner.graph.values import propagate_values
 
 
 class Net(nn.Module):

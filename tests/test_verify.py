@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.capture import capture
+from partitioner.graph.capture import capture
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Boundary, Plan, TensorSpec, example_plan
 from runtime.pipeline import Pipeline

@@ -44,7 +44,7 @@ model on the meta device and runs ``partitioner.compile``; it reports
   get one layer fewer, as in the Llama 3 405B run, paper section 3.3.2).
 
 How a hand-made split is evaluated: ``compile`` builds a plan for each of its best
-shapes with ``partitioner.assemble.build_plan(..., solved, ...)``.  This tool records
+shapes with ``partitioner.search.assemble.build_plan(..., solved, ...)``.  This tool records
 those calls and, for the chosen shape, calls ``build_plan`` again with the solver's
 ``Partition`` replaced by the hand-made one (stages of the solver blocks: each block
 belongs to the embeddings, a transformer layer, or the head by its module path).
@@ -249,18 +249,18 @@ def _repair(stage_of: list[int], edges: Sequence[tuple[int, int]]) -> list[int]:
 
 
 class _Recorder:
-    """Wraps ``partitioner.assemble.build_plan``: remembers the last call per (pp, dp, M, schedule).
+    """Wraps ``partitioner.search.assemble.build_plan``: remembers the last call per (pp, dp, M, schedule).
 
     The planner calls it as ``assemble.build_plan``, so patching the module attribute takes
-    effect (a planner from before the split: ``partitioner.planner._build_plan``).
+    effect (a planner from before the split: ``partitioner.search.planner._build_plan``).
     """
 
     def __init__(self) -> None:
         module: ModuleType
         try:
-            module, name = importlib.import_module("partitioner.assemble"), "build_plan"
-        except ImportError:  # a planner from before partitioner.assemble
-            module, name = importlib.import_module("partitioner.planner"), "_build_plan"
+            module, name = importlib.import_module("partitioner.search.assemble"), "build_plan"
+        except ImportError:  # a planner from before partitioner.search.assemble
+            module, name = importlib.import_module("partitioner.search.planner"), "_build_plan"
         self.module, self.name = module, name
         self.original = getattr(module, name)
         self.calls: dict[tuple[Any, ...], tuple[tuple[Any, ...], dict[str, Any]]] = {}
@@ -317,8 +317,8 @@ def _evaluate_split(
     recorder: _Recorder, plan: Any, unit_stage: Sequence[int], n_layers: int
 ) -> dict[str, Any]:
     """Our chosen shape, with the hand-made split of the units: closed form, simulation, memory."""
-    from partitioner import problem as problem_module
-    from partitioner.ir import module_path
+    from partitioner.graph.ir import module_path
+    from partitioner.solve import problem as problem_module
 
     args, kwargs = recorder.calls[_shape(plan)]
     values = list(args) + list(kwargs.values())
@@ -378,7 +378,7 @@ def _choose_recompute(
     problem: Any, stage_of: Sequence[int], stages: int, microbatches: int, schedule: str
 ) -> list[Any] | None:
     """The planner's own per-stage recomputation rule for a given split, if this planner has one."""
-    from partitioner import problem as problem_module
+    from partitioner.solve import problem as problem_module
 
     choose = getattr(problem_module, "choose_recompute", None)
     if choose is None:
@@ -417,7 +417,7 @@ def run_child(case: Case) -> dict[str, Any]:
     import torch
 
     from partitioner.modelfile import load_model_file
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     model_file = load_model_file(str(ROOT / case.spec))
@@ -428,7 +428,7 @@ def run_child(case: Case) -> dict[str, Any]:
     options = dict(OPTIONS, gpus_per_node=min(case.gpus_per_node, case.gpus))
     supported = _optional_kwargs(compile, options)
     notes = [f"planner lacks {k}" for k in options if k not in supported]
-    from partitioner import planner
+    from partitioner.search import planner
 
     if "precision" not in supported or getattr(planner, "AUTO", None) != "auto":
         supported.update(LEGACY)  # a planner that cannot search M and the schedule

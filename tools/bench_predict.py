@@ -209,7 +209,7 @@ def analyse(plan: Any, ranks: list[dict[str, Any]], *, name: str, cores: int) ->
     median_step = order[n // 2]
     q = statistics.quantiles(spans, n=4) if n > 1 else [spans[0]] * 3
     m = plan.microbatches
-    from partitioner.simulate import simulate
+    from partitioner.schedule.simulate import simulate
 
     sim_events = simulate(plan).events
     stage_results = []
@@ -252,9 +252,9 @@ def analyse(plan: Any, ranks: list[dict[str, Any]], *, name: str, cores: int) ->
 
 def write_pictures(plan: Any, ranks: list[dict[str, Any]], step: int, out: Path, name: str) -> None:
     """predicted.json / .png from the simulator, measured.png of one step (shifted to start at 0)."""
-    from partitioner.figures import timeline_png
-    from partitioner.simulate import simulate
-    from partitioner.timeline import TimelineEvent, write_chrome_trace
+    from partitioner.report.figures import timeline_png
+    from partitioner.schedule.simulate import simulate
+    from partitioner.schedule.timeline import TimelineEvent, write_chrome_trace
 
     sim = simulate(plan)
     write_chrome_trace(out / "predicted.json", list(sim.events), title="predicted")
@@ -274,7 +274,7 @@ def write_pictures(plan: Any, ranks: list[dict[str, Any]], step: int, out: Path,
 def run_plan(spec: PlanSpec, cfg: BenchConfig, out: Path, *, warmup: int, steps: int,
              say: Callable[[str], None] = print) -> Result:
     from examples.gpt import loss_fn
-    from partitioner.planner import compile as plan_compile
+    from partitioner.search.planner import compile as plan_compile
     from runtime.verify import free_port
 
     out.mkdir(parents=True, exist_ok=True)

@@ -254,7 +254,7 @@ class _Contiguous(nn.Module):
 def make_plans(cfg: BenchConfig, out: Path, schedules: Sequence[str] = ("gpipe", "1f1b")) -> dict[str, Path]:
     """Plan the GPT for 2 CPU ranks with each schedule (measured costs); save each plan."""
     from examples.gpt import loss_fn
-    from partitioner.planner import compile as plan_compile
+    from partitioner.search.planner import compile as plan_compile
 
     x, y = batch_data(cfg)
     dirs = {}

@@ -15,7 +15,7 @@ micro-batches M for every configuration:
 * ours: :class:`runtime.Pipeline` on plans from ``partitioner.compile(...,
   gpus=2, pp=2, dp=1, schedule=..., chunks=..., device="cpu")`` (costs measured
   on this machine, once: every compile of the model in this process plans from
-  the same measurement, :mod:`partitioner.measured`) for ``1f1b``, ``interleaved-1f1b`` with v=2 (4 stages,
+  the same measurement, :mod:`partitioner.cost.measured`) for ``1f1b``, ``interleaved-1f1b`` with v=2 (4 stages,
   stage s on rank s % 2), ``zb-h1`` and ``zbv`` (4 stages in a V: rank 0 holds
   stages 0 and 3); and the plan ``schedule="auto"`` picks (same M);
 * torch's ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` on
@@ -38,13 +38,13 @@ micro-batches M for every configuration:
 
 Predictions are calibrated in the same run, each on the *other* plans: our
 configurations run traced, and for each plan
-:func:`partitioner.calibration.fit` relates the stages' measured F, B and W of
+:func:`partitioner.cost.calibration.fit` relates the stages' measured F, B and W of
 every other plan of ours to their predictions (``measured = scale x predicted
 + host seconds per action``, over the later half of the steps) and how far
 single actions stray from their stage's median (the simulator's jitter:
-:func:`partitioner.calibration.action_jitter`); the plan's step is then
+:func:`partitioner.search.calibrate.action_jitter`); the plan's step is then
 simulated again with its own stage costs calibrated
-(:func:`partitioner.calibration.recalibrated`), as ``autopartition calibrate``
+(:func:`partitioner.search.calibrate.recalibrated`), as ``autopartition calibrate``
 and ``--calibration`` do for users.  No plan is fitted on its own run (auto's
 pick and the configuration with the same plan are left out of each other's
 fits), so the simulator and the cost model still predict what the plan's
@@ -134,7 +134,7 @@ class ConfigSpec:
 
 # Plans compiled per run: key -> (schedule, chunks).
 # Compiled in this order: auto first, so that the one measurement every plan shares
-# (partitioner.measured) holds the W shares the zero-bubble schedules need.
+# (partitioner.cost.measured) holds the W shares the zero-bubble schedules need.
 PLANS: dict[str, tuple[str, int | None]] = {
     "auto": ("auto", None),
     "1f1b": ("1f1b", None),
@@ -199,7 +199,7 @@ class Row:
 def make_plans(cfg: BenchConfig, out: Path, names: Sequence[str]) -> dict[str, Path]:
     """Compile and save the plans ``names`` (keys of :data:`PLANS`), all with M = ``cfg.microbatches``."""
     from examples.gpt import loss_fn
-    from partitioner.planner import compile as plan_compile
+    from partitioner.search.planner import compile as plan_compile
 
     x, y = batch_data(cfg)
     dirs = {}
@@ -512,8 +512,9 @@ def calibrate_each(plans: dict[str, Any], results: Sequence[dict[str, Any]]) -> 
     schedule, when the split is the same) are left out of each other's fits.
     A configuration with no other plan traced gets none.
     """
-    from partitioner.calibration import action_jitter, fit, stage_pairs
-    from partitioner.timeline import TimelineEvent
+    from partitioner.cost.calibration import fit
+    from partitioner.schedule.timeline import TimelineEvent
+    from partitioner.search.calibrate import action_jitter, stage_pairs
 
     traced = [k for k in results[0]["events"] if all(k in res["events"] for res in results)]
     events = {k: [TimelineEvent(**e) for res in results for e in res["events"][k]] for k in traced}
@@ -538,7 +539,7 @@ def _row(key: str, plan: Any, results: list[dict[str, Any]], calibration: Any) -
         label += " *"  # ran only with cloned outputs (see format_table)
     common: dict[str, Any] = {"key": key, "label": label, "split": describe_split(plan),
                               "schedule": schedule_name(plan)}
-    from partitioner.calibration import recalibrated
+    from partitioner.search.calibrate import recalibrated
 
     planned = plan.predicted.step_s if spec.torch_schedule is None else None
     predicted = planned if planned is None or calibration is None else recalibrated(plan, calibration).predicted.step_s

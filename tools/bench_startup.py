@@ -127,7 +127,7 @@ def peak_rss_bytes() -> int:
 
 
 def _plan(cfg: StartupConfig, directory: Path) -> None:
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     plan = compile(cfg.build(), cfg.example_inputs(), gpus=cfg.ranks, pp=cfg.ranks, dp=1,
                    microbatches=cfg.microbatches, schedule="gpipe", device="h100")

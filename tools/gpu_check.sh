@@ -172,14 +172,14 @@ def loss_fn(shape: dict[str, Any]) -> Any:
 
 
 def planner_has(name: str) -> bool:
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     return name in inspect.signature(compile).parameters
 
 
 def plan(shape: dict[str, Any], device: str, notes: list[str]) -> Any:
     """A one-stage plan: costs measured on ``device`` ("cuda"/"cpu") or predicted ("h200")."""
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     predicted = device not in ("cuda", "cpu")
     ids, target = data(shape, shape["batch"])

@@ -127,7 +127,7 @@ class CellResult:
 def plan_cell(model: str, schedule: str) -> Plan:
     """Plan one cell; raises the planner's :class:`AutopartitionError` for a refused one."""
     from partitioner.modelfile import load_model_file
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     entry = MODELS[model]
     model_file = load_model_file(str(ROOT / entry.spec))

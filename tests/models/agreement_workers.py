@@ -69,7 +69,7 @@ def compile_worker(
     import torch.distributed as dist
 
     from partitioner.modelfile import load_model_file
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     set_rank_env(rank, world, port)
     os.environ["AUTOPARTITION_TEST_SLOW_RANK"] = str(slow_rank)
@@ -96,7 +96,7 @@ def rank0_compiles_worker(
 
     from partitioner.modelfile import load_model_file
     from partitioner.plan import Plan
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     set_rank_env(rank, world, port)
     torch.set_num_threads(1)
@@ -132,7 +132,7 @@ def compile_calls_worker(
 
     from partitioner import agree
     from partitioner.modelfile import load_model_file
-    from partitioner.planner import compile
+    from partitioner.search.planner import compile
 
     set_rank_env(rank, world, port)
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ import torch
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from partitioner.planner import compile
+from partitioner.search.planner import compile
 
 __all__ = ["plan_schedule"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioner.ir import dtype_from_name
+from partitioner.graph.ir import dtype_from_name
 from partitioner.plan import Plan
 from runtime.comm import RecvSpec, Work
 from runtime.execute import StepRunner

@@ -12,7 +12,7 @@ import torch
 
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from partitioner.planner import compile
+from partitioner.search.planner import compile
 
 MODELS = Path(__file__).parent
 EXAMPLES = MODELS.parent.parent / "examples"

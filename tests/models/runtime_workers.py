@@ -21,7 +21,7 @@ from torch import nn
 
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from partitioner.planner import compile
+from partitioner.search.planner import compile
 
 __all__ = ["plan_model", "reference_run", "train_worker"]
 

@@ -8,9 +8,9 @@ and their problems), :mod:`~tools.benchplanner.tables` (rows and tables),
 plan per pipeline schedule on the large examples), :mod:`~tools.benchplanner.cli` (``main``).
 
 **Step time.**  For each GPT (``examples/gpt.py``) and pipeline width P, every split is
-evaluated by the same cost function, ``partitioner.problem.step_time(problem, stage_of,
+evaluated by the same cost function, ``partitioner.solve.problem.step_time(problem, stage_of,
 microbatches=M)`` (GPipe: ``sum t + (M-1) max t``, transfers included), on the same
-:class:`~partitioner.problem.PartitionProblem`, built as the planner builds it (capture,
+:class:`~partitioner.solve.problem.PartitionProblem`, built as the planner builds it (capture,
 propagate_values, profile(measure=False), roofline times for ``--device h100``, coarsen,
 graph_costs, formulate at dp = 1):
 

@@ -1,15 +1,15 @@
 """Exact reference splits: the best contiguous split and the best split over every valid assignment.
 
 The independent check of the product's solver, so it shares none of its code:
-:mod:`partitioner.interval` and :mod:`partitioner.solve` (min-plus recurrences over
+:mod:`partitioner.solve.interval` and :mod:`partitioner.solve.ilp` (min-plus recurrences over
 block intervals and down-sets, an ILP) are what the benchmark measures, and a
 reference built from them would repeat any mistake in them — how a stage's
 transfers are charged, which down-sets are enumerated, when a cap is skipped — and
 agree with it.  This module states the same problem a second way (dense
 state-to-state cost matrices, over interval cuts or over down-sets as bit masks,
 and one bottleneck-capped path DP for both) and only shares the problem's
-*definition*: the :class:`~partitioner.problem.PartitionProblem` data and
-:func:`partitioner.problem.step_time`, which every returned split is re-evaluated
+*definition*: the :class:`~partitioner.solve.problem.PartitionProblem` data and
+:func:`partitioner.solve.problem.step_time`, which every returned split is re-evaluated
 with.  ``tests/test_bench_planner.py`` checks both functions against brute force.
 
 >>> import numpy as np
@@ -137,7 +137,7 @@ def chain_dp(
 def interval_cost(problem: Any, cuts: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stage time, static and activation bytes of every interval ``[cuts[a], cuts[b])`` of the blocks.
 
-    Written independently of :mod:`partitioner.interval`: compute of the blocks plus,
+    Written independently of :mod:`partitioner.solve.interval`: compute of the blocks plus,
     once per block u before the interval, u's transfer if any reader of u is inside.
     """
     k = len(cuts)
@@ -292,6 +292,6 @@ def exact_split(
 
 def evaluate(problem: Any, stage_of: Sequence[int], microbatches: int) -> float:
     """GPipe step time of ``stage_of``: the product's own objective, the thing both optimise."""
-    from partitioner.problem import step_time
+    from partitioner.solve.problem import step_time
 
     return step_time(problem, stage_of, microbatches=microbatches)[0]

@@ -5,7 +5,7 @@ tries each, with interleaved-1f1b at 2 and 4 stages per rank); the table then sh
 for every (schedule, chunks) tried, its best combination: pp x dp x M, the simulated
 step (``~`` marks a closed form where the schedule's best was not simulated), the
 bubble, the peak memory per GPU and the step against the chosen plan.  The best
-:data:`~partitioner.search.SIMULATED_CANDIDATES` by closed form are refined in
+:data:`~partitioner.search.layouts.SIMULATED_CANDIDATES` by closed form are refined in
 simulation; the best of every other schedule is simulated without refinement
 (refinement gains a few percent at most), so a schedule's row is a little pessimistic
 unless it is among those.
@@ -87,9 +87,9 @@ def schedule_rows(
     """
     import torch
 
-    from partitioner import planner
     from partitioner.modelfile import load_model_file
-    from partitioner.search import Trial
+    from partitioner.search import planner
+    from partitioner.search.layouts import Trial
 
     torch.manual_seed(0)
     model_file = load_model_file(str(ROOT / case.spec))
@@ -166,7 +166,7 @@ def _why(t: Any) -> str:
 
 def print_schedule_table(rows: list[ScheduleRow]) -> None:
     """The rows as one table (steps in the units of ``partitioner.units.format_seconds``)."""
-    from partitioner.table import schedule_label
+    from partitioner.report.table import schedule_label
     from partitioner.units import format_bytes, format_seconds
 
     body = []

@@ -72,8 +72,8 @@ def bench_row(
     say: Callable[[str], None],
     exact: bool,
 ) -> Row:
-    from partitioner.planner import compile
-    from partitioner.problem import check_assignment, stage_memory
+    from partitioner.search.planner import compile
+    from partitioner.solve.problem import check_assignment, stage_memory
 
     problem = built.problem
     n_units = len(built.unit_params)

@@ -51,7 +51,7 @@ _CALLERS = {
 
 def wall_child(layers: int, gpus: int, repeat: bool, cprofile: bool) -> dict[str, Any]:
     """Time ``compile`` over every pp x dp in this (fresh) process, phase by phase."""
-    from partitioner import planner
+    from partitioner.search import planner
 
     spec = WALL_MODELS[layers, gpus]
     model = spec.build()

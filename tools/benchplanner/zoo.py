@@ -1,6 +1,6 @@
 """The benchmarked models (GPTs from ``examples/gpt.py``) and the planner's problem for each.
 
-:func:`build_problem` builds the :class:`~partitioner.problem.PartitionProblem` as
+:func:`build_problem` builds the :class:`~partitioner.solve.problem.PartitionProblem` as
 ``compile`` does at dp = 1 and maps every solver block onto a layer unit (the
 ``wte``+``wpe`` embeddings, each ``blocks.i``, the ``ln_f``+``lm_head`` head), the
 granularity the baselines split at.
@@ -106,13 +106,14 @@ def unit_of_path(path: str, n_layer: int) -> int | None:
 
 def build_problem(spec: ModelSpec, microbatches: int, say: Callable[[str], None]) -> Built:
     """The planner's problem for one micro-batch of one sample at dp = 1 (as ``compile`` builds it)."""
-    from partitioner.capture import capture
-    from partitioner.coarsen import coarsen
-    from partitioner.cost import predicted_times, profile
-    from partitioner.devices import DEVICES
-    from partitioner.formulate import formulate, graph_costs
-    from partitioner.ir import module_path
-    from partitioner.values import propagate_values
+    from partitioner.cost.devices import DEVICES
+    from partitioner.cost.nodecost import predicted_times
+    from partitioner.cost.nodes import profile
+    from partitioner.graph.capture import capture
+    from partitioner.graph.ir import module_path
+    from partitioner.graph.values import propagate_values
+    from partitioner.solve.coarsen import coarsen
+    from partitioner.solve.formulate import formulate, graph_costs
 
     model = spec.build()
     micro = spec.inputs(1)

@@ -1,0 +1,121 @@
+"""Hardware numbers for predicting costs on a GPU we are not running on.
+
+Peak numbers are the vendors' dense (no sparsity) figures:
+
+* A100 SXM4 80GB: NVIDIA A100 datasheet (2021): FP32 19.5 TFLOP/s, BF16/FP16
+  tensor core 312 TFLOP/s, HBM2e 2,039 GB/s, NVLink 3 600 GB/s total (300 GB/s
+  each way), 80 GB.
+* H100 SXM5 80GB: NVIDIA H100 datasheet (2023): FP32 67 TFLOP/s, BF16/FP16
+  989 TFLOP/s, HBM3 3.35 TB/s, NVLink 4 900 GB/s total (450 GB/s each way).
+* H200 SXM 141GB: NVIDIA H200 datasheet (2024): compute as H100, HBM3e
+  4.8 TB/s, 141 GB, NVLink 900 GB/s total.
+
+FP32 uses the non-tensor-core peak because PyTorch leaves TF32 matmuls off by
+default (``torch.backends.cuda.matmul.allow_tf32 = False``).  BF16 (and FP16) is
+the dense tensor-core peak: A100 312, H100 SXM 989, H200 989 TFLOP/s (the
+datasheets' 624 / 1,979 are with 2:4 structured sparsity, which training does
+not use).
+
+Between nodes each GPU has its own network port, as in NVIDIA's reference
+nodes: DGX H100 and DGX H200 have eight single-port ConnectX-7 InfiniBand NDR
+adapters, 400 Gb/s = 50 GB/s per GPU each way (NVIDIA DGX H100/H200 User Guide,
+hardware overview); DGX A100 has eight ConnectX-6 InfiniBand HDR adapters,
+200 Gb/s = 25 GB/s per GPU (NVIDIA DGX A100 User Guide).  A message between
+nodes is assumed to pay 15 µs against 10 µs inside a node: NCCL's own tuning
+model charges a network ring step 9.6 µs against 3.4 µs over NVLink for its
+Simple protocol (``hwLat`` in NCCL's ``src/graph/tuning.cc``), about 6 µs
+more, which we add to our intra-node assumption.
+
+``cpu`` describes this kind of machine for planning CPU-rank runs (gloo over
+loopback); its numbers are rough measurements, not a datasheet, and its
+"nodes" talk over the same link.
+
+Example::
+
+    >>> h100 = device_spec("h100")
+    >>> h100.peak("bfloat16") / 1e12, h100.inter_node_bandwidth, h100.inter_node_latency
+    (989.0, 50000000000.0, 1.5e-05)
+    >>> device_spec("cpu").inter_node_bandwidth is None  # the intra-node link's
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from partitioner.units import GIB
+
+__all__ = ["DEVICES", "GIB", "DeviceSpec", "device_spec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator, the link between accelerators of one node and the link between nodes.
+
+    ``inter_node_bandwidth`` / ``inter_node_latency`` of ``None`` (the default)
+    mean the intra-node link's numbers: one kind of link everywhere.  Read both
+    links through :func:`partitioner.cost.comm.link`, which resolves that.
+    """
+
+    name: str
+    peak_flops: dict[str, float]  # dtype name -> FLOP/s
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: int
+    link_bandwidth: float  # bytes/s, one direction, point to point
+    link_latency: float  # seconds per message
+    kernel_overhead: float  # seconds per launched op (launch + sync), an assumption
+    message_host_s: float = 0.0  # seconds of a rank's own time per message it sends or receives
+    inter_node_bandwidth: float | None = None  # bytes/s per GPU, one direction; None: link_bandwidth
+    inter_node_latency: float | None = None  # seconds per message between nodes; None: link_latency
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+
+def _gpu(
+    name: str, fp32: float, half: float, hbm: float, mem_gb: float, link: float, network: float
+) -> DeviceSpec:
+    return DeviceSpec(
+        name=name,
+        peak_flops={"float32": fp32, "bfloat16": half, "float16": half},
+        memory_bandwidth=hbm,
+        memory_bytes=int(mem_gb * 1e9),
+        link_bandwidth=link,
+        link_latency=10e-6,
+        kernel_overhead=5e-6,
+        inter_node_bandwidth=network,
+        inter_node_latency=15e-6,
+    )
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    "a100": _gpu("a100", 19.5e12, 312e12, 2.039e12, 80, 300e9, 25e9),  # HDR 200 Gb/s per GPU
+    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9),  # NDR 400 Gb/s per GPU
+    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9),
+    # CPU ranks talking over gloo/loopback on this 2-core machine.
+    "cpu": DeviceSpec(
+        name="cpu",
+        peak_flops={"float32": 50e9},
+        memory_bandwidth=10e9,
+        memory_bytes=16 * GIB,
+        link_bandwidth=1.0e9,
+        # One-way, while both cores compute (as pipelined ranks do): ~460 us for 96 KB, 140 us idle;
+        # each message also takes ~0.1 ms of the rank's own time (gloo's copies and wake-ups).
+        link_latency=400e-6,
+        kernel_overhead=10e-6,
+        message_host_s=100e-6,
+    ),
+}
+
+
+def device_spec(name: str) -> DeviceSpec:
+    """Look up a device by name (``a100``, ``h100``, ``h200``, ``cpu``)."""
+    key = name.lower()
+    if key not in DEVICES:
+        from partitioner.errors import AutopartitionError
+
+        raise AutopartitionError(
+            f"Unknown device {name!r}. Choose one of {', '.join(sorted(DEVICES))}, "
+            "or 'auto' to measure on this machine."
+        )
+    return DEVICES[key]

@@ -1,0 +1,72 @@
+"""One node's cost as plain numbers, the roofline that prices it on a GPU, and a split backward's overhead.
+
+Torch-free on purpose: the cost pass (:mod:`partitioner.cost.nodes`,
+:mod:`partitioner.cost.measured`, :mod:`partitioner.cost.splitcost`) fills these in
+with torch, and the solver's formulation (:mod:`partitioner.solve.formulate`)
+reads them without it.
+
+Times for a GPU we are not on come from :func:`predicted_times`, a roofline:
+``max(FLOPs / peak, bytes / bandwidth) + launch overhead`` (Williams et al.,
+"Roofline", CACM 2009), with the peaks in :mod:`partitioner.cost.devices`.
+
+Example::
+
+    >>> from partitioner.cost.devices import device_spec
+    >>> forward, backward = predicted_times(NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 0, "bfloat16"), device_spec("h100"))
+    >>> round(forward * 1e3, 3), round(backward * 1e3, 3)   # 1 ms and 2 ms of FLOPs at 989 TFLOP/s, + launch
+    (1.005, 2.005)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from partitioner.cost.devices import DeviceSpec
+
+__all__ = ["NodeCost", "SplitOverhead", "predicted_times"]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCost:
+    """Per-micro-batch cost of one node (times are measured or zero)."""
+
+    forward_s: float
+    backward_s: float
+    forward_flops: float
+    backward_flops: float
+    saved_bytes: int  # activations kept for backward
+    io_bytes: int  # tensor bytes read and written by the forward, weights included
+    dtype: str  # dtype of the output, chooses the peak for predictions
+    weight_bytes: int = 0  # parameter bytes read (part of io_bytes; independent of the batch)
+    saved_float32_bytes: int | None = None  # the float32 part of saved_bytes (None: not known)
+    weight_backward_s: float = 0.0  # measured: the backward to the node's parameters alone (W)
+
+
+def predicted_times(cost: NodeCost, spec: DeviceSpec) -> tuple[float, float]:
+    """Roofline forward and backward seconds of one node on ``spec``."""
+    if cost.forward_flops == 0 and cost.io_bytes == 0:
+        return 0.0, 0.0  # views and other metadata-only ops
+    peak = spec.peak(cost.dtype)
+    bandwidth = spec.memory_bandwidth
+    forward = max(cost.forward_flops / peak, cost.io_bytes / bandwidth) + spec.kernel_overhead
+    # Backward reads the saved activations and the output gradient, writes input gradients.
+    backward = 0.0
+    if cost.backward_flops > 0 or cost.saved_bytes > 0:
+        backward = max(cost.backward_flops / peak, 2 * cost.io_bytes / bandwidth) + spec.kernel_overhead
+    return forward, backward
+
+
+class SplitOverhead(NamedTuple):
+    per_op_s: float  # host seconds per meeting op, whatever its size
+    share: float  # and this share of the op's own forward + backward seconds
+    forward_part: float = 0.0  # the part of it spent in F
+    weight_part: float = 0.0  # and in W (the rest in B)
+
+    def seconds(self, op_s: float) -> float:
+        """Extra seconds a split backward costs an op whose forward + backward take ``op_s``.
+
+        >>> SplitOverhead(5e-5, 0.25).seconds(4e-4)
+        0.00015000000000000001
+        """
+        return self.per_op_s + self.share * op_s

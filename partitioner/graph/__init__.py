@@ -1,0 +1,13 @@
+"""Capture: the user's ``nn.Module`` as a torch.fx graph, with shapes and values on its nodes.
+
+Takes a model and example inputs; gives a :class:`~partitioner.graph.capture.CapturedModel`
+(``torch.export`` non-strict, or symbolic tracing) whose nodes carry ``node.meta``
+tensor metadata (:mod:`~partitioner.graph.meta`) and propagated values
+(:mod:`~partitioner.graph.values`); :mod:`~partitioner.graph.ir` holds the helpers
+every later pass reads the graph with.
+
+May import: ``partitioner.errors``, ``units``, ``defaults``, ``orders`` and torch.
+Nothing above it (cost, solve, plan, schedule, report, search, cli, runtime).
+"""
+
+__all__: list[str] = []

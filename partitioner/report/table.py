@@ -1,0 +1,431 @@
+"""The plan as a fixed-width text report: a header, one row per stage, then a summary.
+
+Every line fits :data:`WIDTH` columns (the module column is shortened in the
+middle when a table would not).
+
+Example::
+
+    >>> from partitioner.plan import example_plan
+    >>> print("\\n".join(format_plan(example_plan()).splitlines()[:2]))
+    Sequential: 2 parameters (export) | 2 GPUs = 2 stages x 1 replica, one node of 2
+    gpipe, 2 micro-batches of 2, batch 4 | fp32, adam | costs measured on cpu
+    >>> format_bytes(3 * 1024**2), format_seconds(0.0123)
+    ('3.00 MiB', '12.3 ms')
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+
+from partitioner.plan import Candidate, Plan, StagePlan
+from partitioner.units import format_bytes, format_count, format_seconds, plural
+
+__all__ = [
+    "WIDTH",
+    "assumptions",
+    "crossing_links",
+    "format_bytes",
+    "format_plan",
+    "format_seconds",
+    "is_chosen",
+    "rank_layout_lines",
+    "ranked_candidates",
+    "recompute_summary",
+    "schedule_label",
+]  # the formatters live in partitioner.units
+
+WIDTH = 100  # columns every line of the text report fits in
+SHOWN_CANDIDATES = 12  # rows of the candidate table in the text report (report.md lists every one)
+
+
+def format_plan(plan: Plan) -> str:
+    """The whole report: header, stage table, chunk layout, predictions and assumptions, solver, tied, candidates."""
+    lines = _header(plan) + [""]
+    lines += _stage_table(plan)
+    if plan.chunks > 1:
+        lines.append("")
+        lines += rank_layout_lines(plan)
+    lines.append("")
+    lines += _summary(plan)
+    if plan.tied:
+        lines.append("")
+        lines.append("tied parameters (one tensor under several names):")
+        for tied in plan.tied:
+            others = [a for a in tied.aliases if a != tied.name]
+            where = "stage" if len(tied.stages) == 1 else "stages"
+            note = "; gradients summed across stages" if len(tied.stages) > 1 else ""
+            lines += _wrap(
+                f"{tied.name} = {', '.join(others) or tied.name} on {where} {', '.join(map(str, tied.stages))}{note}",
+                indent="  ",
+            )
+    if plan.candidates:
+        lines.append("")
+        lines += _candidates(plan)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- shared with report.md
+
+
+def schedule_label(schedule: str | None, chunks: int | None = 1) -> str:
+    """A schedule as the tables name it, with its stages per rank where it chooses them (interleaved).
+
+    >>> schedule_label("interleaved-1f1b", 4), schedule_label("zbv", 2), schedule_label(None)
+    ('interleaved-1f1b x4', 'zbv', '-')
+    """
+    if schedule is None:
+        return "-"
+    return f"{schedule} x{chunks}" if schedule == "interleaved-1f1b" and chunks else schedule
+
+
+def rank_layout_lines(plan: Plan) -> list[str]:
+    """Which stages each pipeline rank holds, with the rank's predicted peak memory (the chunk layout).
+
+    >>> from partitioner.plan import example_plan
+    >>> for line in rank_layout_lines(example_plan()):
+    ...     print(line)
+    pipeline ranks (gpipe, one stage each):
+      rank 0 (GPUs 0): stage 0, peak 320 B
+      rank 1 (GPUs 1): stage 1, peak 320 B
+    """
+    each = "one stage each" if plan.chunks == 1 else f"{plan.chunks} stages each"
+    lines = [f"pipeline ranks ({schedule_label(plan.schedule, plan.chunks)}, {each}):"]
+    peaks = plan.predicted.peak_memory_bytes
+    for rank in range(plan.pp):
+        held = plan.stages_of(rank)
+        gpus = _ranks(plan.stages[held[0]].ranks) if held else "-"
+        peak = f", peak {format_bytes(peaks[rank])}" if rank < len(peaks) else ""
+        what = f"stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
+        lines += _wrap(f"rank {rank} (GPUs {gpus}): {what}{peak}", indent="  ", subsequent="    ")
+    return lines
+
+
+def recompute_summary(plan: Plan) -> str:
+    """Which stages recompute their activations, in a few words.
+
+    >>> from partitioner.plan import example_plan
+    >>> recompute_summary(example_plan())
+    'none'
+    """
+    full = [s.index for s in plan.stages if s.recompute == "full"]
+    if not full:
+        return "none"
+    if len(full) == len(plan.stages):
+        return "every stage (full)"
+    return f"full on stage{'s' if len(full) > 1 else ''} {_ranges(full)}"
+
+
+def crossing_links(plan: Plan) -> tuple[list[str], list[int]]:
+    """(boundaries "a->b" whose messages cross nodes, stages whose all-reduce crosses nodes).
+
+    >>> from partitioner.plan import example_plan
+    >>> crossing_links(example_plan())
+    ([], [])
+    """
+    pairs = sorted({(b.source, b.target) for s in plan.stages for b in s.outputs if b.link == "inter"})
+    stages = [s.index for s in plan.stages if s.allreduce_link == "inter" and plan.dp > 1]
+    return [f"{a}->{b}" for a, b in pairs], stages
+
+
+def assumptions(plan: Plan) -> list[tuple[str, str]]:
+    """What the prediction assumes, as (topic, statement) pairs: precision, optimizer, recomputation, links."""
+    from partitioner.cost.precision import static_bytes_per_element
+
+    cm = plan.cost_model
+    per_parameter = static_bytes_per_element(plan.precision, cm.optimizer_states)
+    kind = {
+        "fp32": "weights, gradients, optimizer state and activations in float32",
+        "bf16-mixed": "bf16 compute and activations under autocast; fp32 weights, gradients, optimizer state",
+        "bf16": "weights, gradients, optimizer state and activations in bf16",
+    }.get(plan.precision, plan.precision)
+    states = "state tensor" if cm.optimizer_states == 1 else "state tensors"
+    nodes = _node_layout(plan)
+    intra = f"{cm.link_bandwidth / 1e9:.3g} GB/s, {cm.link_latency * 1e6:.3g} µs per message inside a node"
+    if cm.inter_node_bandwidth is not None:
+        latency = cm.inter_node_latency if cm.inter_node_latency is not None else cm.link_latency
+        inter = f"; {cm.inter_node_bandwidth / 1e9:.3g} GB/s, {latency * 1e6:.3g} µs between nodes"
+    else:
+        inter = "; the same between nodes"
+    boundaries, allreduces = crossing_links(plan)
+    if plan.gpus_per_node is None or plan.gpus <= plan.gpus_per_node:
+        carried = "everything stays inside one node"
+    else:
+        sends = f"boundaries {', '.join(boundaries)} cross nodes" if boundaries else "no boundary crosses nodes"
+        if plan.dp == 1:
+            reduces = "no all-reduce (one replica per stage)"
+        elif allreduces:
+            reduces = f"the all-reduces of stages {_ranges(allreduces)} cross nodes"
+        else:
+            reduces = "every all-reduce stays inside a node"
+        carried = f"{sends}; {reduces}"
+    peak = (f"model FLOPs of a step (forward + backward, recomputation not counted) / ({plural(plan.gpus, 'GPU')} x "
+            f"{cm.peak_flops / 1e12:,.4g} TFLOP/s x step)") if cm.peak_flops else "not known (no peak FLOP/s)"
+    return [
+        ("precision", f"{plan.precision}: {kind}"),
+        ("optimizer", (f"{plan.optimizer}, {cm.optimizer_states} {states} per parameter: "
+                       f"{per_parameter} bytes per parameter with weights and gradients")),
+        ("recomputation", recompute_summary(plan)),
+        ("links", f"{nodes}; {intra}{inter}"),
+        ("across nodes", carried),
+        ("MFU", peak),
+    ]
+
+
+def ranked_candidates(plan: Plan) -> list[Candidate]:
+    """The candidates, best first: chosen, simulated, solved by closed form, pruned, not fitting, skipped."""
+    rank = {"pruned": 3, "infeasible": 4, "skipped": 5}
+
+    def key(c: Candidate) -> tuple[float, ...]:
+        if is_chosen(c, plan):
+            return (0, 0.0, 0.0)
+        if c.simulated_s is not None:
+            return (1, c.simulated_s, 0.0)
+        if c.step_s is not None:
+            return (2, c.step_s, 0.0)
+        return (rank.get(c.status, 6), c.pp, -(c.microbatches or 0))
+
+    return sorted(plan.candidates, key=key)
+
+
+def is_chosen(candidate: Candidate, plan: Plan) -> bool:
+    """True for the candidate that became ``plan`` (by its note; by its shape for version-1 plans)."""
+    if candidate.note == "chosen":
+        return True
+    return candidate.microbatches is None and (candidate.pp, candidate.dp) == (plan.pp, plan.dp) \
+        and not any(c.note == "chosen" for c in plan.candidates)
+
+
+# ----------------------------------------------------------------- parts
+
+
+def _header(plan: Plan) -> list[str]:
+    model = plan.model
+    micro = plural(plan.microbatches, "micro-batch", "micro-batches")
+    memory = plan.cost_model.memory_limit
+    limit = f" | {format_bytes(memory)} per GPU" if memory is not None else ""
+    parameters = "parameter" if model.parameters == 1 else "parameters"
+    shape = (f"{plural(plan.pp, 'stage')} x {plural(plan.dp, 'replica')}" if plan.chunks == 1 else
+             f"{plural(plan.pp, 'pipeline rank')} x {plural(plan.dp, 'replica')}, {len(plan.stages)} stages")
+    first = (f"{model.class_name}: {format_count(model.parameters)} {parameters} ({model.capture})"
+             f" | {plural(plan.gpus, 'GPU')} = {shape}, {_node_layout(plan)}")
+    cm = plan.cost_model
+    jitter = f", jitter {100 * cm.action_jitter:.0f}%" if cm.action_jitter else ""
+    calibrated = "" if (cm.calibration_scale, cm.action_host_s, cm.action_jitter) == (1.0, 0.0, 0.0) else \
+        f", calibrated (x{cm.calibration_scale:.2f}, +{format_seconds(cm.action_host_s)} per action{jitter})"
+    second = (f"{schedule_label(plan.schedule, plan.chunks)}, {micro} of {plan.microbatch_size}, batch {plan.batch_size}"
+              f" | {plan.precision}, {plan.optimizer} | costs {cm.source}{calibrated}{limit}")
+    return _wrap(first) + _wrap(second)
+
+
+def _node_layout(plan: Plan) -> str:
+    per_node = plan.gpus_per_node or plan.gpus
+    if per_node >= plan.gpus:
+        return f"one node of {plan.gpus}"
+    return f"{plan.gpus // per_node} nodes of {per_node}"
+
+
+def _stage_table(plan: Plan) -> list[str]:
+    headers = ["stage", "ranks", "modules", "params", "peak memory", "fwd ms", "bwd ms", "recomp", "sends"]
+    right = {0, 3, 4, 5, 6, 8}
+    replicated = plan.dp > 1
+    if replicated:
+        headers.append("allreduce ms")
+        right.add(len(headers) - 1)
+    rows = []
+    for stage in plan.stages:
+        p = stage.predicted
+        row = [
+            str(stage.index),
+            _ranks(stage.ranks),
+            _modules(stage),
+            format_bytes(p.parameter_bytes),
+            _memory(p.memory_bytes, plan.cost_model.memory_limit),
+            _ms(p.forward_s),
+            _ms(p.backward_s),
+            "full" if stage.recompute == "full" else "-",
+            format_bytes(p.send_bytes) if p.send_bytes else "-",
+        ]
+        if replicated:
+            row.append(_ms(p.allreduce_s) + ("*" if stage.allreduce_link == "inter" else ""))
+        rows.append(row)
+    table = _render(headers, rows, right, shrink=2, indent=0)
+    where = "per GPU" if plan.chunks == 1 else "the stage's own share of its GPU (per GPU: below)"
+    notes = f"fwd/bwd ms and sends: per micro-batch (bwd with recomputation); peak memory: {where}, whole step"
+    if any(s.allreduce_link == "inter" for s in plan.stages) and replicated:
+        notes += "; *: across nodes"
+    return table + _wrap(notes + ".")
+
+
+def _summary(plan: Plan) -> list[str]:
+    step = plan.predicted
+    peak = max(step.peak_memory_bytes, default=0.0)
+    solver = plan.solver
+    mfu = f" | MFU {100 * step.mfu:.1f}%" if step.mfu is not None else ""
+    prediction = (
+        f"predicted step {format_seconds(step.step_s)} | bubble {100 * step.bubble_fraction:.1f}%"
+        f" | {step.samples_per_s:,.0f} samples/s{mfu} | peak memory {format_bytes(peak)} per GPU"
+    )
+    # Proven optimal has no gap (plans saved before exact solvers reported their own bound may say otherwise).
+    gap = 0.0 if solver.status == "optimal" else solver.gap
+    solved = (f"solver {solver.name}: {solver.status}, gap {100 * gap:.1f}% to the lower bound,"
+              f" {solver.blocks} blocks, {format_seconds(solver.wall_s)}")
+    lines = _wrap(prediction)
+    lines.append("assumptions:")
+    for topic, text in assumptions(plan):
+        lines += _wrap(f"{topic}: {text}", indent="  ", subsequent="    ")
+    return lines + _wrap(solved)
+
+
+def _candidates(plan: Plan) -> list[str]:
+    ranked = ranked_candidates(plan)
+    shown: list[Candidate] = []
+    shapes: set[tuple[int, int]] = set()
+    for i, c in enumerate(ranked):  # all if few; else the best few, the simulated, the best of every pp x dp
+        if len(ranked) <= SHOWN_CANDIDATES or i < SHOWN_CANDIDATES // 2 or c.simulated_s is not None \
+                or (c.pp, c.dp) not in shapes:
+            shown.append(c)
+            shapes.add((c.pp, c.dp))
+    shown = shown[:SHOWN_CANDIDATES]
+    rows = []
+    for c in shown:
+        rows.append([
+            "*" if is_chosen(c, plan) else "",
+            str(c.pp),
+            str(c.dp),
+            "-" if c.microbatches is None else str(c.microbatches),
+            schedule_label(c.schedule, getattr(c, "chunks", None)),
+            _recomputed(c),
+            format_seconds(c.step_s) if c.step_s is not None else "-",
+            format_seconds(c.simulated_s) if c.simulated_s is not None else "-",
+            c.note or c.status,
+        ])
+    body = _render(["", "pp", "dp", "M", "sched", "recomp", "closed form", "simulated", "why not chosen"],
+                   rows, {1, 2, 3, 6, 7}, shrink=8, indent=2, keep_head=True)
+    title = "candidates: pp x dp x M x schedule (* = chosen; simulated: the best, and the best of each schedule)"
+    lines = _wrap(title) + ["  " + line for line in body]
+    hidden = len(plan.candidates) - len(shown)
+    if hidden > 0:
+        lines.append(f"  (+{hidden} more combination{'s' if hidden > 1 else ''}: report.md and plan.json list every one)")
+    return lines
+
+
+def _recomputed(c: Candidate) -> str:
+    if c.recomputed_stages is None:
+        return "-"
+    if c.recomputed_stages == 0:
+        return "none"
+    stages = c.pp * (getattr(c, "chunks", None) or 1)
+    return "all" if c.recomputed_stages == stages else f"{c.recomputed_stages}/{stages}"
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _render(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int], *, shrink: int | None = None,
+    indent: int = 0, keep_head: bool = False,
+) -> list[str]:
+    """Aligned columns; column ``shrink`` is cut short in the middle (``keep_head``: at its end,
+    for sentences) so that lines indented by ``indent`` stay within :data:`WIDTH`."""
+    cells = [list(r) for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    gap = 2
+
+    def over() -> int:
+        return sum(widths) + gap * (len(widths) - 1) + indent - WIDTH
+
+    def cut(least: int) -> None:
+        assert shrink is not None
+        room = max(len(headers[shrink]), widths[shrink] - over(), least)
+        for r in cells:
+            r[shrink] = _head(r[shrink], room) if keep_head else _shorten(r[shrink], room)
+        widths[shrink] = max([len(headers[shrink])] + [len(r[shrink]) for r in cells])
+
+    # Wide tables (many stages: 4-digit ranks; replicas: one more column) give up, in turn,
+    # the shrinkable column's last readable characters and the double spaces between columns.
+    if shrink is not None and over() > 0:
+        cut(8)
+    if over() > 0:
+        gap = 1
+    if shrink is not None and over() > 0:
+        cut(1)
+
+    def line(row: Sequence[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return (" " * gap).join(parts).rstrip()
+
+    rule = ["-" * w if h else " " * w for h, w in zip(headers, widths)]
+    return [line(headers), line(rule)] + [line(r) for r in cells]
+
+
+def _shorten(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, an ellipsis in the middle where cut.
+
+    >>> _shorten("transformer.h.0 … transformer.h.11", 20)
+    'transform…ormer.h.11'
+    """
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+def _head(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, cut at its end (an ellipsis marks the cut).
+
+    >>> _head("slower: +7.1% (simulated), bubble 22%", 27)
+    'slower: +7.1% (simulated),…'
+    """
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _wrap(text: str, *, indent: str = "", subsequent: str | None = None) -> list[str]:
+    return textwrap.wrap(text, width=WIDTH, initial_indent=indent,
+                         subsequent_indent=indent if subsequent is None else subsequent,
+                         break_on_hyphens=False, break_long_words=False) or [indent]
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """Ascending integers as runs.
+
+    >>> _ranges([0, 1, 2, 5, 7, 8])
+    '0-2, 5, 7-8'
+    """
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    if ms == 0:
+        return "0"
+    if ms < 0.001:
+        return f"{ms:.1e}"
+    return f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _modules(stage: StagePlan) -> str:
+    if not stage.modules:
+        return "-"
+    first, last = stage.modules[0], stage.modules[-1]
+    return first if first == last else f"{first} … {last}"
+
+
+def _memory(used: float, limit: float | None) -> str:
+    text = format_bytes(used)
+    if limit:
+        share = 100 * used / limit
+        text += f" ({'<0.1' if 0 < share < 0.1 else f'{share:.1f}' if share < 10 else f'{share:.0f}'}%)"
+    return text

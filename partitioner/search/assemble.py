@@ -1,0 +1,395 @@
+"""A plan from a solved partition: stages, boundaries, tied parameters, schedule, prediction and stage code.
+
+:func:`build_plan` assembles one solved combination into a
+:class:`~partitioner.plan.Plan` (each stage's nodes, boundary tensors, ranks,
+links, recomputation and predicted costs), lowers its schedule into action
+lists and predicts its step by simulation; :func:`stage_codes` generates the
+readable code of each stage, for the chosen plan only.  Ranks are laid out
+pipeline-rank-major (:func:`stage_layout`); a schedule with several stages per
+pipeline rank places them by :func:`~partitioner.orders.stage_ranks`
+(the solved problem's ``stage_rank``), and every link is that of the stages'
+ranks.
+
+    >>> stage_layout(2, 3)
+    [(0, 1, 2), (3, 4, 5)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import fx
+
+from partitioner.cost.comm import allreduce_crosses_nodes, p2p_crosses_nodes
+from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.precision import activation_scale, compute_dtype
+from partitioner.defaults import splits_backward
+from partitioner.errors import InternalError
+from partitioner.graph.capture import CapturedModel
+from partitioner.graph.ir import (
+    KIND_KEY,
+    VALUE_KEY,
+    ValueInfo,
+    graph_fingerprint,
+    module_path,
+    node_parameters,
+)
+from partitioner.plan import (
+    FORMAT_VERSION,
+    Boundary,
+    CostModelInfo,
+    ModelInfo,
+    Plan,
+    SolverInfo,
+    StagePlan,
+    StagePrediction,
+    StepPrediction,
+    TensorSpec,
+    TiedParameter,
+    stage_topology,
+)
+from partitioner.schedule.lower import compute_order, lower, validate
+from partitioner.schedule.simulate import simulate
+from partitioner.search.layouts import Solved
+from partitioner.search.options import PlanOptions, batch_size_of
+from partitioner.solve.formulate import GraphCosts
+from partitioner.solve.problem import (
+    allreduce_latencies,
+    choose_recompute,
+    split_backward,
+    stage_costs,
+    stage_memory,
+    stage_rank_of,
+)
+from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
+
+__all__ = ["build_plan", "mfu_peak_flops", "model_flops_utilization", "predict", "stage_codes", "stage_layout"]
+
+
+def stage_layout(pp: int, dp: int) -> list[tuple[int, ...]]:
+    """Global ranks of each pipeline rank's replicas, rank-major (Megatron's order: replicas are neighbours)."""
+    return [tuple(s * dp + r for r in range(dp)) for s in range(pp)]
+
+
+
+def build_plan(
+    model: torch.nn.Module,
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    graph: GraphCosts,
+    solved: Solved,
+    options: PlanOptions,
+) -> Plan:
+    """The plan for one solved combination, less candidates and stage code: assemble, lower, predict.
+
+    ``graph`` holds the costs at the combination's micro-batch count.  Boundary
+    shapes are scaled from the captured micro-batch (``micro``) to the
+    combination's (drafts are ranked before the winner is recaptured at its size).
+    """
+    stages = _stages(captured, graph, solved, options, sizes=(batch_size_of(micro), _microbatch_size(solved, options)))
+    partition, spec = solved.partition, options.spec
+    model_flops = graph.flops() * solved.microbatches  # one mini-batch over all replicas
+    assembled = Plan(
+        format_version=FORMAT_VERSION,
+        model=_model_info(model, captured, micro),
+        gpus=options.gpus, pp=solved.pp, dp=solved.dp, microbatches=solved.microbatches, chunks=solved.chunks,
+        schedule=solved.schedule, batch_size=options.batch, device=options.device_name,
+        stages=stages,
+        actions=(),  # _lower
+        tied=_tied(captured, stages),
+        predicted=StepPrediction(0.0, 0.0, 0.0, (), model_flops=model_flops or None),  # predict
+        solver=SolverInfo(partition.solver, partition.status, partition.objective, partition.lower_bound,
+                          partition.wall_s, len(graph.blocks)),
+        cost_model=CostModelInfo(
+            source=("measured on " if options.measure else "predicted for ") + spec.name,
+            link_bandwidth=spec.link_bandwidth, link_latency=spec.link_latency,
+            memory_limit=options.memory_limit, optimizer_states=options.optimizer_states,
+            inter_node_bandwidth=spec.inter_node_bandwidth, inter_node_latency=spec.inter_node_latency,
+            peak_flops=mfu_peak_flops({n: graph.node_flops.get(n, 0.0) for b in graph.blocks for n in b},
+                                      graph.node_time_s, graph.node_dtype, spec=spec, precision=options.precision),
+            message_host_s=spec.message_host_s,
+            calibration_scale=options.calibration.scale, action_host_s=options.calibration.action_s,
+            action_jitter=options.calibration.jitter,
+        ),
+        candidates=(),  # compile: every combination's row, on the chosen plan
+        bucket_cap_mb=options.bucket_cap_mb,
+        stage_code=(),  # stage_codes, for the chosen plan only
+        precision=options.precision,
+        optimizer=options.optimizer,
+        gpus_per_node=options.gpus_per_node,
+    )
+    return predict(_lower(assembled))
+
+
+
+def _microbatch_size(solved: Solved, options: PlanOptions) -> int:
+    return options.batch // (solved.dp * solved.microbatches)
+
+
+
+def _model_info(model: torch.nn.Module, captured: CapturedModel, micro: tuple[torch.Tensor, ...]) -> ModelInfo:
+    return ModelInfo(
+        class_name=type(model).__name__,
+        fingerprint=graph_fingerprint(captured.graph_module),
+        capture=captured.method,
+        inputs=tuple(TensorSpec(name, tuple(x.shape), str(x.dtype).removeprefix("torch."))
+                     for name, x in zip(captured.input_names, micro)),
+        outputs=tuple(captured.output_nodes),
+        call=captured.call.to_json(),
+        parameters=sum(p.numel() for p in model.parameters()),
+        parameter_bytes=sum(p.nbytes for p in model.parameters()),
+    )
+
+
+
+def _stages(
+    captured: CapturedModel, graph: GraphCosts, solved: Solved, options: PlanOptions, *, sizes: tuple[int, int]
+) -> tuple[StagePlan, ...]:
+    """Each stage's nodes, boundary tensors, ranks, links, recomputation and predicted costs.
+
+    Costs come from the solver's problem, so the plan shows what the solver
+    optimised: a recomputing stage's backward includes its blocks' forward again
+    (``recompute_s``) and it keeps only its blocks' inputs per micro-batch
+    (``recompute_bytes``), plus the largest block's activations during each
+    backward (:func:`partitioner.solve.problem.stage_memory`).
+    """
+    gm = captured.graph_module
+    nodes = {n.name: n for n in gm.graph.nodes}
+    count, dp, problem, partition = solved.stages, solved.dp, solved.problem, solved.partition
+    m, kind, per_node = solved.microbatches, solved.schedule, options.gpus_per_node
+    rank = stage_rank_of(problem, count)  # the pipeline rank of each of the pp x chunks stages
+    stage_of_node = {name: partition.stage_of[b] for b, members in enumerate(graph.blocks) for name in members}
+    compute_sets: list[set[str]] = [set() for _ in range(count)]
+    for name, s in stage_of_node.items():
+        compute_sets[s].add(name)
+    blocks_of: list[list[int]] = [[] for _ in range(count)]
+    for b, s in enumerate(partition.stage_of):
+        blocks_of[s].append(b)
+    boundaries = tuple(
+        dataclasses.replace(b, link="inter" if rank[b.source] != rank[b.target] and p2p_crosses_nodes(
+            rank[b.source], rank[b.target], dp=dp, gpus_per_node=per_node) else "intra")
+        for b in _boundaries(gm, stage_of_node, count, sizes=sizes)
+    )
+    recompute = partition.recompute or choose_recompute(problem, partition.stage_of, count, microbatches=m, schedule=kind)
+    _, allreduce = stage_costs(problem, partition.stage_of, count, recompute=recompute)
+    latency = allreduce_latencies(problem, count)
+    memory = stage_memory(problem, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute)
+    layout = stage_layout(solved.pp, dp)
+    # W per stage, and the host seconds a split backward adds to it (problem.split_backward).
+    block_forward = [sum(graph.node_forward_s[n] for n in members) / dp for members in graph.blocks]
+    block_forward[-1] += graph.loss_s[0] / dp
+    weight, added, in_forward = split_backward(problem, partition.stage_of, count, forward_s=block_forward)
+    if not splits_backward(kind):
+        added = in_forward = [0.0] * count
+    stages: list[StagePlan] = []
+    for s in range(count):
+        names = closure(gm, compute_sets[s])
+        model_inputs = tuple(dict.fromkeys(
+            a.name for n in names for a in nodes[n].all_input_nodes if a.op == "placeholder"))
+        inputs = tuple(b for b in boundaries if b.target == s)
+        outputs = tuple(b for b in boundaries if b.source == s)
+        params = tuple(sorted({p for n in names for p in _parameters_of(gm, nodes[n])}))
+        compute = [n for n in names if n in compute_sets[s]]
+        # Name the range by user modules; root-level glue (x.size(1), a residual add) only if nothing else.
+        paths = [module_path(nodes[n]) for n in compute if module_path(nodes[n])] or ["(root)"]
+        last = s == count - 1
+        forward = (sum(graph.node_forward_s[n] for n in compute) + (graph.loss_s[0] if last else 0.0)) / dp
+        total = (sum(graph.node_time_s[n] for n in compute) + (sum(graph.loss_s) if last else 0.0)) / dp
+        # The runtime's host time per action (a calibration's): once in F, once in B (W's is in added).
+        forward, total = forward + problem.action_s + in_forward[s], total + 2 * problem.action_s
+        kept = [problem.activation_bytes[b] for b in blocks_of[s]]
+        again = 0.0
+        if recompute[s]:
+            assert problem.recompute_bytes is not None and problem.recompute_s is not None
+            again = sum(problem.recompute_s[b] for b in blocks_of[s])
+            kept = [problem.recompute_bytes[b] for b in blocks_of[s]]
+        stages.append(StagePlan(
+            index=s,
+            rank=rank[s],
+            ranks=layout[rank[s]],
+            nodes=tuple(names),
+            compute_nodes=len(compute),
+            parameters=params,
+            model_inputs=model_inputs,
+            inputs=inputs,
+            outputs=outputs,
+            modules=(paths[0], paths[-1]),
+            predicted=StagePrediction(
+                forward_s=forward,
+                backward_s=(backward := total - forward + again + added[s]),  # less F's part of added
+                memory_bytes=memory[s],
+                parameter_bytes=sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params),
+                activation_bytes=sum(kept),
+                send_bytes=round(sum(b.nbytes * activation_scale(options.precision, b.dtype) for b in outputs)),
+                allreduce_s=allreduce[s] + latency[s],
+                recompute_s=again,
+                recompute_peak_bytes=max((problem.activation_bytes[b] for b in blocks_of[s]), default=0.0)
+                if recompute[s] else 0.0,
+                weight_s=min(weight[s], backward),  # the same seconds, summed per block or per node
+            ),
+            recompute="full" if recompute[s] else "none",
+            allreduce_link="inter" if allreduce_crosses_nodes(rank[s], dp=dp, gpus_per_node=per_node) else "intra",
+        ))
+    return tuple(stages)
+
+
+
+def _lower(plan: Plan) -> Plan:
+    """The schedule's action lists for the plan's stages, communication inserted, validated."""
+    sends_to, receives_from = stage_topology(plan.stages)
+    lowered = lower(compute_order(plan.schedule, ranks=plan.pp, microbatches=plan.microbatches, chunks=plan.chunks),
+                    sends_to=sends_to, receives_from=receives_from, stage_rank=plan.stage_ranks(), kind=plan.schedule)
+    validate(lowered, sends_to=sends_to, receives_from=receives_from, stage_rank=plan.stage_ranks())
+    return dataclasses.replace(plan, actions=tuple(tuple(str(a) for a in row) for row in lowered.actions))
+
+
+
+def predict(plan: Plan) -> Plan:
+    """The step prediction, from a discrete-event simulation of the lowered plan, and the MFU it implies."""
+    sim = simulate(plan)
+    flops, peak = plan.predicted.model_flops, plan.cost_model.peak_flops
+    return dataclasses.replace(plan, predicted=StepPrediction(
+        step_s=sim.step_s,
+        bubble_fraction=sim.bubble_fraction,
+        samples_per_s=plan.batch_size / sim.step_s if sim.step_s > 0 else 0.0,
+        peak_memory_bytes=tuple(float(m) for m in sim.peak_memory_bytes),
+        model_flops=flops,
+        mfu=model_flops_utilization(flops, gpus=plan.gpus, peak_flops=peak, step_s=sim.step_s),
+    ))
+
+
+
+def model_flops_utilization(model_flops: float | None, *, gpus: int, peak_flops: float | None, step_s: float) -> float | None:
+    """MFU: model FLOPs per step over what the GPUs could do in the step at peak (Chowdhery et al. 2022, PaLM, App. B).
+
+    ``model_flops`` counts the forward and backward of one mini-batch, not the
+    recomputation (which is why it is *model* FLOPs utilisation).
+
+    >>> model_flops_utilization(8e15, gpus=8, peak_flops=1e15, step_s=2.0)
+    0.5
+    >>> model_flops_utilization(None, gpus=8, peak_flops=1e15, step_s=2.0) is None
+    True
+    """
+    if not model_flops or not peak_flops or step_s <= 0:
+        return None
+    # mfu_peak_flops makes the plan's peak bound every node's time, so the simulated step (at least
+    # the busiest GPU's compute) cannot beat it; the cap only guards that invariant's callers.
+    return min(1.0, model_flops / (gpus * peak_flops * step_s))
+
+
+def mfu_peak_flops(
+    flops: Mapping[str, float], seconds: Mapping[str, float], dtypes: Mapping[str, str], *,
+    spec: DeviceSpec, precision: str,
+) -> float | None:
+    """FLOP/s of one GPU for the MFU: the peak each node's FLOPs run at, weighted by those FLOPs.
+
+    ``flops``, ``seconds`` (forward + backward, as the plan prices them) and
+    ``dtypes`` (of each node's value) are per node.  A node runs at the peak of
+    its own dtype at ``precision``, as the roofline prices it (a bf16 model
+    planned at fp32 runs its matmuls at the bf16 peak, not the fp32 one), and a
+    dtype's peak is raised to the fastest node timed at it: a measured node
+    that beat ``spec``'s number (CPU ranks against a rough figure, a GPU the
+    spec only approximates, a calibration that sped every node up) shows that
+    number was no peak.  Every node then takes at least its FLOPs over its
+    peak, so the model FLOPs over this peak are at most the GPUs' busy time and
+    the MFU is at most 1.  ``None``: no FLOPs counted.
+
+    >>> from partitioner.cost.devices import DEVICES
+    >>> flops, dtypes = {"mm": 100e12, "mm_bf16": 10e12}, {"mm": "float32", "mm_bf16": "bfloat16"}
+    >>> seconds = {"mm": 2.0, "mm_bf16": 1.0}  # 50 and 10 TFLOP/s
+    >>> round(mfu_peak_flops(flops, seconds, dtypes, spec=DEVICES["h100"], precision="fp32") / 1e12, 1)
+    73.2
+    >>> round(mfu_peak_flops(flops, seconds, dtypes, spec=DEVICES["cpu"], precision="fp32") / 1e12, 1)
+    36.7
+    """
+    flops_at: dict[str, float] = {}
+    peak_of: dict[str, float] = {}
+    for name, count in flops.items():
+        if count <= 0:
+            continue
+        dtype = dtypes.get(name, "float32")
+        if activation_scale(precision, dtype) != 1.0:  # at_precision's rule: float32 runs in the compute dtype
+            dtype = compute_dtype(precision)
+        took = seconds.get(name, 0.0)
+        peak_of[dtype] = max(peak_of.get(dtype, spec.peak(dtype)), count / took if took > 0 else 0.0)
+        flops_at[dtype] = flops_at.get(dtype, 0.0) + count
+    at_peak_s = sum(count / peak_of[dtype] for dtype, count in flops_at.items() if peak_of[dtype] > 0)
+    return sum(flops_at.values()) / at_peak_s if at_peak_s > 0 else None
+
+
+
+def stage_codes(captured: CapturedModel, plan: Plan) -> tuple[str, ...]:
+    """Readable code per stage, built as the runtime builds each stage module."""
+    gm = captured.graph_module
+    statics = {n.name: n.meta[VALUE_KEY].static for n in gm.graph.nodes if n.meta[VALUE_KEY].kind == "static"}
+    codes = []
+    for stage in plan.stages:
+        signature = stage_signature(stage, model_outputs=plan.model.outputs, last=stage.index == len(plan.stages) - 1)
+        codes.append(_stage_code(stage.index, signature, build_stage(captured, stage.nodes, signature, statics=statics)))
+    return tuple(codes)
+
+
+
+def _parameters_of(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    if node.op == "get_attr" and node.meta.get(KIND_KEY) == "parameter":
+        return [str(node.target)]
+    if node.op == "call_module":
+        return node_parameters(gm, node)
+    return []
+
+
+
+def _boundaries(
+    gm: fx.GraphModule, stage_of: dict[str, int], pp: int, *, sizes: tuple[int, int] = (1, 1)
+) -> tuple[Boundary, ...]:
+    """Tensors produced in one stage and read in a later one, once per (producer, reader stage).
+
+    ``sizes``: (captured, real) samples per micro-batch; a leading dimension that
+    is a multiple of the captured size is scaled to the real one.
+    """
+    captured_size, real_size = sizes
+    found: dict[tuple[str, int], Boundary] = {}
+    for node in gm.graph.nodes:
+        if node.name not in stage_of:
+            continue
+        info: ValueInfo = node.meta[VALUE_KEY]
+        source = stage_of[node.name]
+        readers = {pp - 1 if u.op == "output" else stage_of.get(u.name, source) for u in node.users}
+        for target in sorted(r for r in readers if r != source):
+            if target < source:
+                raise InternalError(f"{node.format_node()} flows backward {source}->{target}.")
+            if info.kind == "static":
+                continue
+            if info.kind != "tensor":
+                raise InternalError(
+                    f"Node {node.format_node()} produces a {info.kind} that would cross stages {source}->{target}; "
+                    "coarsening should have kept it with its readers."
+                )
+            shape = info.shape
+            if captured_size != real_size and shape and shape[0] % captured_size == 0:
+                shape = (shape[0] // captured_size * real_size, *shape[1:])
+            found[node.name, target] = Boundary(node.name, shape, info.dtype, source, target)
+    return tuple(sorted(found.values(), key=lambda b: (b.target, b.source, list(stage_of).index(b.producer))))
+
+
+
+def _tied(captured: CapturedModel, stages: tuple[StagePlan, ...]) -> tuple[TiedParameter, ...]:
+    tied = []
+    for canonical, aliases in sorted(captured.tied_parameters().items()):
+        holders = tuple(st.index for st in stages if set(aliases) & set(st.parameters))
+        tied.append(TiedParameter(canonical, tuple(aliases), holders))
+    return tuple(tied)
+
+
+
+def _stage_code(index: int, signature: StageSignature, gm: fx.GraphModule) -> str:
+    header = [
+        f"# Stage {index}: generated by autopartition for reading; nothing imports or runs this file.",
+        f"# inputs:  model inputs {list(signature.model_inputs)}, received {list(signature.received)}",
+        f"# returns: sent {list(signature.sent)}" + (f", model outputs {list(signature.outputs)}" if signature.outputs else ""),
+        f"# parameters: {sorted(n for n, _ in gm.named_parameters())}",
+        "",
+    ]
+    return "\n".join(header) + gm.code.strip() + "\n"

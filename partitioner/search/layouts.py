@@ -1,0 +1,620 @@
+"""The search over pp x dp x micro-batches x schedule: enumerate, bound, screen, refine, and say why each lost.
+
+:func:`search` makes every allowed combination a :class:`Trial`, drops shapes
+whose weights and optimizer state alone cannot fit, prunes by the lower bound
+``T (1 + (M-1)/pp)`` once it loses to the ``REFINED_CANDIDATES``-th best closed
+form, screens the rest with the interval DP and solves the best few again with
+the full solver (the steps are described in :mod:`partitioner.search.planner`).
+
+Schedules (:meth:`~partitioner.search.options.PlanOptions.schedule_variants`): each
+combination is also a schedule and its stages per pipeline rank (``chunks``).
+A chunked one (``interleaved-1f1b``, ``zbv``) is solved for ``pp x chunks``
+stages placed by :func:`~partitioner.orders.stage_ranks`, first with
+every stage capped at its rank's share of the GPU's memory
+(:func:`~partitioner.solve.problem.chunk_memory_limit`: safe whatever moment each
+chunk peaks at).  That cap is conservative (a rank's chunks do not peak
+together, and the first chunk holds the most micro-batches), so where it
+leaves no split, larger caps up to the whole GPU (:data:`CAP_LADDER`) are tried
+and the first split whose exact per-rank peak (:func:`~partitioner.solve.problem.rank_memory`,
+the schedule's own order walked rank by rank) fits the GPU is kept; that
+exact peak is what the row reports, and every split of a chunked schedule,
+refined ones included, is held to it.  The solvers
+minimise ``sum t + (M-1) max t`` over their stages; for the other schedules they
+keep, among the splits they try, the best by the schedule's own closed form
+(:func:`~partitioner.solve.problem.step_time`), and the result is marked ``feasible``
+with :func:`_time_bound` as its lower bound (the ILP, which optimises the GPipe
+form only, is not run for them).  ``zb-h1`` and ``zbv`` are solved without
+recomputation (:func:`~partitioner.solve.problem.choose_recompute`).
+:func:`best_candidates` picks the ``SIMULATED_CANDIDATES`` the planner simulates;
+:func:`candidate_rows` turns every trial into a report row with its verdict, and
+:func:`infeasible_error` explains what would fit when nothing does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from partitioner.cost.precision import static_bytes_per_element
+from partitioner.defaults import SCHEDULES, schedule_chunks, splits_backward
+from partitioner.errors import AutopartitionError, InfeasibleError
+from partitioner.orders import rank_orders, stage_ranks
+from partitioner.plan import Candidate, Plan
+from partitioner.report.table import schedule_label
+from partitioner.search.options import PlanOptions, Status
+from partitioner.solve.ilp import is_chain, solve
+from partitioner.solve.problem import (
+    Partition,
+    PartitionProblem,
+    RecomputeMode,
+    ScheduleKind,
+    choose_recompute,
+    chunk_memory_limit,
+    rank_memory,
+    stage_costs,
+    within_limit,
+)
+from partitioner.solve.scaledcosts import ScaledCosts
+from partitioner.units import format_bytes, plural
+
+__all__ = [
+    "CAP_LADDER",
+    "REFINED_CANDIDATES",
+    "SIMULATED_CANDIDATES",
+    "CombinationKey",
+    "Solved",
+    "Trial",
+    "best_candidates",
+    "candidate_rows",
+    "combination_key",
+    "infeasible_error",
+    "percent_more",
+    "rank_in_flight",
+    "schedule_problem",
+    "search",
+]
+
+_CLASSIC: tuple[ScheduleKind, ...] = ("gpipe", "1f1b")  # the schedules the solvers' own closed form describes
+
+
+SIMULATED_CANDIDATES = 3  # best closed-form combinations that are simulated before choosing
+
+
+
+REFINED_CANDIDATES = 4  # best screened combinations solved again by the full solver
+
+
+
+# Per-stage caps tried, as powers of the GPU's share (1/chunks), when the share leaves no split of a
+# chunked schedule: from the whole GPU down towards the share; the first split that fits exactly wins.
+CAP_LADDER = (0.0, 0.25, 0.5, 0.75)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Solved:
+    """One solved pp x dp x M x schedule combination and the problem it was solved for (reused by the plan).
+
+    ``pp``: pipeline ranks; ``chunks``: stages per rank, so the partition has
+    ``pp x chunks`` stages (:attr:`stages`).
+    """
+
+    pp: int
+    dp: int
+    problem: PartitionProblem
+    partition: Partition
+    microbatches: int
+    schedule: ScheduleKind
+    chunks: int = 1
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.chunks
+
+
+
+# A combination: (pp, dp, micro-batches, schedule, stages per rank).
+CombinationKey = tuple[int, int, int | None, str | None, int]
+
+
+
+def combination_key(solved: Solved) -> CombinationKey:
+    return (solved.pp, solved.dp, solved.microbatches, solved.schedule, solved.chunks)
+
+
+
+def schedule_problem(problem: PartitionProblem, schedule: ScheduleKind, pp: int, chunks: int) -> PartitionProblem:
+    """The problem as solved for ``schedule`` on ``pp`` ranks x ``chunks`` stages each.
+
+    Several stages per rank: placed by the schedule, each capped at its share
+    of the GPU (:func:`~partitioner.solve.problem.chunk_memory_limit`).  A split
+    backward: no recomputation (:func:`~partitioner.solve.problem.choose_recompute`).
+    GPipe and 1F1B: the problem itself.
+    """
+    if chunks > 1:
+        problem = dataclasses.replace(problem, stage_rank=stage_ranks(schedule, ranks=pp, chunks=chunks),
+                                      memory_limit=chunk_memory_limit(problem.memory_limit, chunks),
+                                      rank_memory_limit=problem.memory_limit)
+    if splits_backward(schedule) and problem.recompute != "none":
+        problem = dataclasses.replace(problem, recompute="none")
+    return problem
+
+
+
+def rank_in_flight(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
+    """Per pipeline rank, the most stage micro-batches (a stage's activations of one micro-batch) it holds.
+
+    >>> rank_in_flight("1f1b", 4, 8), rank_in_flight("interleaved-1f1b", 4, 8, 2), rank_in_flight("zbv", 4, 8, 2)
+    ((4, 3, 2, 1), (11, 9, 7, 5), (8, 8, 8, 8))
+    """
+    frees = "W" if splits_backward(schedule) else "B"
+    out = []
+    for row in rank_orders(schedule, ranks=pp, microbatches=microbatches, chunks=chunks):
+        held = most = 0
+        for _, kind, _ in row:
+            held += 1 if kind == "F" else -1 if kind == frees else 0
+            most = max(most, held)
+        out.append(most)
+    return tuple(out)
+
+
+
+@dataclasses.dataclass(eq=False)
+class Trial:
+    """One pp x dp x M x schedule combination (M and schedule None: the whole shape) as the search left it."""
+
+    pp: int
+    dp: int
+    microbatches: int | None = None
+    schedule: ScheduleKind | None = None
+    status: str = "pending"  # then skipped, infeasible, pruned, or the solver's optimal / feasible
+    reason: str = ""  # skipped / infeasible: why
+    bound: float = 0.0  # a lower bound on its closed-form step
+    problem: PartitionProblem | None = None
+    partition: Partition | None = None
+    memory: float | None = None  # peak bytes per GPU of its split; infeasible: what its split would need
+    simulated_s: float | None = None
+    bubble: float | None = None  # closed form
+    simulated_bubble: float | None = None
+    chunks: int = 1  # stages per pipeline rank
+
+    @property
+    def key(self) -> CombinationKey:
+        return (self.pp, self.dp, self.microbatches, self.schedule, self.chunks)
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.chunks
+
+    def solved(self) -> Solved:
+        assert self.problem is not None and self.partition is not None
+        assert self.microbatches is not None and self.schedule is not None
+        return Solved(self.pp, self.dp, self.problem, self.partition, self.microbatches, self.schedule, self.chunks)
+
+    def simulated(self, draft: Plan) -> None:
+        """Record the simulation of its draft plan."""
+        self.simulated_s = draft.predicted.step_s
+        self.simulated_bubble = draft.predicted.bubble_fraction
+        self.memory = max(draft.predicted.peak_memory_bytes, default=0.0)
+
+
+
+def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[list[Trial], list[Solved]]:
+    """Every allowed combination as a trial (bounded, screened, refined: see the module docstring)."""
+    gpus, batch, limit = options.gpus, options.batch, options.memory_limit
+    blocks = len(scaled.blocks)
+    trials: list[Trial] = []
+    pending: list[Trial] = []
+    for d in sorted(k for k in range(1, gpus + 1) if gpus % k == 0):
+        p = gpus // d
+        if (options.pp is not None and p != options.pp) or (options.dp is not None and d != options.dp):
+            continue
+        choices = options.microbatch_choices(d)
+        single = options.schedules[0] if len(options.schedules) == 1 else None
+        if not choices:
+            split = f"{d} replicas" + (f" x {options.microbatches} micro-batches" if options.microbatches else "")
+            trials.append(Trial(p, d, options.microbatches, single, "skipped", f"batch {batch} does not split into {split}"))
+            continue
+        if p > blocks:
+            trials.append(Trial(p, d, options.microbatches, single, "skipped", f"only {blocks} blocks to place"))
+            continue
+        state = _state_bound(scaled.problem(d, choices[0]), p)
+        if limit is not None and state > limit:
+            trials.append(Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state))
+            continue
+        variants = []
+        for k, v in options.schedule_variants(p, blocks):
+            if p * v > blocks:  # whatever the micro-batches: one row for the shape
+                trials.append(Trial(p, d, options.microbatches, k, "skipped", f"only {blocks} blocks for {p} x {v} stages",
+                                    chunks=v))
+            else:
+                variants.append((k, v))
+        for m in choices:
+            problem = scaled.problem(d, m)
+            for k, v in variants:
+                why = _cannot_run(k, p, m, v, blocks)
+                if why:
+                    trials.append(Trial(p, d, m, k, "skipped", why, chunks=v))
+                    continue
+                bound = _time_bound(problem, p, m, schedule=k, chunks=v)
+                pending.append(Trial(p, d, m, k, bound=bound, problem=schedule_problem(problem, k, p, v), chunks=v))
+    trials += pending
+    if not trials:
+        raise AutopartitionError(
+            f"No pp x dp shape fits --gpus {gpus} with the given --pp/--dp; check the numbers."
+        )
+    _screen(pending, options, say=say)
+    _refine(pending, options)
+    for t in pending:
+        _describe(t, options)
+    return trials, [t.solved() for t in pending if t.partition is not None]
+
+
+
+def _state_bound(problem: PartitionProblem, stages: int) -> float:
+    """Least static bytes (weights, gradients, optimizer state) on the fullest of ``stages`` stages.
+
+    At least the total over the stages (a tied parameter counted once), and at
+    least the largest block's own (a block sits whole on one stage).
+    """
+    total = sum(problem.static_bytes) + sum(held for held, _, _ in problem.shared)
+    return max(total / stages, max(problem.static_bytes, default=0.0))
+
+
+
+def _cannot_run(schedule: ScheduleKind, pp: int, microbatches: int, chunks: int, blocks: int) -> str:
+    """Why ``schedule`` cannot run on ``pp`` ranks x ``chunks`` stages with these micro-batches (empty: it can)."""
+    if pp * chunks > blocks:
+        return f"only {blocks} blocks for {pp} x {chunks} stages"
+    if schedule == "interleaved-1f1b" and microbatches % pp:
+        return f"interleaved-1f1b needs a multiple of {pp} micro-batches"
+    return ""
+
+
+
+def _time_bound(
+    problem: PartitionProblem, stages: int, microbatches: int, *, schedule: ScheduleKind = "gpipe", chunks: int = 1
+) -> float:
+    """A lower bound on the schedule's closed form (:func:`~partitioner.solve.problem.step_time`) over ``stages`` ranks.
+
+    ``T`` is the blocks' compute per micro-batch: the stage times sum to at least
+    ``T`` and the slowest rank holds at least their mean (transfers,
+    recomputation and all-reduces only add).  GPipe and 1F1B: ``T (1 + (M-1)/P)``;
+    interleaved: ``T (M + (P-1)/v) / P``; ZB-H1 and ZB-V: ``T M / P``.
+    """
+    total = sum(problem.time_s)
+    if schedule in _CLASSIC:
+        return total * (1 + (microbatches - 1) / stages) + problem.allreduce_latency_s
+    extra = (stages - 1) / chunks if schedule == "interleaved-1f1b" else 0.0
+    return total * (microbatches + extra) / stages + problem.allreduce_latency_s
+
+
+
+def _screen(pending: list[Trial], options: PlanOptions, *, say: Status) -> None:
+    """Solve each trial with the interval DP, cheapest bound first, until bounds lose to the best found."""
+    found: list[float] = []  # closed forms so far, ascending
+    announced: set[tuple[int, int]] = set()
+    for t in sorted(pending, key=lambda t: t.bound):
+        if len(found) >= REFINED_CANDIDATES and t.bound >= found[REFINED_CANDIDATES - 1]:
+            t.status = "pruned"
+            continue
+        if (t.pp, t.dp) not in announced:
+            announced.add((t.pp, t.dp))
+            say(f"solving {plural(t.pp, 'stage')} x {plural(t.dp, 'replica')}")
+        assert t.problem is not None and t.microbatches is not None and t.schedule is not None
+        part = _solve_screen(t, t.problem, options)
+        if part is None and t.chunks > 1:
+            part = _solve_larger_caps(t, options)
+        if part is None:
+            t.status = "infeasible"
+            continue
+        if t.schedule not in _CLASSIC:
+            # The solvers' bounds and proofs are for the GPipe form: for this schedule's own form
+            # the split is a good one, not a proven optimum; the bound is the schedule's.
+            part = dataclasses.replace(part, status="feasible", lower_bound=min(part.objective, t.bound))
+        t.partition, t.status = part, part.status
+        found.append(part.objective)
+        found.sort()
+
+
+
+def _solve_screen(t: Trial, problem: PartitionProblem, options: PlanOptions) -> Partition | None:
+    """The interval DP's split, or the full solver's where the block order admits others."""
+    assert t.microbatches is not None and t.schedule is not None
+    part = solve(problem, stages=t.stages, microbatches=t.microbatches, schedule=t.schedule,
+                 time_limit=options.time_limit, use_ilp=False)
+    if part is None and not is_chain(problem):  # another block order may fit: the full solver
+        part = solve(problem, stages=t.stages, microbatches=t.microbatches, schedule=t.schedule,
+                     time_limit=options.time_limit)
+    return part
+
+
+
+def _solve_larger_caps(t: Trial, options: PlanOptions) -> Partition | None:
+    """A chunked trial's split under a per-stage cap above the GPU's share whose ranks fit exactly, or None.
+
+    Caps from the whole GPU down (:data:`CAP_LADDER`); the first split whose every
+    rank's exact peak fits is kept, and the trial's problem takes that cap (so
+    refinement keeps to it, besides the exact per-rank check).
+    """
+    assert t.problem is not None and t.microbatches is not None and t.schedule is not None
+    limit = t.problem.rank_memory_limit
+    if limit is None:
+        return None
+    for power in CAP_LADDER:
+        problem = dataclasses.replace(t.problem, memory_limit=limit * (1 / t.chunks) ** power)
+        part = _solve_screen(t, problem, options)
+        if part is None:
+            return None  # a smaller cap admits no more splits than this one
+        if all(within_limit(m, limit) for m in rank_memory(
+                problem, part.stage_of, t.stages, microbatches=t.microbatches, schedule=t.schedule,
+                recompute=part.recompute or None)):
+            t.problem = problem
+            return part
+    return None
+
+
+
+def _refine(pending: list[Trial], options: PlanOptions) -> None:
+    """Solve the best few screened trials again with the full solver (down-set DP or ILP)."""
+    screened = sorted((t for t in pending if t.partition is not None), key=lambda t: _objective(t))
+    for t in screened[:REFINED_CANDIDATES]:
+        assert t.problem is not None and t.partition is not None and t.microbatches and t.schedule
+        if t.partition.status == "optimal" or t.schedule not in _CLASSIC:  # the ILP knows the GPipe form only
+            continue
+        part = solve(t.problem, stages=t.pp, microbatches=t.microbatches, schedule=t.schedule,
+                     time_limit=options.time_limit)
+        if part is not None and part.objective <= t.partition.objective * (1 + 1e-12):
+            t.partition, t.status = part, part.status
+
+
+
+def _objective(t: Trial) -> float:
+    return t.partition.objective if t.partition is not None else math.inf
+
+
+
+def _recompute_of(t: Trial) -> tuple[bool, ...]:
+    """The trial's per-stage recomputation: the solver's, else the problem's rule for its split."""
+    assert t.problem is not None and t.partition is not None and t.microbatches and t.schedule
+    if t.partition.recompute:
+        return t.partition.recompute
+    return choose_recompute(t.problem, t.partition.stage_of, t.stages, microbatches=t.microbatches, schedule=t.schedule)
+
+
+
+def _describe(t: Trial, options: PlanOptions) -> None:
+    """Peak memory (needed, where it does not fit) and closed-form bubble of a trial."""
+    if t.problem is None or t.microbatches is None or t.schedule is None:
+        return
+    m, kind = t.microbatches, t.schedule
+    if t.partition is not None:
+        recompute = _recompute_of(t)
+        stage_of = t.partition.stage_of
+        t.memory = max(rank_memory(t.problem, stage_of, t.stages, microbatches=m, schedule=kind, recompute=recompute))
+        times, _ = stage_costs(t.problem, stage_of, t.stages, recompute=recompute)
+        step = t.partition.objective
+        t.bubble = max(0.0, 1 - m * sum(times) / (t.pp * step)) if step > 0 else 0.0
+    elif t.status == "infeasible":
+        # What its fastest split would need, with every stage recomputing where the options and the schedule allow.
+        may: RecomputeMode = "none" if options.recompute == "none" or splits_backward(kind) else "full"
+        lean = dataclasses.replace(t.problem, memory_limit=None, recompute=may)
+        part = solve(lean, stages=t.stages, microbatches=m, schedule=kind, use_ilp=False)
+        if part is not None:
+            t.memory = max(rank_memory(lean, part.stage_of, t.stages, microbatches=m, schedule=kind,
+                                       recompute=part.recompute or None))
+        t.reason = _memory_reason(t, options)
+
+
+
+def _memory_reason(t: Trial, options: PlanOptions) -> str:
+    """What makes an infeasible trial's schedule hungrier than 1F1B, in a few words (or its old reason).
+
+    Activations are counted in micro-batches of a whole rank's layers: a chunk of
+    ``1/v`` of them counts ``1/v``.
+    """
+    if t.reason or t.microbatches is None or t.schedule is None or t.schedule in _CLASSIC:
+        return t.reason
+    held = [h / t.chunks for h in rank_in_flight(t.schedule, t.pp, t.microbatches, t.chunks)]
+    plain = [min(t.microbatches, t.pp - r) for r in range(t.pp)]  # 1F1B: P - r on rank r
+    what = (f"{schedule_label(t.schedule, t.chunks)} keeps {_counts(held)} micro-batches' activations per "
+            f"pipeline rank at its peak, 1F1B {_counts(plain)}")
+    if splits_backward(t.schedule) and options.recompute != "none":
+        what += "; no recomputation with a split backward"
+    return what
+
+
+
+def _counts(values: Sequence[float]) -> str:
+    """Per-rank counts, short: ``5, 4.5, 4, 3.5`` (at most 4 shown).
+
+    >>> _counts([2.5, 2.0]), _counts([8.0, 7.0, 6.0, 5.0, 4.0])
+    ('2.5, 2', '8, 7, 6, 5, ...')
+    """
+    shown = ", ".join(f"{v:.3g}" for v in values[:4])
+    return shown + (", ..." if len(values) > 4 else "")
+
+
+
+def best_candidates(trials: list[Trial]) -> list[Solved]:
+    """The :data:`SIMULATED_CANDIDATES` best solved trials by closed form (ties: less memory first), then the
+    best of every other schedule (with its chunks) that has a solved trial.
+
+    The first ones are refined in simulation and compete for the plan; the
+    others are simulated too (and may still win), so that the candidate table
+    says what each schedule tried predicts in simulation, not only in closed form.
+    One stage runs the same actions in the same time under either schedule
+    (GPipe only holds more micro-batches): a one-stage twin of a kept trial is skipped.
+    """
+    kept: list[Trial] = []
+    ordered = sorted((t for t in trials if t.partition is not None), key=lambda t: (_objective(t), t.memory or 0.0))
+    for t in ordered:
+        if t.pp == 1 and any(k.pp == 1 and (k.dp, k.microbatches) == (t.dp, t.microbatches) for k in kept):
+            continue
+        kept.append(t)
+    kept = kept[:SIMULATED_CANDIDATES]
+    shown = {(t.schedule, t.chunks) for t in kept}
+    for t in ordered:
+        if (t.schedule, t.chunks) not in shown and t.pp > 1:
+            kept.append(t)
+            shown.add((t.schedule, t.chunks))
+    return [t.solved() for t in kept]
+
+
+
+def candidate_rows(trials: list[Trial], chosen: Trial, options: PlanOptions) -> tuple[Candidate, ...]:
+    """Every trial as a report row, with why it lost to ``chosen`` (or ``chosen``)."""
+    rows = []
+    order: dict[str | None, int] = {k: i for i, k in enumerate(SCHEDULES)}
+    for t in sorted(trials, key=lambda t: (t.dp, t.microbatches or 0, order.get(t.schedule, -1), t.chunks)):
+        recomputed = sum(_recompute_of(t)) if t.partition is not None else None
+        fields: dict[str, Any] = {
+            "pp": t.pp, "dp": t.dp, "step_s": None if t.partition is None else t.partition.objective,
+            "status": t.status, "note": _verdict(t, chosen, options), "simulated_s": t.simulated_s,
+            "microbatches": t.microbatches, "schedule": t.schedule, "recomputed_stages": recomputed,
+            "memory_bytes": t.memory,
+            "bubble_fraction": t.bubble if t.simulated_bubble is None else t.simulated_bubble,
+            "chunks": t.chunks,
+        }
+        rows.append(Candidate(**{k: v for k, v in fields.items() if k in _CANDIDATE_FIELDS}))
+    return tuple(rows)
+
+
+# Until the plan's Candidate records chunks, pass the fields it has (the label then shows the schedule alone).
+_CANDIDATE_FIELDS = frozenset(f.name for f in dataclasses.fields(Candidate))
+
+
+
+def _verdict(t: Trial, chosen: Trial, options: PlanOptions) -> str:
+    """Why ``t`` lost to ``chosen``, in a few words."""
+    if t is chosen:
+        return "chosen"
+    if t.status == "skipped":
+        return t.reason
+    limit = options.memory_limit or 0.0
+    if t.status == "infeasible":
+        if t.memory is None:
+            return "does not fit" + (f" ({t.reason})" if t.reason else "")
+        if t.reason == "state alone":
+            return f"does not fit: {t.reason} needs {format_bytes(t.memory)} > {format_bytes(limit)}"
+        why = f" ({t.reason})" if t.reason else ""
+        if t.memory <= limit:  # its leanest split fits, but none the solver tried under its caps did
+            return f"does not fit: no split found within {format_bytes(limit)} (the leanest needs " \
+                   f"{format_bytes(t.memory)}){why}"
+        return f"does not fit: needs {format_bytes(t.memory)} > {format_bytes(limit)}{why}"
+    best = _objective(chosen)
+    if t.pp == chosen.pp == 1 and (t.dp, t.microbatches) == (chosen.dp, chosen.microbatches) \
+            and _objective(t) == best:
+        return "same step: one stage runs either schedule alike"
+    if t.status == "pruned":
+        return f"slower: at least {percent_more(t.bound, best)} (bound)"
+    if t.simulated_s is not None and chosen.simulated_s is not None:
+        slower = f"slower: {percent_more(t.simulated_s, chosen.simulated_s)} (simulated)"
+        bubble = t.simulated_bubble
+    else:
+        slower = f"slower: {percent_more(_objective(t), best)} (closed form)"
+        bubble = t.bubble
+    if t.pp > 1 and bubble is not None and bubble >= 0.1:
+        slower += f", bubble {bubble:.0%}"  # the pipeline's idle share, a likely reason
+    return slower
+
+
+
+def percent_more(value: float, base: float) -> str:
+    """``value`` against ``base`` as "+12.3%"."""
+    return f"{value / base - 1:+.1%}" if base > 0 else "+inf"
+
+
+
+def infeasible_error(scaled: ScaledCosts, options: PlanOptions, trials: list[Trial]) -> AutopartitionError:
+    """Why nothing fits, under which assumptions, and what would: GPUs, memory, precision, recomputation."""
+    gpus = options.gpus
+    unordered = sorted({schedule_label(t.schedule, t.chunks) for t in trials
+                        if t.status == "skipped" and "cannot order" in (t.reason or "")})
+    if unordered and all(t.status in ("skipped", "pruned") for t in trials):
+        first = next(t.reason for t in trials if t.status == "skipped" and "cannot order" in (t.reason or ""))
+        return AutopartitionError(
+            f"No plan for {gpus} GPUs: {' and '.join(unordered)} could not order the messages of any split "
+            "found. Use --schedule 1f1b or gpipe (one stage per rank, whole backward: these order any "
+            f"split), or --schedule auto to let the planner choose. First refusal: {first}"
+        )
+    if not any(t.status == "infeasible" for t in trials):
+        reasons = "; ".join(dict.fromkeys(f"{t.pp}x{t.dp}: {t.reason or t.status}" for t in trials))
+        most = len(scaled.blocks)
+        chunked = any(t.chunks > 1 for t in trials)
+        return AutopartitionError(
+            f"No pp x dp shape can be planned for {gpus} GPUs ({reasons}). The model can be split into at "
+            f"most {most} stages here" + (" (pp x chunks with several stages per pipeline rank)" if chunked else "")
+            + f"; use --pp {min(most, gpus)} or fewer (the rest of the GPUs become data-parallel replicas)"
+            + (", fewer --chunks" if chunked else "") + ", and a batch size divisible by replicas x micro-batches."
+        )
+    # The least memory the options allow: pipeline stages only, the smallest micro-batches, 1F1B.
+    m = max(options.microbatch_choices(1) or (options.reference_microbatches,))
+    kind: ScheduleKind = "1f1b" if "1f1b" in options.schedules else options.schedules[0]
+    v = options.chunks if kind == "interleaved-1f1b" and options.chunks else schedule_chunks(kind)
+    most, limit = len(scaled.blocks), options.memory_limit
+    stages = max(1, min(gpus, most // v))  # pipeline ranks
+    may = "none" if options.recompute == "none" else "auto"  # fits if it fits either way
+
+    def fits(precision: str, recompute: str, p: int = stages) -> bool:
+        if _cannot_run(kind, p, m, v, most):
+            return False
+        problem = scaled.problem(1, m, precision=precision, recompute=recompute, gpus_per_node=None)
+        return solve(schedule_problem(problem, kind, p, v), stages=p * v, microbatches=m, schedule=kind,
+                     use_ilp=False) is not None
+
+    lean = scaled.problem(1, m, memory_limit=None, gpus_per_node=None,
+                          recompute="none" if options.recompute == "none" else "full")
+    relaxed = None
+    if not _cannot_run(kind, stages, m, v, most):
+        lean = schedule_problem(lean, kind, stages, v)
+        relaxed = solve(lean, stages=stages * v, microbatches=m, schedule=kind, use_ilp=False)
+    need_memory = float("nan") if relaxed is None else max(rank_memory(
+        lean, relaxed.stage_of, stages * v, microbatches=m, schedule=kind, recompute=relaxed.recompute or None))
+    need_gpus = next((p for p in range(gpus + 1, most // v + 1) if fits(options.precision, may, p)), None)
+    if need_gpus:
+        more = f"It would fit on {need_gpus} GPUs as pipeline stages"
+    else:
+        state = _state_bound(lean, 1)
+        more = (f"Even {most // v} stages (the most this model splits into) do not fit; its weights, gradients and "
+                f"optimizer state alone take {format_bytes(state)}, at least "
+                f"{math.ceil(state / limit) if limit else 1} GPUs' worth")
+    assumed = _assumptions(options, m, schedule_label(kind, v))
+    hints = []
+    cheaper = [p for p in ("bf16-mixed", "bf16") if _cheaper(p, options.precision)]
+    precision_fix = next((p for p in cheaper if fits(p, may)), None)
+    if precision_fix:
+        hints.append(f"--precision {precision_fix} it would fit on {gpus} GPUs")
+    if options.recompute == "none" and fits(options.precision, "auto"):
+        hints.append(f"--recompute auto (or full) it would fit on {gpus} GPUs")
+    elif options.recompute == "none" and not precision_fix:
+        both = next((p for p in cheaper if fits(p, "auto")), None)
+        if both:
+            hints.append(f"--precision {both} --recompute auto it would fit on {gpus} GPUs")
+    fix = "".join(f" With {hint}." for hint in hints)
+    one_f_one_b = "" if "1f1b" in options.schedules else ", use --schedule 1f1b (fewer micro-batches in flight)"
+    return InfeasibleError(
+        f"No split of the model over {gpus} GPUs fits in {format_bytes(limit or 0)} per GPU "
+        f"(parameters, gradients, optimizer state and activations of the micro-batches in flight; {assumed}). "
+        f"{more}; with {stages} stages each GPU would need about {format_bytes(need_memory)}.{fix} "
+        f"Otherwise add GPUs, raise --memory-per-gpu{one_f_one_b}, or shrink the batch."
+    )
+
+
+
+def _cheaper(precision: str, than: str) -> bool:
+    """True when ``precision`` needs less memory than ``than`` (fp32 > bf16-mixed > bf16)."""
+    rank = {"fp32": 2, "bf16-mixed": 1, "bf16": 0}
+    return rank[precision] < rank[than]
+
+
+
+def _assumptions(options: PlanOptions, microbatches: int, schedule: str) -> str:
+    """The settings a memory estimate assumed, in words."""
+    per_parameter = static_bytes_per_element(options.precision, options.optimizer_states)
+    recompute = {"auto": "recomputation where it helps", "full": "every stage recomputing",
+                 "none": "no recomputation"}[options.recompute]
+    return (f"{options.precision} with {options.optimizer}, {per_parameter} bytes per parameter; {recompute}; "
+            f"{schedule} with {microbatches} micro-batches, the least memory the options allow")

@@ -1,0 +1,345 @@
+"""Planning options: every keyword of :func:`~partitioner.search.planner.compile`, checked and resolved once.
+
+:class:`PlanOptions` is the frozen record every step of the planner reads;
+:func:`check_options` builds it (an :class:`~partitioner.errors.AutopartitionError`
+on the first bad option), :func:`resolve_device` and :func:`default_memory_limit`
+pick the GPU planned for and its memory, :func:`microbatch_choices` the
+micro-batch counts ``microbatches="auto"`` tries, and
+:meth:`PlanOptions.schedule_variants` the (schedule, chunks) pairs tried per
+pipeline width.
+
+    >>> microbatch_choices(32), default_gpus_per_node(12)
+    ((1, 2, 4, 8, 16, 32), 6)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from partitioner.cost.calibration import Calibration
+from partitioner.cost.devices import DEVICES, DeviceSpec, device_spec
+from partitioner.cost.precision import OPTIMIZERS, Precision, check_optimizer, check_precision
+from partitioner.defaults import SCHEDULES, schedule_chunks, splits_backward
+from partitioner.errors import AutopartitionError
+from partitioner.graph.capture import CaptureMethod
+from partitioner.schedule.refine import REFINE_SIMULATIONS
+from partitioner.solve.problem import RECOMPUTE_MODES, RecomputeMode, ScheduleKind
+
+__all__ = [
+    "AUTO",
+    "CHUNK_CHOICES",
+    "DEFAULT_GPUS_PER_NODE",
+    "MAX_MICROBATCH_CHOICES",
+    "PlanOptions",
+    "Status",
+    "batch_size_of",
+    "check_options",
+    "default_gpus_per_node",
+    "default_memory_limit",
+    "microbatch_choices",
+    "resolve_device",
+]
+
+
+AUTO = "auto"  # microbatches / schedule: search
+
+
+
+MAX_MICROBATCH_CHOICES = 8  # micro-batch counts tried per data-parallel degree with "auto"
+
+
+
+DEFAULT_GPUS_PER_NODE = 8  # DGX / HGX nodes: 8 GPUs on NVLink
+
+
+
+# Stages per pipeline rank interleaved-1f1b tries when --chunks is not given: Megatron-LM's
+# usual settings (Narayanan et al. 2021 measure 2 to 4); more chunks shrink the bubble by 1/v
+# but cost v times the point-to-point messages and more activations in flight.
+CHUNK_CHOICES = (2, 4)
+
+
+
+Status = Callable[[str], None]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """Every planning choice, checked and resolved once by :func:`compile`, then carried through."""
+
+    gpus: int
+    batch: int  # mini-batch size: samples per step over all replicas
+    microbatches: int | None  # None: search (:func:`microbatch_choices` of each replica's batch)
+    schedules: tuple[ScheduleKind, ...]  # the schedules to try: one, or all ("auto")
+    spec: DeviceSpec  # link, memory and roofline numbers of the GPU planned for
+    measure: bool  # times measured on ``local``, else predicted for ``spec``
+    local: torch.device  # where capture and profiling run
+    memory_limit: float | None  # bytes per GPU; None: no limit
+    pp: int | None  # a fixed shape, else every pp x dp over the divisors of ``gpus``
+    dp: int | None
+    capture_method: CaptureMethod
+    max_blocks: int
+    precision: Precision
+    optimizer: str  # a name of partitioner.cost.precision.OPTIMIZERS
+    optimizer_states: int  # the optimizer's, or as given to compile()
+    recompute: RecomputeMode
+    gpus_per_node: int  # divides gpus
+    bucket_cap_mb: float
+    time_limit: float  # solver seconds per ILP
+    refine_simulations: int = REFINE_SIMULATIONS  # simulated steps of local search per candidate (0: none)
+    chunks: int | None = None  # stages per pipeline rank for interleaved-1f1b; None: CHUNK_CHOICES
+    calibration: Calibration = dataclasses.field(default_factory=Calibration)  # from a traced run (partitioner.cost.calibration); default: none
+
+    def schedule_variants(self, pp: int, blocks: int) -> list[tuple[ScheduleKind, int]]:
+        """The (schedule, stages per rank) pairs tried with ``pp`` pipeline ranks and ``blocks`` blocks.
+
+        One rank runs every schedule alike, so with ``pp = 1`` only the
+        one-stage schedules are tried (a fixed ``--schedule`` is kept: the
+        search then says why it cannot run).  ``interleaved-1f1b`` tries each of
+        :data:`CHUNK_CHOICES` (or ``--chunks``) that leaves a block per stage,
+        or, where none does, the first (the search records why it cannot run);
+        ``zbv`` runs 2.
+
+        >>> o = PlanOptions(gpus=8, batch=8, microbatches=None, schedules=SCHEDULES, spec=DEVICES["h100"],
+        ...     measure=False, local=torch.device("cpu"), memory_limit=None, pp=None, dp=None,
+        ...     capture_method="auto", max_blocks=256, precision="fp32", optimizer="adam",
+        ...     optimizer_states=2, recompute="auto", gpus_per_node=8, bucket_cap_mb=25.0, time_limit=1.0)
+        >>> o.schedule_variants(4, 12)
+        [('gpipe', 1), ('1f1b', 1), ('interleaved-1f1b', 2), ('zb-h1', 1), ('zbv', 2)]
+        >>> o.schedule_variants(2, 12), o.schedule_variants(1, 12)[-1]
+        ([('gpipe', 1), ('1f1b', 1), ('interleaved-1f1b', 2), ('interleaved-1f1b', 4), ('zb-h1', 1), ('zbv', 2)], ('1f1b', 1))
+        """
+        fixed = len(self.schedules) == 1
+        out: list[tuple[ScheduleKind, int]] = []
+        for kind in self.schedules:
+            if pp == 1 and not fixed and (schedule_chunks(kind) > 1 or splits_backward(kind)):
+                continue
+            if kind == "interleaved-1f1b":
+                choices = (self.chunks,) if self.chunks is not None else CHUNK_CHOICES
+                fitting = [v for v in choices if pp * v <= blocks]
+                out += [(kind, v) for v in (fitting or [choices[0]])]  # none fits: the search says why
+            else:
+                out.append((kind, schedule_chunks(kind)))
+        return out
+
+    @property
+    def device_name(self) -> str:
+        """The plan's ``device`` field."""
+        return f"{self.spec.name} (measured)" if self.measure else self.spec.name
+
+    def microbatch_choices(self, dp: int) -> tuple[int, ...]:
+        """Micro-batch counts to try with ``dp`` replicas (empty: the batch does not split)."""
+        if self.batch % dp:
+            return ()
+        if self.microbatches is not None:
+            return (self.microbatches,) if (self.batch // dp) % self.microbatches == 0 else ()
+        return microbatch_choices(self.batch // dp)
+
+    @property
+    def reference_microbatches(self) -> int:
+        """M of the micro-batch that is captured and costed (other sizes are scaled from it)."""
+        if self.microbatches is not None:
+            return self.microbatches
+        # The smallest micro-batch of two samples or more: small micro-batches are where large
+        # models end up, and the winner's graph is then the costed one, not captured again
+        # (a graph exported at one sample may specialise the batch dimension away).
+        size = next((k for k in range(2, self.batch + 1) if self.batch % k == 0), 1)
+        return self.batch // size
+
+
+
+def microbatch_choices(samples: int, *, most: int = MAX_MICROBATCH_CHOICES) -> tuple[int, ...]:
+    """Divisors of ``samples`` (one replica's batch) on a geometric ladder, at most ``most`` of them.
+
+    Always 1 (no pipelining: whole-batch kernels) and ``samples`` (micro-batches of
+    one sample: the smallest bubble and activations); in between each kept count
+    is at least ``ratio`` times the previous, the ratio growing from 1.5 until
+    ``most`` or fewer remain.
+
+    >>> microbatch_choices(1), microbatch_choices(6), microbatch_choices(64)
+    ((1,), (1, 2, 3, 6), (1, 2, 4, 8, 16, 32, 64))
+    >>> microbatch_choices(1024)
+    (1, 4, 16, 64, 256, 1024)
+    """
+    divisors = [m for m in range(1, samples + 1) if samples % m == 0]
+    ratio = 1.5
+    while True:
+        kept = [1]
+        for m in divisors[1:]:
+            if m >= ratio * kept[-1]:
+                kept.append(m)
+        if kept[-1] != samples:  # end on one sample per micro-batch
+            if samples < ratio * kept[-1] and len(kept) > 1:
+                kept[-1] = samples
+            else:
+                kept.append(samples)
+        if len(kept) <= most:
+            return tuple(kept)
+        ratio *= 1.5
+
+
+
+def default_gpus_per_node(gpus: int) -> int:
+    """GPUs per node when not given: the largest divisor of ``gpus`` up to 8 (a DGX/HGX node).
+
+    >>> default_gpus_per_node(64), default_gpus_per_node(4), default_gpus_per_node(12)
+    (8, 4, 6)
+    """
+    return max(k for k in range(1, min(DEFAULT_GPUS_PER_NODE, gpus) + 1) if gpus % k == 0)
+
+
+
+def batch_size_of(inputs: tuple[Any, ...]) -> int:
+    sizes = {x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        raise AutopartitionError(
+            f"Every example input needs the batch in dimension 0 with one common size; got sizes {sorted(sizes)}."
+        )
+    return sizes.pop()
+
+
+
+def check_options(
+    *,
+    gpus: int,
+    batch: int,
+    microbatches: int | str,
+    schedule: str,
+    pp: int | None,
+    dp: int | None,
+    precision: str,
+    optimizer: str,
+    optimizer_states: int | None,
+    recompute: str,
+    gpus_per_node: int | None,
+    chunks: int | None = None,
+    **resolved: Any,
+) -> PlanOptions:
+    """Check every option (an :class:`AutopartitionError` on the first bad one) and resolve the defaults."""
+    if gpus < 1:
+        raise AutopartitionError(f"--gpus must be at least 1, got {gpus}.")
+    micro: int | None = None
+    if microbatches != AUTO:
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int):
+            raise AutopartitionError(f"--microbatches must be a whole number or 'auto', got {microbatches!r}.")
+        if microbatches < 1:
+            raise AutopartitionError(f"--microbatches must be at least 1, got {microbatches}.")
+        if batch % microbatches:
+            raise AutopartitionError(
+                f"The batch of {batch} does not split into {microbatches} equal micro-batches; "
+                f"choose a batch size that is a multiple of {microbatches}, another --microbatches, "
+                "or --microbatches auto."
+            )
+        micro = microbatches
+    kinds = SCHEDULES if schedule == AUTO else tuple(k for k in SCHEDULES if k == schedule)
+    if not kinds:
+        raise AutopartitionError(
+            f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}, or auto to try each."
+        )
+    for name, value in (("pp", pp), ("dp", dp)):
+        if value is not None and (value < 1 or gpus % value):
+            raise AutopartitionError(f"--{name} {value} must be a positive divisor of --gpus {gpus}.")
+    if pp is not None and dp is not None and pp * dp != gpus:
+        raise AutopartitionError(f"--pp {pp} x --dp {dp} = {pp * dp}, but --gpus is {gpus}.")
+    kinds = _check_chunks(kinds, chunks, fixed=schedule != AUTO)
+    if recompute == "full" and any(splits_backward(k) for k in kinds):
+        if schedule != AUTO:
+            raise AutopartitionError(
+                f"--schedule {schedule} splits each backward into B and a later W, which needs the stage's "
+                "activations after B, so it does not recompute them; use --recompute auto or none with it, "
+                "or a schedule that recomputes (gpipe, 1f1b, interleaved-1f1b)."
+            )
+        kinds = tuple(k for k in kinds if not splits_backward(k))  # --recompute full: they cannot take part
+    if "interleaved-1f1b" in kinds and micro is not None and pp is not None and micro % pp:
+        per_replica = batch // (dp or gpus // pp)
+        works = [m for m in range(pp, per_replica + 1, pp) if per_replica % m == 0]
+        which = (f"micro-batch counts that split the {per_replica} samples per replica and work: "
+                 f"{', '.join(map(str, works[:8]))}" if works else
+                 f"no micro-batch count splits the {per_replica} samples per replica into a multiple of {pp}")
+        if schedule != AUTO:
+            raise AutopartitionError(
+                f"--schedule interleaved-1f1b runs micro-batches in rounds of one per pipeline rank, so with "
+                f"--pp {pp} it needs a multiple of {pp} micro-batches, not {micro}; {which} "
+                "(or --microbatches auto)."
+            )
+    if recompute not in RECOMPUTE_MODES:
+        raise AutopartitionError(
+            f"Unknown recomputation {recompute!r}; choose auto (each stage recomputes only if it would "
+            "not fit otherwise), none (keep every activation) or full (every stage recomputes)."
+        )
+    if optimizer_states is not None and optimizer_states < 0:
+        raise AutopartitionError(f"optimizer_states must be 0 or more, got {optimizer_states}.")
+    if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
+        divisors = ", ".join(str(k) for k in range(1, gpus + 1) if gpus % k == 0)
+        raise AutopartitionError(
+            f"--gpus-per-node {gpus_per_node} does not divide --gpus {gpus}: ranks are laid out node by "
+            f"node, every node holding the same number of GPUs. Choose one of {divisors} (a job on part "
+            "of one node: --gpus-per-node equal to --gpus)."
+        )
+    return PlanOptions(
+        gpus=gpus, batch=batch, microbatches=micro, schedules=kinds, pp=pp, dp=dp, chunks=chunks,
+        precision=check_precision(precision), optimizer=check_optimizer(optimizer),
+        optimizer_states=OPTIMIZERS[optimizer] if optimizer_states is None else optimizer_states,
+        recompute=next(m for m in RECOMPUTE_MODES if m == recompute),  # narrows str to RecomputeMode
+        gpus_per_node=gpus_per_node or default_gpus_per_node(gpus),
+        **resolved,
+    )
+
+
+
+def _check_chunks(
+    kinds: tuple[ScheduleKind, ...], chunks: int | None, *, fixed: bool
+) -> tuple[ScheduleKind, ...]:
+    """The schedules ``--chunks`` leaves (all, with None), or an error where a fixed schedule cannot take it."""
+    if chunks is None:
+        return kinds
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise AutopartitionError(f"--chunks must be a whole number of stages per pipeline rank, 1 or more; got {chunks!r}.")
+    if fixed:
+        kind = kinds[0]
+        if kind == "zbv" and chunks != 2:
+            raise AutopartitionError(f"--schedule zbv always holds 2 stages per pipeline rank (its V); drop --chunks {chunks}.")
+        if kind == "interleaved-1f1b" and chunks < 2:
+            raise AutopartitionError(
+                "--schedule interleaved-1f1b needs --chunks 2 or more (stages per pipeline rank); "
+                "with one stage per rank use --schedule 1f1b."
+            )
+        if kind not in ("zbv", "interleaved-1f1b") and chunks != 1:
+            raise AutopartitionError(
+                f"--chunks {chunks} does not apply to --schedule {kind}, which holds one stage per pipeline rank; "
+                "--chunks sets the stages per rank of interleaved-1f1b (zbv always has 2)."
+            )
+        return kinds
+    if chunks == 1:  # one stage per rank: the schedules that hold one
+        return tuple(k for k in kinds if schedule_chunks(k) == 1)
+    return kinds
+
+
+def resolve_device(device: str) -> tuple[DeviceSpec, bool, torch.device]:
+    """(spec for communication and limits, measure locally?, local device to run on)."""
+    name = device.lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise AutopartitionError("--device cuda was asked for but no CUDA device is visible.")
+        gpu = torch.cuda.get_device_name().lower()
+        known = next((k for k in ("h200", "h100", "a100") if k in gpu), "a100")
+        return DEVICES[known], True, torch.device("cuda")
+    if name == "cpu":
+        return DEVICES["cpu"], True, torch.device("cpu")
+    return device_spec(name), False, torch.device("cpu")
+
+
+
+def default_memory_limit(device: str, spec: DeviceSpec, local: torch.device) -> float | None:
+    if local.type == "cuda":
+        return float(torch.cuda.get_device_properties(local).total_memory)
+    if device.lower() in ("auto", "cpu"):
+        return None  # CPU ranks share host memory; no per-rank limit unless given
+    return float(spec.memory_bytes)

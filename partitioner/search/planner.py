@@ -1,0 +1,636 @@
+"""The compiler driver: capture -> values -> cost -> coarsen -> search (pp x dp x M x schedule) -> Plan.
+
+The search covers what users otherwise tune by hand: every pp x dp over the
+divisors of the GPU count (plain data parallelism, pp = 1, included), the
+micro-batch count M (``microbatches="auto"``: a geometric ladder of the
+divisors of the per-replica batch, :func:`microbatch_choices`) and the schedule
+(``schedule="auto"``: GPipe, 1F1B, interleaved 1F1B with 2 or 4 stages per
+pipeline rank (``chunks``), ZB-H1 and ZB-V; :mod:`partitioner.search.layouts` says how
+the chunked ones are solved).  Each combination is ranked by its schedule's
+closed form (:func:`partitioner.solve.problem.step_time`), cheapest first:
+
+1. *bound*: a combination whose lower bound ``T (1 + (M-1)/pp)`` (``T`` the
+   compute seconds of one micro-batch over all blocks; every stage waits at
+   least for the slowest, which is at least the mean) is no better than the
+   ``REFINED_CANDIDATES``-th best closed form found so far is pruned unsolved;
+   a shape whose weights, gradients and optimizer state alone cannot fit is
+   not solved either;
+2. *screen*: the others are solved by the exact interval DP over the block order
+   (fast; optimal for chains without replicas);
+3. *refine*: the best ``REFINED_CANDIDATES`` that the DP did not prove optimal
+   are solved again with the full solver (down-set DP or ILP);
+4. *simulate*: the best ``SIMULATED_CANDIDATES`` by closed form are built into
+   plans, refined and simulated action by action, and so is the best of each
+   other schedule tried (not refined), so the report can say what each schedule
+   buys; the fastest simulation wins.  The winner is built on the graph captured
+   at its own micro-batch size (an exported graph is shape-specialised; at one
+   sample export folds the batch dimension away, and the graph is used where its
+   nodes map onto the costed blocks).  A size whose graph cannot be captured or
+   mapped is skipped, with the reason in the candidate table, and the next best
+   candidates are drafted: it never ends the search.
+
+Costs are counted (or measured) once, for one micro-batch of a reference size,
+and scaled linearly to every other micro-batch size (FLOPs, bytes and measured
+times grow with the batch; weights are read once); predicted times are priced
+again at each size, so small micro-batches pay their per-op overheads.
+
+Example::
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    >>> plan = compile(model, (torch.randn(8, 16),), gpus=2, microbatches=2, device="h100")
+    >>> (plan.pp * plan.dp, len(plan.stages))  # doctest: +SKIP
+    (2, 2)
+    >>> microbatch_choices(32), microbatch_choices(12), len(microbatch_choices(5040))
+    ((1, 2, 4, 8, 16, 32), (1, 2, 3, 6, 12), 7)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from partitioner.agree import solved_on_rank0
+from partitioner.cost.calibration import Calibration, load_calibration
+from partitioner.cost.measured import Measured, measurement_key, recall, remember
+from partitioner.cost.nodecost import NodeCost, SplitOverhead
+from partitioner.cost.nodes import profile, time_loss
+from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION
+from partitioner.cost.splitcost import split_overhead
+from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
+from partitioner.errors import AutopartitionError, CaptureError, ScheduleError
+from partitioner.graph.capture import CallSpec, CapturedModel, CaptureMethod, capture
+from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, module_path
+from partitioner.graph.meta import layer_of
+from partitioner.graph.values import propagate_values
+from partitioner.modelfile import forward_failure
+from partitioner.plan import Plan, Refinement
+from partitioner.report.progress import report_progress
+from partitioner.report.table import schedule_label
+from partitioner.schedule.refine import REFINE_SIMULATIONS, StepModel, layer_starts, refine_split
+from partitioner.search import assemble
+from partitioner.search.assemble import model_flops_utilization, stage_codes, stage_layout
+from partitioner.search.layouts import (
+    REFINED_CANDIDATES,
+    SIMULATED_CANDIDATES,
+    CombinationKey,
+    Solved,
+    Trial,
+    best_candidates,
+    candidate_rows,
+    combination_key,
+    infeasible_error,
+    percent_more,
+    search,
+)
+from partitioner.search.options import (
+    AUTO,
+    DEFAULT_GPUS_PER_NODE,
+    MAX_MICROBATCH_CHOICES,
+    PlanOptions,
+    Status,
+    batch_size_of,
+    check_options,
+    default_gpus_per_node,
+    default_memory_limit,
+    microbatch_choices,
+    resolve_device,
+)
+from partitioner.solve.blockgraph import block_graph
+from partitioner.solve.coarsen import coarsen
+from partitioner.solve.formulate import GraphCosts, node_times
+from partitioner.solve.ilp import solve
+from partitioner.solve.problem import PartitionProblem
+from partitioner.solve.scaledcosts import ScaledCosts
+from partitioner.units import plural
+
+__all__ = [
+    "AUTO",
+    "DEFAULT_GPUS_PER_NODE",
+    "MAX_MICROBATCH_CHOICES",
+    "REFINED_CANDIDATES",
+    "SIMULATED_CANDIDATES",
+    "PlanOptions",
+    "Status",
+    "compile",
+    "default_gpus_per_node",
+    "microbatch_choices",
+    "microbatch_inputs",
+    "model_flops_utilization",
+    "stage_layout",
+]
+
+
+@solved_on_rank0  # inside a process group: rank 0 solves, every rank gets its plan
+def compile(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    gpus: int,
+    microbatches: int | str = 8,
+    schedule: str = DEFAULT_SCHEDULE,
+    device: str = "auto",
+    memory_per_gpu: float | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
+    capture_method: CaptureMethod = "auto",
+    max_blocks: int = 256,
+    optimizer_states: int | None = None,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    time_limit: float = 10.0,
+    refine_simulations: int = REFINE_SIMULATIONS,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    status: Status | None = None,
+    precision: str = DEFAULT_PRECISION,
+    optimizer: str = DEFAULT_OPTIMIZER,
+    recompute: str = "auto",
+    gpus_per_node: int | None = None,
+    chunks: int | None = None,
+    calibration: Calibration | str | Path | None = None,
+    remeasure: bool = False,
+) -> Plan:
+    """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
+
+    ``microbatches`` and ``schedule`` may be ``"auto"`` (search them).
+    ``precision`` (fp32, bf16-mixed, bf16) and ``optimizer`` (adam, sgd) set the
+    bytes per parameter (an explicit ``optimizer_states`` overrides the
+    optimizer's count); ``recompute`` ("auto", "none", "full") whether stages may
+    recompute activations; ``gpus_per_node`` (default: up to 8) the node layout
+    that picks each link; ``chunks`` the stages per pipeline rank of
+    ``interleaved-1f1b`` (default: 2 and 4 are tried).  With ``loss_fn`` and ``target`` (one mini-batch of
+    targets) the loss's cost is charged to the last stage, which computes it.
+    ``calibration`` (a :class:`~partitioner.cost.calibration.Calibration` or its
+    file, from ``autopartition calibrate``) scales every node time and charges
+    the runtime's host time per action, as fitted on a traced run.  Measured
+    costs are kept per process (:mod:`partitioner.cost.measured`): planning the same
+    model again reuses them unless ``remeasure``.
+    """
+    say = status or (lambda _msg: None)
+    # A tuple, a dict of keywords or (args, kwargs): from here on, the flat tuple of its tensors.
+    call, example_inputs = CallSpec.of(example_inputs)
+    batch = batch_size_of(example_inputs)
+    spec, measure, local = resolve_device(device)
+    options = check_options(
+        gpus=gpus, batch=batch, microbatches=microbatches, schedule=schedule, pp=pp, dp=dp,
+        precision=precision, optimizer=optimizer, optimizer_states=optimizer_states, recompute=recompute,
+        gpus_per_node=gpus_per_node, chunks=chunks, spec=spec, measure=measure, local=local,
+        memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
+        capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
+        refine_simulations=refine_simulations,
+        calibration=_calibration(calibration),
+    )
+
+    reference = options.reference_microbatches
+    micro = microbatch_inputs(example_inputs, batch // reference)
+    say(f"capturing {type(model).__name__} ({capture_method})")
+    try:
+        captured = capture(model, micro, method=capture_method, call=call)
+        propagate_values(captured.graph_module, micro)
+    except CaptureError as exc:  # the model may fail on its own inputs: then no capture advice applies
+        failure = forward_failure(model, micro, call=call)
+        if failure is None:
+            raise
+        raise failure from exc
+    nodes = len(compute_nodes(captured.graph_module))
+    say(f"captured {nodes} compute nodes with {captured.method}")
+
+    def progress(done: int, total: int) -> None:
+        # The interpreter ticks every graph node (inputs, parameters too): shown out of the nodes announced.
+        phase = f"{'measuring' if measure else 'counting'} costs"
+        report_progress(say, phase, nodes if done >= total else nodes * done // total, nodes, unit="nodes")
+
+    target = microbatch_inputs_any(target, batch // reference) if loss_fn is not None and target is not None else None
+    found = _costs(captured, micro, loss_fn, target, measure=measure, device=local, progress=progress,
+                   weight_share=_may_split(schedule), remeasure=remeasure, say=say)
+    costs = found.costs
+    times = node_times(costs, spec, precision=options.precision, measure=measure)
+    blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
+    if not blocks:
+        raise AutopartitionError(f"{type(model).__name__} has no compute to partition.")
+    scaled = ScaledCosts(captured, blocks, costs, options, loss_s=found.loss_s,
+                         split=found.split if _may_split(schedule) else None,
+                         calibration=options.calibration)
+
+    trials, solved = search(scaled, options, say=say)
+    if not solved:
+        raise infeasible_error(scaled, options, trials)
+    # The closed form ranks every combination; the best few are simulated and the simulation decides.
+    by_key = {t.key: t for t in trials}
+    sized = _SizedGraphs(model, example_inputs, captured, micro)
+    refined: dict[CombinationKey, Refinement] = {}
+    chosen: tuple[Solved, Plan, CapturedModel, GraphCosts] | None = None
+    while chosen is None:
+        ranked, drafts = _drafts(model, captured, micro, scaled, trials, by_key, options)
+        if not ranked:
+            raise infeasible_error(scaled, options, trials) from sized.last_failure
+        ranked, done = _refine_in_simulation(model, captured, micro, scaled, ranked, drafts, by_key, options,
+                                             say=say)
+        refined.update(done)
+        for key, draft in drafts.items():
+            by_key[key].simulated(draft)
+        # None when every simulated candidate sits at a micro-batch size that cannot be planned: those
+        # are skipped, with the reason, and the next best are drafted instead.
+        chosen = _choose(model, sized, scaled, ranked, drafts, by_key, options, say=say)
+    best, plan, captured, graph = chosen
+    ranks = plural(best.pp, 'stage') if best.chunks == 1 else \
+        f"{plural(best.pp, 'pipeline rank')} ({best.pp * best.chunks} stages)"
+    say(f"chose {ranks} x {plural(best.dp, 'replica')}, "
+        f"{plural(best.microbatches, 'micro-batch', 'micro-batches')}, {schedule_label(best.schedule, best.chunks)}")
+    # Stage code is for people to read: generated once, for the chosen plan only.
+    return dataclasses.replace(
+        plan,
+        candidates=candidate_rows(trials, by_key[combination_key(best)], options),
+        solver=dataclasses.replace(plan.solver, refinement=refined.get(combination_key(best))),
+        stage_code=stage_codes(captured, plan),
+        block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
+    )
+
+
+
+def _costs(
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    target: Any,
+    *,
+    measure: bool,
+    device: torch.device,
+    progress: Callable[[int, int], None],
+    weight_share: bool,
+    remeasure: bool,
+    say: Status,
+) -> Measured:
+    """Node, loss and split costs: measured (or kept from an earlier compile of this model), or counted."""
+    key = measurement_key(captured, micro, device=device, loss_fn=loss_fn, target=target) if measure else None
+    if key is not None and not remeasure:
+        kept = recall(key, weight_share=weight_share)
+        if kept is not None:
+            say("costs: as measured earlier in this process (remeasure=True measures again)")
+            return kept
+    # W shares and the split's host cost matter only to schedules that split the backward.
+    costs = _profile(captured, micro, measure=measure, device=device, progress=progress, weight_share=weight_share)
+    loss_s = (0.0, 0.0)
+    if loss_fn is not None and target is not None and measure:
+        loss_s = time_loss(captured, micro, loss_fn, target, device=device)
+    # The split's host cost is measured with the runtime's code (predicted devices: not modelled).
+    split = split_overhead(device) if measure and weight_share else SplitOverhead(0.0, 0.0)
+    found = Measured(costs, loss_s, split, weight_share)
+    if key is not None:
+        remember(key, found)
+    return found
+
+
+def _calibration(value: Calibration | str | Path | None) -> Calibration:
+    if value is None:
+        return Calibration()
+    return value if isinstance(value, Calibration) else load_calibration(value)
+
+
+def _may_split(schedule: str) -> bool:
+    """Whether a schedule the search may try splits its backward (``auto`` tries them all)."""
+    return schedule == "auto" or splits_backward(schedule)
+
+
+def _drafts(
+    model: torch.nn.Module,
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    scaled: ScaledCosts,
+    trials: list[Trial],
+    by_key: dict[CombinationKey, Trial],
+    options: PlanOptions,
+) -> tuple[list[Solved], dict[CombinationKey, Plan]]:
+    """The best candidates by closed form, each built into a plan (lowered, validated, simulated).
+
+    Should a schedule's plan fail validation (none should: every kind lowers
+    any DAG of stages, :func:`partitioner.schedule.lower.lower`), that combination is
+    marked skipped with the reason, and the next best takes its place.
+    """
+    drafts: dict[CombinationKey, Plan] = {}
+    while True:
+        ranked = best_candidates(trials)
+        for c in ranked:
+            key = combination_key(c)
+            if key in drafts:
+                continue
+            try:
+                drafts[key] = assemble.build_plan(model, captured, micro, scaled.at(c.microbatches), c, options)
+            except ScheduleError as exc:
+                if c.chunks == 1 and c.schedule in ("gpipe", "1f1b"):
+                    raise  # these always order their messages: a bug, not this split
+                trial = by_key[key]
+                trial.status, trial.partition = "skipped", None
+                trial.reason = f"{schedule_label(c.schedule, c.chunks)} cannot order this split's messages ({exc})"
+                break
+        else:
+            return ranked, {combination_key(c): drafts[combination_key(c)] for c in ranked}
+
+
+
+def _refine_in_simulation(
+    model: torch.nn.Module,
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    scaled: ScaledCosts,
+    ranked: list[Solved],
+    drafts: dict[CombinationKey, Plan],
+    trials: dict[CombinationKey, Trial],
+    options: PlanOptions,
+    *,
+    say: Status,
+) -> tuple[list[Solved], dict[CombinationKey, Refinement]]:
+    """Each simulated candidate's split improved by local search in simulation (:mod:`partitioner.schedule.refine`).
+
+    The closed form charges received transfers on every micro-batch while the
+    simulator overlaps them with compute, so the solver's optimum is not always
+    the fastest split in simulation.  Each candidate of two stages or more is
+    refined for ``options.refine_simulations`` simulated steps; a changed split is built into a
+    plan and kept only if that plan simulates faster than the solver's draft
+    (so refinement never makes a candidate worse).  ``drafts`` and the trials'
+    partitions are updated in place; returns the candidates and what each
+    refinement did.
+    """
+    out: list[Solved] = []
+    done: dict[CombinationKey, Refinement] = {}
+    for i, c in enumerate(ranked):
+        key = combination_key(c)
+        # The best by closed form are refined; the best of each other schedule is only simulated.
+        if c.stages < 2 or options.refine_simulations <= 0 or i >= SIMULATED_CANDIDATES:
+            out.append(c)
+            continue
+        graph = scaled.at(c.microbatches)
+        # A second start: the closed form's optimum with transfers left out of the stage times, which
+        # the simulator mostly overlaps with compute (they delay the fill and the drain once).
+        free = dataclasses.replace(c.problem, transfer_s=(0.0,) * c.problem.size,
+                                   transfer_slow_s=None if c.problem.transfer_slow_s is None else (0.0,) * c.problem.size)
+        other = solve(free, stages=c.stages, microbatches=c.microbatches, schedule=c.schedule,
+                      time_limit=options.time_limit, use_ilp=False)
+        starts = [*([] if other is None else [other.stage_of]), *layer_starts(_block_layers(captured, graph), c.stages)]
+        found = refine_split(c.problem, c.partition.stage_of, c.stages, microbatches=c.microbatches,
+                             schedule=c.schedule, model=_step_model(graph, c.problem, c.dp, options),
+                             budget=options.refine_simulations, alternatives=starts)
+        before = drafts[key].predicted.step_s
+        after, moves = before, 0
+        if found.stage_of != c.partition.stage_of:
+            partition = dataclasses.replace(
+                c.partition, stage_of=found.stage_of, recompute=found.recompute, objective=found.objective,
+                status="feasible", wall_s=c.partition.wall_s + found.wall_s)
+            better = dataclasses.replace(c, partition=partition)
+            try:
+                draft = assemble.build_plan(model, captured, micro, graph, better, options)
+            except ScheduleError:  # a chunked order that cannot place this split's messages: keep the start
+                draft = drafts[key]
+            if draft.predicted.step_s < before:
+                c, after, moves = better, draft.predicted.step_s, found.moves
+                drafts[key] = draft
+                trials[key].partition, trials[key].status = partition, partition.status
+        done[key] = Refinement(before, after, moves, found.simulations, found.wall_s)
+        if moves:
+            say(f"refined {c.pp} {'stages' if c.chunks == 1 else 'pipeline ranks'} x {c.dp} replicas, M {c.microbatches}, {schedule_label(c.schedule, c.chunks)} in simulation: "
+                f"{percent_more(after, before)} in {moves} moves")
+        out.append(c)
+    return out, done
+
+
+
+def _block_layers(captured: CapturedModel, graph: GraphCosts) -> list[int | None]:
+    """Per block, the index of the repeated layer it belongs to (the largest ``ModuleList``), else None."""
+    nodes = {n.name: n for n in captured.graph_module.graph.nodes}
+    paths = [layer_of(module_path(nodes[members[0]])) if members else "" for members in graph.blocks]
+    containers: dict[str, set[str]] = {}
+    for path in paths:
+        head, _, index = path.rpartition(".")
+        if index.isdigit():
+            containers.setdefault(head, set()).add(path)
+    if not containers:
+        return [None] * len(paths)
+    head = max(containers, key=lambda k: len(containers[k]))
+    order = {path: i for i, path in enumerate(sorted(containers[head], key=lambda p: int(p.rpartition(".")[2])))}
+    return [order.get(path) for path in paths]
+
+
+
+def _step_model(graph: GraphCosts, problem: PartitionProblem, dp: int, options: PlanOptions) -> StepModel:
+    """Per-block forward seconds and parameter bytes (for DDP buckets), as :func:`partitioner.search.assemble._stages` prices a stage."""
+    last = len(graph.blocks) - 1
+    forward = tuple(
+        (sum(graph.node_forward_s[n] for n in members) + (graph.loss_s[0] if b == last else 0.0)) / dp
+        for b, members in enumerate(graph.blocks)
+    )
+    readers: dict[str, list[int]] = {}
+    for b, names in enumerate(graph.block_parameters):
+        for name in names:
+            readers.setdefault(name, []).append(b)
+    parameters = tuple((float(graph.parameter_bytes[name]), tuple(blocks)) for name, blocks in readers.items())
+    return StepModel(forward, parameters, options.bucket_cap_mb)
+
+
+
+def _choose(
+    model: torch.nn.Module,
+    sized: _SizedGraphs,
+    scaled: ScaledCosts,
+    ranked: list[Solved],
+    drafts: dict[CombinationKey, Plan],
+    trials: dict[CombinationKey, Trial],
+    options: PlanOptions,
+    *,
+    say: Status,
+) -> tuple[Solved, Plan, CapturedModel, GraphCosts] | None:
+    """The fastest simulated combination whose graph captures at its micro-batch size, built for real.
+
+    A draft whose micro-batch is the costed one is the plan (same graph, shapes as
+    captured); another is rebuilt on the graph captured at its own micro-batch
+    size (:class:`_SizedGraphs`).  A size whose graph cannot be captured, or
+    does not map onto the costed blocks, makes every combination at that size
+    skipped (with the reason, in the candidate table); None when no simulated
+    candidate is left, so the caller drafts the next best.
+    """
+    for best in sorted(ranked, key=lambda c: drafts[combination_key(c)].predicted.step_s):
+        size = options.batch // (best.dp * best.microbatches)
+        if size == sized.costed:
+            return best, drafts[combination_key(best)], sized.captured, scaled.at(best.microbatches)
+        try:
+            recaptured, resized, costs = sized.at(size, scaled)
+        except AutopartitionError as exc:
+            why = f"cannot be planned at {plural(size, 'sample')} per micro-batch: {exc}"
+            say(f"skipping every combination of {plural(size, 'sample')} per micro-batch: {exc}")
+            for (_, dp, microbatches, _, _), trial in trials.items():
+                if microbatches is not None and options.batch // (dp * microbatches) == size \
+                        and trial.status not in ("skipped", "infeasible", "pruned"):
+                    trial.status, trial.reason, trial.partition = "skipped", why, None
+            continue
+        graph = costs.at(best.microbatches)
+        return best, assemble.build_plan(model, recaptured, resized, graph, best, options), recaptured, graph
+    return None
+
+
+
+class _SizedGraphs:
+    """The captured graph at each micro-batch size, captured once per size and kept.
+
+    A traced graph is shape-generic (its values are propagated again); an exported
+    one is specialised and captured again.  Where export specialises the batch
+    dimension away (one sample: an ``expand`` to the batch folds, so nodes are
+    renamed and a few appear or vanish), the graph is used if its nodes map onto
+    the costed graph's blocks (:func:`_map_blocks`).
+    """
+
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple[Any, ...], captured: CapturedModel,
+                 micro: tuple[torch.Tensor, ...]) -> None:
+        self.model, self.example_inputs, self.captured, self.micro = model, example_inputs, captured, micro
+        self.costed = batch_size_of(micro)
+        self._found: dict[int, tuple[CapturedModel, tuple[torch.Tensor, ...], _RenamedCosts]] = {}
+        self._failed: dict[int, AutopartitionError] = {}
+        self.last_failure: AutopartitionError | None = None
+
+    def at(self, size: int, scaled: ScaledCosts) -> tuple[CapturedModel, tuple[torch.Tensor, ...], _RenamedCosts]:
+        """The graph, inputs and costs at ``size`` samples per micro-batch; AutopartitionError if unusable."""
+        if size in self._failed:
+            raise self._failed[size]
+        if size not in self._found:
+            try:
+                self._found[size] = self._capture(size, scaled)
+            except AutopartitionError as exc:
+                self._failed[size] = self.last_failure = exc
+                raise
+        return self._found[size]
+
+    def _capture(self, size: int, scaled: ScaledCosts) -> tuple[CapturedModel, tuple[torch.Tensor, ...], _RenamedCosts]:
+        captured, model = self.captured, self.model
+        micro = microbatch_inputs(self.example_inputs, size)
+        if captured.method != "export":  # shape-generic: the same graph, its values at this size
+            propagate_values(captured.graph_module, micro)
+            return captured, micro, _RenamedCosts(scaled, None)
+        recaptured = capture(model, micro, method="export", call=captured.call)
+        propagate_values(recaptured.graph_module, micro)
+        if graph_fingerprint(recaptured.graph_module) == graph_fingerprint(captured.graph_module):
+            return recaptured, micro, _RenamedCosts(scaled, None)
+        mapping = _map_blocks(captured.graph_module, recaptured.graph_module, scaled.blocks)
+        if mapping is None:
+            raise AutopartitionError(
+                f"{type(model).__name__} captures to a different graph at micro-batch size {size}, and its "
+                "nodes do not map onto the costed blocks; fix the data-parallel degree with --dp, or the "
+                "micro-batch count with --microbatches, so that micro-batches have another size."
+            )
+        return recaptured, micro, _RenamedCosts(scaled, mapping)
+
+
+
+class _RenamedCosts:
+    """``scaled.at(M)`` in another capture's node names (``mapping``: its blocks, and old -> new names)."""
+
+    def __init__(self, scaled: ScaledCosts, mapping: tuple[list[tuple[str, ...]], dict[str, str]] | None) -> None:
+        self.scaled, self.mapping = scaled, mapping
+
+    def at(self, microbatches: int) -> GraphCosts:
+        graph = self.scaled.at(microbatches)
+        if self.mapping is None:
+            return graph
+        blocks, names = self.mapping
+        new = [n for members in blocks for n in members]
+
+        def rename(values: dict[str, Any], fill: Any = None) -> dict[str, Any]:
+            out = {names[k]: v for k, v in values.items() if k in names}
+            if fill is not None:
+                for n in new:
+                    out.setdefault(n, fill)  # a node only this capture has costs nothing (an expand, a view)
+            return out
+
+        def keep(group: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(names[n] for n in group if n in names)
+
+        return dataclasses.replace(
+            graph, blocks=tuple(blocks),
+            node_time_s=rename(graph.node_time_s, 0.0), node_forward_s=rename(graph.node_forward_s, 0.0),
+            node_saved_bytes=rename(graph.node_saved_bytes, 0), node_output_bytes=rename(graph.node_output_bytes, 0),
+            node_dtype=rename(graph.node_dtype), node_flops=rename(graph.node_flops),
+            node_saved_float32_bytes=rename(graph.node_saved_float32_bytes),
+            node_weight_s=rename(graph.node_weight_s),
+            block_senders=tuple(keep(g) for g in graph.block_senders),
+            block_inputs=tuple(keep(g) for g in graph.block_inputs),
+        )
+
+
+
+def _node_key(node: torch.fx.Node) -> tuple[str, str, str]:
+    return node.op, str(getattr(node.target, "__name__", node.target)), module_path(node)
+
+
+
+def _map_blocks(
+    old: torch.fx.GraphModule, new: torch.fx.GraphModule, blocks: list[tuple[str, ...]]
+) -> tuple[list[tuple[str, ...]], dict[str, str]] | None:
+    """``blocks`` (of ``old``'s nodes) in ``new``'s node names, and old -> new names; None if they do not map.
+
+    Nodes are paired by aligning the two graphs' node sequences on (op, target,
+    module path).  A compute node only ``new`` has joins the block of the node
+    before it; one only ``old`` had leaves its block.  None when a block is left
+    empty or ``new`` has an edge between blocks that ``old`` has not (a split
+    valid for ``old`` might then send a value backward in ``new``).
+    """
+    a, b = list(old.graph.nodes), list(new.graph.nodes)
+    ka, kb = [_node_key(n) for n in a], [_node_key(n) for n in b]
+    names: dict[str, str] = {}
+    if ka == kb:
+        names = {x.name: y.name for x, y in zip(a, b)}
+    else:
+        matcher = difflib.SequenceMatcher(None, ka, kb, autojunk=False)
+        for i, j, k in matcher.get_matching_blocks():
+            names.update((a[i + d].name, b[j + d].name) for d in range(k))
+    block_of_old = {n: i for i, members in enumerate(blocks) for n in members}
+    block_of = {names[n]: i for n, i in block_of_old.items() if n in names}
+    current = 0
+    for node in b:  # compute nodes only the new graph has: with the block before them
+        if node.name in block_of:
+            current = block_of[node.name]
+        elif node.meta.get(KIND_KEY) == "compute":
+            block_of[node.name] = current
+    mapped: list[list[str]] = [[] for _ in blocks]
+    for node in b:
+        if node.name in block_of:
+            mapped[block_of[node.name]].append(node.name)
+    if any(not members for members in mapped):
+        return None
+    old_edges = {(block_of_old[u.name], block_of_old[v.name]) for v in a if v.name in block_of_old
+                 for u in v.all_input_nodes if u.name in block_of_old}
+    for v in b:
+        for u in v.all_input_nodes:
+            edge = (block_of.get(u.name), block_of.get(v.name))
+            if edge[0] is not None and edge[1] is not None and edge[0] != edge[1] and edge not in old_edges:
+                return None
+    return [tuple(members) for members in mapped], names
+
+
+
+def _profile(
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    *,
+    measure: bool,
+    device: torch.device,
+    progress: Callable[[int, int], None],
+    weight_share: bool = True,
+) -> dict[str, NodeCost]:
+    # Counting (measure=False) runs on fake tensors, so it counts the real micro-batch directly:
+    # exact for tensors that do not grow with the batch (positions, masks), and as fast.
+    return profile(captured, micro, measure=measure, device=device, progress=progress, weight_share=weight_share)
+
+
+
+def microbatch_inputs_any(value: Any, size: int) -> Any:
+    """The first ``size`` samples of every tensor in a pytree (targets may be nested)."""
+    return pytree.tree_map(lambda x: x[:size] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, value)
+
+
+
+def microbatch_inputs(inputs: tuple[Any, ...], size: int) -> tuple[torch.Tensor, ...]:
+    """The first ``size`` samples of each input: the shapes one micro-batch has."""
+    return tuple(x[:size] for x in inputs)

@@ -1,0 +1,93 @@
+"""Coarsen: group compute nodes into blocks the solver places as units.
+
+Blocks are runs of consecutive compute nodes (in graph order) that share a
+module path truncated at some depth (``blocks.3.attn``).  A run of a
+topological order is always convex, so any split of the blocks is a valid split
+of the nodes.  The finest depth whose run count fits ``max_blocks`` wins; runs
+of a deeper module always nest inside a shallower one's, so the blocks refine
+every whole-layer split.  Cuts that would separate a tuple-producing node from
+its ``getitem`` readers are never offered.
+
+Example::
+
+    >>> import torch
+    >>> from partitioner.graph.capture import capture
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> c = capture(m, (torch.randn(2, 4),))
+    >>> [list(b) for b in coarsen(c.graph_module, max_blocks=8)]  # one node per leaf module
+    [['_0'], ['_1'], ['_2']]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from partitioner.graph.ir import VALUE_KEY, ValueInfo, compute_nodes, module_path
+
+if TYPE_CHECKING:  # types only: this module imports without torch
+    from torch import fx
+
+__all__ = ["coarsen"]
+
+
+def coarsen(gm: fx.GraphModule, *, max_blocks: int, times: dict[str, float] | None = None) -> list[tuple[str, ...]]:
+    """Blocks of compute-node names, in graph order, at most ``max_blocks`` of them."""
+    nodes = compute_nodes(gm)
+    if not nodes:
+        return []
+    position = {n.name: i for i, n in enumerate(nodes)}
+    cuttable = _cuttable(nodes, position)
+    paths = [module_path(n).split(".") if module_path(n) else [] for n in nodes]
+    depth = max(len(p) for p in paths)
+    runs: list[list[int]] = []
+    for d in range(depth + 1, 0, -1):
+        # d = depth + 1 means "every node on its own"; d = 1 the top-level modules.
+        keys = [tuple(p[:d]) if d <= depth else (str(i),) for i, p in enumerate(paths)]
+        runs = _runs(keys, cuttable)
+        if len(runs) <= max_blocks:
+            return [tuple(nodes[i].name for i in run) for run in runs]
+    # Even top-level modules are too many: merge neighbours into even blocks, on module boundaries.
+    runs = _merge_evenly(runs, max_blocks, [times.get(n.name, 1.0) if times else 1.0 for n in nodes])
+    return [tuple(nodes[i].name for i in run) for run in runs]
+
+
+def _cuttable(nodes: list[fx.Node], position: dict[str, int]) -> list[bool]:
+    """``cuttable[k]``: a stage boundary may fall between node k and node k+1."""
+    blocked_until = -1
+    ok = [True] * len(nodes)
+    for k, node in enumerate(nodes):
+        info = node.meta.get(VALUE_KEY)
+        # Tuples of tensors and values fake propagation cannot see (``x.device``) stay with their readers.
+        if isinstance(info, ValueInfo) and info.kind in ("bundle", "none") and node.users:
+            last = max((position[u.name] for u in node.users if u.name in position), default=k)
+            blocked_until = max(blocked_until, last)
+        if k < blocked_until:
+            ok[k] = False
+    return ok
+
+
+def _runs(keys: list[tuple[str, ...]], cuttable: list[bool]) -> list[list[int]]:
+    runs: list[list[int]] = [[0]]
+    for i in range(1, len(keys)):
+        if keys[i] != keys[i - 1] and cuttable[i - 1]:
+            runs.append([i])
+        else:
+            runs[-1].append(i)
+    return runs
+
+
+def _merge_evenly(runs: list[list[int]], max_blocks: int, weight: list[float]) -> list[list[int]]:
+    """Merge neighbouring runs into at most ``max_blocks`` of roughly equal weight."""
+    total = sum(weight)
+    target = total / max_blocks
+    merged: list[list[int]] = []
+    acc = 0.0
+    for run in runs:
+        w = sum(weight[i] for i in run)
+        if merged and acc + w <= target * 1.0000001 or (merged and len(merged) >= max_blocks):
+            merged[-1].extend(run)
+            acc += w
+        else:
+            merged.append(list(run))
+            acc = w
+    return merged

@@ -1,0 +1,427 @@
+"""Formulate: turn a costed graph and one pp x dp candidate into a PartitionProblem.
+
+Costs were profiled for one micro-batch of ``batch / microbatches`` samples;
+with ``dp`` replicas each replica sees ``1/dp`` of that, and compute time and
+activation bytes are scaled linearly (an approximation that overstates small
+per-op overheads' share at large dp).  Communication is priced by
+:mod:`partitioner.cost.comm`, as the simulator prices it: a boundary tensor
+costs one alpha-beta message forward and the same for its gradient backward; a
+replica group all-reduces gradients with a ring in DDP buckets, each parameter
+carrying its share of the buckets' latency and each stage its first bucket.
+Every communication cost comes twice, on the intra-node link (``transfer_s``,
+``allreduce_s``) and on the inter-node one (``transfer_slow_s``,
+``allreduce_slow_s``): the solver charges a stage the one its ranks actually
+use (:func:`partitioner.cost.comm.p2p_crosses_nodes`,
+:func:`~partitioner.cost.comm.allreduce_crosses_nodes`).
+
+Precision (:mod:`partitioner.cost.precision`) is applied here to costs taken in the
+model's own dtype: static memory is ``elements x`` the precision's bytes per
+parameter element (weights, gradients, optimizer states), the all-reduce moves
+gradients at the precision's size, and float32 activations, boundary tensors and
+recomputation inputs count half under bf16.  Times are priced for the precision
+before they get here (:func:`node_times`).
+
+Recomputation (Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", MLSys 2023, full recomputation): a recomputed block keeps
+only its inputs from other blocks and the graph (``recompute_bytes``) and runs
+its forward again during backward (``recompute_s``).
+
+Split backward (``zb-h1``, ``zbv``): a node that reads parameters spends part
+of its backward on their gradients (W) and the rest on its input's (B).
+Measured costs time both (:attr:`~partitioner.cost.nodecost.NodeCost.weight_backward_s`);
+otherwise the share is half: for a matrix product ``y = x w`` the two are
+``dx = dy w^T`` and ``dw = x^T dy``, the same FLOPs; Qi et al., "Zero Bubble
+Pipeline Parallelism" (ICLR 2024, section 2) take ``T_B = T_W`` for a
+transformer layer on that ground.  A parameter-free node (activation, softmax,
+residual add, the loss) has no W: its whole backward is B.  ``weight_s`` is that
+share per block (:func:`weight_seconds`); ``split_s`` is the time the split
+adds per block: per parameter-reading node, ``split_overhead_s`` of host time and
+``split_share`` of the node's own time (:mod:`partitioner.cost.splitcost`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from partitioner.cost.comm import Link, bucket_share, link
+from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.nodecost import NodeCost, predicted_times
+from partitioner.cost.precision import (
+    activation_scale,
+    check_precision,
+    compute_dtype,
+    gradient_bytes,
+    state_bytes,
+)
+from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
+from partitioner.graph.ir import KIND_KEY, VALUE_KEY, ValueInfo, node_parameters
+from partitioner.solve.problem import PartitionProblem
+
+if TYPE_CHECKING:  # types only: this module imports without torch
+    from torch import fx
+
+    from partitioner.graph.capture import CapturedModel
+
+__all__ = [
+    "WEIGHT_SHARE",
+    "GraphCosts",
+    "allreduce_seconds",
+    "at_precision",
+    "formulate",
+    "graph_costs",
+    "node_times",
+    "transfer_seconds",
+    "weight_seconds",
+]
+
+WEIGHT_SHARE = 0.5  # of a parameter-reading node's backward: its weight gradient (see the module docstring)
+
+@dataclasses.dataclass(frozen=True)
+class GraphCosts:
+    """Per-node numbers the formulation needs, independent of pp x dp and of the precision.
+
+    Bytes are in the model's own dtype; times are (forward, backward) seconds as
+    :func:`node_times` priced them.  The fields after ``loss_s`` are optional so
+    hand-made costs keep working: without ``parameter_elements`` a parameter is
+    taken as float32 (4 bytes per element), without ``node_dtype`` every value
+    as float32, without ``block_senders`` a block sends ``block_sends`` bytes,
+    and without ``block_inputs`` no block can be recomputed.
+    """
+
+    blocks: tuple[tuple[str, ...], ...]
+    node_time_s: dict[str, float]  # forward + backward, one micro-batch at dp = 1
+    node_forward_s: dict[str, float]
+    node_saved_bytes: dict[str, int]
+    node_output_bytes: dict[str, int]  # block nodes, and the graph inputs blocks read
+    parameter_bytes: dict[str, int]  # canonical parameter name -> bytes
+    block_parameters: tuple[tuple[str, ...], ...]  # canonical names read by each block
+    edges: tuple[tuple[int, int], ...]  # block edges u -> v, u < v
+    block_sends: tuple[int, ...]  # bytes each block sends to one other stage
+    loss_s: tuple[float, float] = (0.0, 0.0)  # loss forward, backward: the last block's stage computes it
+    parameter_elements: dict[str, int] = dataclasses.field(default_factory=dict)  # canonical name -> numel
+    node_dtype: dict[str, str] = dataclasses.field(default_factory=dict)  # dtype of each value above
+    block_senders: tuple[tuple[str, ...], ...] = ()  # each block's nodes read by other blocks (or the output)
+    block_inputs: tuple[tuple[str, ...], ...] = ()  # values each block reads from other blocks / graph inputs
+    node_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # forward + backward FLOPs
+    node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
+    node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
+    split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
+    split_share: float = 0.0  # and this share of the node's forward + backward seconds
+    split_forward: float = 0.0  # the part of the split's cost spent in F
+    split_weight: float = 0.0  # and in W (the rest in B)
+    action_s: float = 0.0  # host seconds the runtime adds per compute action (a calibration's; partitioner.cost.calibration)
+
+    def saved_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
+        """Activation bytes ``names`` save for backward at ``precision`` (one micro-batch, dp = 1).
+
+        The float32 tensors among them scale (:func:`~partitioner.cost.precision.activation_scale`);
+        integer indices and masks do not.  A node whose float32 part is not known
+        is taken by its output's dtype.
+        """
+        half = 1.0 - activation_scale(precision, "float32")
+        total = 0.0
+        for n in names:
+            saved = self.node_saved_bytes.get(n, 0)
+            float32 = self.node_saved_float32_bytes.get(n)
+            if float32 is None:
+                float32 = saved if self.node_dtype.get(n, "float32") == "float32" else 0
+            total += saved - half * float32
+        return total
+
+    def value_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
+        """Bytes of the values ``names`` produce at ``precision`` (one micro-batch, dp = 1)."""
+        return sum(
+            self.node_output_bytes.get(n, 0) * activation_scale(precision, self.node_dtype.get(n, "float32"))
+            for n in names
+        )
+
+    def sent_bytes(self, block: int, precision: str = "fp32") -> float:
+        """Bytes ``block`` sends to one other stage per micro-batch at ``precision`` (dp = 1)."""
+        if not self.block_senders:
+            return self.block_sends[block] * activation_scale(precision, "float32")
+        return self.value_bytes(self.block_senders[block], precision)
+
+    def flops(self, names: Iterable[str] | None = None) -> float:
+        """Forward + backward FLOPs of ``names`` (every block's nodes by default), one micro-batch at dp = 1.
+
+        Model FLOPs for MFU: recomputation is not counted, the loss neither.
+        """
+        members = (n for block in self.blocks for n in block) if names is None else names
+        return sum(self.node_flops.get(n, 0.0) for n in members)
+
+
+def transfer_seconds(nbytes: float, spec: DeviceSpec, *, inter_node: bool = False) -> float:
+    """One point-to-point message over ``spec``'s link (:func:`partitioner.cost.comm.message_seconds`)."""
+    return link(spec, inter_node=inter_node).message_seconds(nbytes)
+
+
+def allreduce_seconds(
+    nbytes: float, replicas: int, spec: DeviceSpec, *, messages: float = 1, inter_node: bool = False
+) -> float:
+    """Ring all-reduce over ``spec``'s link (:func:`partitioner.cost.comm.ring_allreduce_seconds`)."""
+    return link(spec, inter_node=inter_node).allreduce_seconds(nbytes, replicas, messages=messages)
+
+
+def at_precision(cost: NodeCost, precision: str) -> NodeCost:
+    """``cost`` (taken in the model's dtype) as the node would run at ``precision``, for pricing its time.
+
+    A float32 node under a bf16 mode runs in bfloat16 (the roofline uses that
+    peak) and moves half the bytes; weights are taken at half too (autocast
+    reads each fp32 weight once per forward to cast it and caches the copy).
+    Its float32 saved tensors halve; integer ones (indices, masks) do not.
+    Other nodes are unchanged.  Only for times: :func:`graph_costs` takes the
+    costs as they were profiled and the formulation scales memory itself.
+
+    >>> c = NodeCost(0.0, 0.0, 2e12, 4e12, 100, 1000, "float32", weight_bytes=400)
+    >>> b = at_precision(c, "bf16-mixed")
+    >>> b.dtype, b.io_bytes, b.saved_bytes, b.weight_bytes, b.forward_flops
+    ('bfloat16', 500, 50, 200, 2000000000000.0)
+    >>> at_precision(c, "fp32") is c, at_precision(dataclasses.replace(c, dtype="int64"), "bf16").dtype
+    (True, 'int64')
+    """
+    scale = activation_scale(precision, cost.dtype)
+    if scale == 1.0:
+        return cost
+    float32 = cost.saved_bytes if cost.saved_float32_bytes is None else cost.saved_float32_bytes
+    return dataclasses.replace(
+        cost,
+        dtype=compute_dtype(precision),
+        io_bytes=round(cost.io_bytes * scale),
+        saved_bytes=round(cost.saved_bytes - (1 - scale) * float32),
+        weight_bytes=round(cost.weight_bytes * scale),
+        saved_float32_bytes=round(float32 * scale),
+    )
+
+
+def node_times(
+    costs: dict[str, NodeCost], spec: DeviceSpec, *, precision: str = "fp32", measure: bool = False
+) -> dict[str, tuple[float, float]]:
+    """(forward, backward) seconds of every node at ``precision``: what :func:`graph_costs` takes.
+
+    Predicted (``measure=False``): the roofline of :func:`partitioner.cost.nodecost.predicted_times`
+    on :func:`at_precision`'s cost, so bf16 modes use the bf16 peak and half the
+    bytes.  Measured: the times as profiled, in the model's own dtype whatever
+    the precision (measuring bf16 would mean profiling under autocast); the
+    precision then changes memory and communication only.
+
+    >>> from partitioner.cost.devices import DEVICES
+    >>> c = {"mm": NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 0, "float32")}
+    >>> [round(f * 1e3, 3) for f in node_times(c, DEVICES["h100"], precision="bf16-mixed")["mm"]]
+    [1.005, 2.005]
+    """
+    check_precision(precision)
+    if measure:
+        return {name: (c.forward_s, c.backward_s) for name, c in costs.items()}
+    return {name: predicted_times(at_precision(c, precision), spec) for name, c in costs.items()}
+
+
+def graph_costs(
+    captured: CapturedModel,
+    blocks: list[tuple[str, ...]],
+    costs: dict[str, NodeCost],
+    times: dict[str, tuple[float, float]],
+    *,
+    loss_s: tuple[float, float] = (0.0, 0.0),
+    split_overhead_s: float = 0.0,
+    split_share: float = 0.0,
+    split_forward: float = 0.0,
+    split_weight: float = 0.0,
+    action_s: float = 0.0,
+) -> GraphCosts:
+    """Aggregate node costs per block; ``times`` gives (forward, backward) seconds per node (:func:`node_times`).
+
+    ``costs`` are as profiled, in the model's own dtype.
+    """
+    gm = captured.graph_module
+    nodes = {n.name: n for n in gm.graph.nodes}
+    block_of = {name: b for b, members in enumerate(blocks) for name in members}
+    param_bytes: dict[str, int] = {}
+    param_elements: dict[str, int] = {}
+    for name, param in gm.named_parameters(remove_duplicate=False):
+        param_bytes[captured.parameter_names[name]] = param.nbytes
+        param_elements[captured.parameter_names[name]] = param.numel()
+    edges: set[tuple[int, int]] = set()
+    sends = [0] * len(blocks)
+    senders: list[list[str]] = [[] for _ in blocks]
+    inputs: list[dict[str, None]] = [{} for _ in blocks]  # insertion-ordered sets
+    block_params: list[set[str]] = [set() for _ in blocks]
+    for b, members in enumerate(blocks):
+        for name in members:
+            node = nodes[name]
+            block_params[b].update(captured.parameter_names[p] for p in node_parameters(gm, node))
+            readers = {block_of[u.name] for u in node.users if u.name in block_of} - {b}
+            if any(u.op == "output" for u in node.users) and b != len(blocks) - 1:
+                readers.add(len(blocks) - 1)
+            edges.update((b, r) for r in readers)
+            if readers:
+                sends[b] += _nbytes(node)
+                senders[b].append(name)
+            for arg in node.all_input_nodes:
+                if block_of.get(arg.name, b) != b or arg.meta.get(KIND_KEY) == "input":
+                    inputs[b][arg.name] = None
+    graph_inputs = {name for block in inputs for name in block if name not in block_of}
+    values = [*block_of, *sorted(graph_inputs)]
+    return GraphCosts(
+        blocks=tuple(blocks),
+        node_time_s={k: f + b for k, (f, b) in times.items()},
+        node_forward_s={k: f for k, (f, _) in times.items()},
+        node_saved_bytes={k: c.saved_bytes for k, c in costs.items()},
+        node_output_bytes={name: _nbytes(nodes[name]) for name in values},
+        parameter_bytes=param_bytes,
+        block_parameters=tuple(tuple(sorted(p)) for p in block_params),
+        edges=tuple(sorted(edges)),
+        block_sends=tuple(sends),
+        loss_s=loss_s,
+        parameter_elements=param_elements,
+        node_dtype={name: _dtype(nodes[name], costs.get(name)) for name in values},
+        block_senders=tuple(tuple(names) for names in senders),
+        block_inputs=tuple(tuple(names) for names in inputs),
+        node_flops={k: c.forward_flops + c.backward_flops for k, c in costs.items()},
+        node_saved_float32_bytes={
+            k: c.saved_float32_bytes for k, c in costs.items() if c.saved_float32_bytes is not None
+        },
+        node_weight_s={
+            name: weight_seconds(times[name][1], reads_parameters=True, cost=costs.get(name))
+            for members in blocks for name in members
+            if name in times and node_parameters(gm, nodes[name])
+        },
+        split_overhead_s=split_overhead_s,
+        split_share=split_share,
+        split_forward=split_forward,
+        split_weight=split_weight,
+        action_s=action_s,
+    )
+
+
+def weight_seconds(backward_s: float, *, reads_parameters: bool, cost: NodeCost | None = None) -> float:
+    """The weight-gradient (W) part of a node's backward: none without parameters; else the measured
+    share (``cost.weight_backward_s`` of ``cost.backward_s``), or half when not measured.
+
+    >>> weight_seconds(2e-3, reads_parameters=True), weight_seconds(2e-3, reads_parameters=False)
+    (0.001, 0.0)
+    >>> c = NodeCost(1e-3, 3e-3, 0.0, 0.0, 0, 0, "float32", weight_backward_s=1e-3)
+    >>> round(weight_seconds(6e-3, reads_parameters=True, cost=c), 6)   # a third, measured
+    0.002
+    """
+    if not reads_parameters:
+        return 0.0
+    if cost is not None and cost.weight_backward_s > 0 and cost.backward_s > 0:
+        return min(1.0, cost.weight_backward_s / cost.backward_s) * backward_s
+    return WEIGHT_SHARE * backward_s
+
+
+def _nbytes(node: fx.Node) -> int:
+    info = node.meta.get(VALUE_KEY)
+    return info.nbytes if isinstance(info, ValueInfo) else 0
+
+
+def _dtype(node: fx.Node, cost: NodeCost | None) -> str:
+    """The dtype of a node's value (its first tensor's for a node returning several)."""
+    info = node.meta.get(VALUE_KEY)
+    if isinstance(info, ValueInfo) and info.kind == "tensor":
+        return info.dtype
+    return cost.dtype if cost is not None else ""
+
+
+def formulate(
+    graph: GraphCosts,
+    *,
+    dp: int,
+    spec: DeviceSpec,
+    memory_limit: float | None,
+    precision: str = "fp32",
+    optimizer_states: int = 2,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    gpus_per_node: int | None = None,
+    recompute: str = "none",
+) -> PartitionProblem:
+    """The solver's problem for ``dp`` replicas per stage (any number of stages).
+
+    ``graph``'s times must have been priced for ``precision`` (:func:`node_times`);
+    bytes are scaled to it here.  ``gpus_per_node`` (``None``: one node) and
+    ``recompute`` ("none", "full" or "auto") are carried to the solver, which
+    picks the intra- or inter-node prices and the recomputation per stage.
+    """
+    check_precision(precision)
+    scale = 1.0 / dp
+    intra, inter = link(spec), link(spec, inter_node=True)
+    readers: dict[str, list[int]] = {}
+    for b, params in enumerate(graph.block_parameters):
+        for p in params:
+            readers.setdefault(p, []).append(b)
+    n = len(graph.blocks)
+    static, allreduce, allreduce_slow = [0.0] * n, [0.0] * n, [0.0] * n
+    shared: list[tuple[float, float, tuple[int, ...]]] = []
+    shared_slow: list[float] = []
+    for p, blocks in readers.items():
+        nbytes = graph.parameter_bytes[p]
+        elements = graph.parameter_elements.get(p, nbytes / 4)
+        held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=nbytes)
+        grads = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
+        fast, slow = (_allreduce(grads, dp, on, bucket_cap_mb) for on in (intra, inter))
+        if len(blocks) == 1:
+            static[blocks[0]] += held
+            allreduce[blocks[0]] += fast
+            allreduce_slow[blocks[0]] += slow
+        else:
+            shared.append((held, fast, tuple(blocks)))
+            shared_slow.append(slow)
+    last = n - 1
+    sent = [scale * graph.sent_bytes(b, precision) for b in range(n)]
+    recomputable = bool(graph.block_inputs)  # else: costs made by hand, without block inputs
+    optional: dict[str, Any] = {
+        "transfer_slow_s": tuple(2 * inter.message_seconds(b) for b in sent),
+        "allreduce_slow_s": tuple(allreduce_slow),
+        "shared_slow_allreduce_s": tuple(shared_slow),
+        "allreduce_latency_slow_s": inter.latency_seconds(dp),
+        "replicas": dp,
+        "gpus_per_node": gpus_per_node,
+        "recompute_bytes": tuple(
+            scale * graph.value_bytes(graph.block_inputs[b], precision) for b in range(n)
+        ) if recomputable else None,
+        "recompute_s": tuple(
+            scale * sum(graph.node_forward_s[m] for m in members) for members in graph.blocks
+        ) if recomputable else None,
+        "recompute": recompute,
+        "message_host_s": spec.message_host_s,
+        "weight_s": tuple(
+            scale * sum(graph.node_weight_s.get(m, 0.0) for m in members) for members in graph.blocks
+        ) if graph.node_weight_s else None,
+        # Host time per call: the same whatever the replicas' share of the micro-batch (no scale);
+        # the part that grows with the op scales with it.
+        "split_s": tuple(
+            sum(graph.split_overhead_s + graph.split_share * scale * graph.node_time_s[m]
+                for m in members if m in graph.node_weight_s) for members in graph.blocks
+        ) if graph.split_overhead_s or graph.split_share else None,
+        "split_forward": graph.split_forward,
+        "split_weight": graph.split_weight,
+        "action_s": graph.action_s,
+    }
+    return PartitionProblem(
+        time_s=tuple(
+            scale * (sum(graph.node_time_s[m] for m in members) + (sum(graph.loss_s) if b == last else 0.0))
+            for b, members in enumerate(graph.blocks)
+        ),
+        static_bytes=tuple(static),
+        activation_bytes=tuple(scale * graph.saved_bytes(members, precision) for members in graph.blocks),
+        allreduce_s=tuple(allreduce),
+        transfer_s=tuple(2 * intra.message_seconds(b) for b in sent),  # activation forward, gradient back
+        edges=graph.edges,
+        shared=tuple(shared),
+        memory_limit=memory_limit,
+        allreduce_latency_s=intra.latency_seconds(dp),
+        # Until the solver's problem has every topology and recomputation field, pass those it has.
+        **{k: v for k, v in optional.items() if k in _PROBLEM_FIELDS},
+    )
+
+
+_PROBLEM_FIELDS = frozenset(f.name for f in dataclasses.fields(PartitionProblem))
+
+
+def _allreduce(gradient_bytes: float, replicas: int, on: Link, bucket_cap_mb: float) -> float:
+    """All-reduce seconds of one parameter's gradients, with its share of the DDP buckets' latency."""
+    return on.allreduce_seconds(
+        gradient_bytes, replicas, messages=bucket_share(gradient_bytes, bucket_cap_mb=bucket_cap_mb)
+    )

@@ -1,0 +1,485 @@
+"""Exact split of blocks in a fixed order into contiguous intervals (dynamic programming).
+
+The step time ``sum_s t_s + (M-1) max_s t_s`` is not a sum over stages, so the
+DP enumerates the bottleneck: for a cap ``T`` on every stage's time it finds
+the split with the smallest ``sum_s t_s`` (a min-plus recurrence over interval
+ends), and the best split over all caps is optimal.  Caps are the interval
+costs themselves, scanned upward from the smallest feasible one, and the scan
+stops once ``min_sum + (M-1) T`` cannot beat the best found.
+
+Exact for the order given, including transfers into each stage and memory
+limits; the all-reduce term (replicas > 1) is evaluated for every candidate but
+not enumerated, so with replicas the answer is exact only when that term does
+not decide between candidates (``solve`` then asks the ILP).
+
+What a candidate stage costs may depend on its index: under 1F1B it holds
+fewer micro-batches the later it sits, its inbound link may cross nodes
+(:func:`~partitioner.solve.problem.stage_links`), and whether it must recompute
+(:func:`~partitioner.solve.problem.choose_recompute`: keep if that fits, else
+recompute if that fits) follows from its blocks and its micro-batches in
+flight.  So the DP keeps one cost matrix per distinct (in flight, link) pair
+of stages, each entry the time of the option the rule picks (``inf`` where
+neither fits), and stays exact: the rule is optimal stage by stage.
+
+Example::
+
+    >>> from partitioner.solve.problem import PartitionProblem
+    >>> p = PartitionProblem(time_s=(1.0, 1.0, 2.0), static_bytes=(0,) * 3,
+    ...     activation_bytes=(0,) * 3, allreduce_s=(0,) * 3, transfer_s=(0,) * 3,
+    ...     edges=((0, 1), (1, 2)))
+    >>> solve_intervals(p, stages=2, microbatches=4).stage_of
+    (0, 0, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import operator
+import time
+from collections.abc import Callable
+
+import networkx as nx
+import numpy as np
+
+from partitioner.defaults import DEFAULT_SCHEDULE
+from partitioner.solve.blockgraph import problem_graph
+from partitioner.solve.problem import (
+    MEMORY_TOLERANCE,
+    Partition,
+    PartitionProblem,
+    ScheduleKind,
+    allreduce_latencies,
+    can_recompute,
+    choose_recompute,
+    in_flight,
+    stage_links,
+    step_time,
+)
+
+__all__ = ["down_sets", "interval_matrices", "solve_down_sets", "solve_intervals"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frontiers:
+    """For every pair of frontiers ``(a, b)``: what the stage between them costs.
+
+    ``cost`` is ``inf`` where ``(a, b)`` is no stage.  The optional matrices are None
+    when nothing needs them: ``cost_slow`` without an inbound link across nodes,
+    ``kept``/``peak``/``extra`` without recomputation.
+    """
+
+    cost: np.ndarray  # compute + transfers in over the intra-node link
+    cost_slow: np.ndarray | None  # compute + transfers in over the inter-node link
+    static: np.ndarray
+    activation: np.ndarray
+    kept: np.ndarray | None  # bytes kept per micro-batch when recomputing (block inputs)
+    peak: np.ndarray | None  # the largest block's activations
+    extra: np.ndarray | None  # recomputation seconds
+
+
+def _needs(problem: PartitionProblem, stages: int) -> tuple[bool, bool]:
+    """(some stage's inbound link is priced differently, some stage may recompute).
+
+    ("auto" without a memory limit never recomputes: keeping always fits and is never slower.)
+    """
+    inbound, _ = stage_links(problem, stages)
+    slow = problem.transfer_slow_s is not None and any(inbound)
+    recompute = can_recompute(problem) and (problem.recompute == "full" or problem.memory_limit is not None)
+    return slow, recompute
+
+
+def interval_matrices(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(time, static, activation)`` of every interval ``[i, j)`` as (N+1, N+1) arrays.
+
+    ``time`` includes the transfers the interval receives (over the intra-node
+    link); entries with ``j <= i`` are ``inf`` / unused.
+    """
+    frontiers = _interval_frontiers(problem, slow=False, recompute=False)
+    return frontiers.cost, frontiers.static, frontiers.activation
+
+
+def _interval_frontiers(problem: PartitionProblem, *, slow: bool, recompute: bool) -> _Frontiers:
+    """:class:`_Frontiers` of the intervals ``[i, j)`` of the given order."""
+    n = problem.size
+
+    def prefix_difference(values: tuple[float, ...]) -> np.ndarray:
+        prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
+        return prefix[None, :] - prefix[:, None]
+
+    compute = prefix_difference(problem.time_s)
+    static = prefix_difference(problem.static_bytes)
+    graph = problem_graph(problem)
+    invalid = np.tril(np.ones((n + 1, n + 1), dtype=bool))
+
+    def with_transfers(prices: tuple[float, ...]) -> np.ndarray:
+        cost = compute.copy()
+        for u, readers in graph.adj.items():
+            if readers:
+                _add_if_reader_inside(cost, sorted(readers), prices[u], lo=u + 1)
+        cost[invalid] = np.inf
+        return cost
+
+    for nbytes, _, shared_readers in problem.shared:
+        _add_if_reader_inside(static, sorted(set(shared_readers)), nbytes, lo=0)
+
+    def largest() -> np.ndarray:  # peak[i, j] = max(activation_bytes[i:j]): running maxima along rows
+        rows = np.where(np.tri(n + 1, n, k=-1, dtype=bool), 0.0, np.asarray(problem.activation_bytes, dtype=float))
+        peak = np.zeros((n + 1, n + 1))
+        peak[:, 1:] = np.maximum.accumulate(rows, axis=1)
+        return peak
+
+    return _assemble(problem, static, prefix_difference, with_transfers, largest, slow=slow, recompute=recompute)
+
+
+def _assemble(
+    problem: PartitionProblem,
+    static: np.ndarray,
+    difference: Callable[[tuple[float, ...]], np.ndarray],
+    with_transfers: Callable[[tuple[float, ...]], np.ndarray],
+    largest: Callable[[], np.ndarray],
+    *,
+    slow: bool,
+    recompute: bool,
+) -> _Frontiers:
+    """:class:`_Frontiers` from how a layout sums block values over a stage, prices its transfers in,
+    and finds its largest block activations; only the matrices ``slow`` and ``recompute`` need."""
+    kept = peak = extra = None
+    if recompute and problem.recompute_bytes is not None and problem.recompute_s is not None:
+        kept, extra, peak = difference(problem.recompute_bytes), difference(problem.recompute_s), largest()
+    cost_slow = None
+    if slow and problem.transfer_slow_s is not None:
+        cost_slow = with_transfers(problem.transfer_slow_s)
+    return _Frontiers(
+        cost=with_transfers(problem.transfer_s),
+        cost_slow=cost_slow,
+        static=static,
+        activation=difference(problem.activation_bytes),
+        kept=kept,
+        peak=peak,
+        extra=extra,
+    )
+
+
+def _add_if_reader_inside(matrix: np.ndarray, readers: list[int], amount: float, *, lo: int) -> None:
+    """Add ``amount`` to every interval [i, j) with i >= lo that contains one of ``readers``."""
+    if amount == 0:
+        return
+    position = 0
+    for i in range(lo, readers[-1] + 1):
+        while readers[position] < i:
+            position += 1
+        matrix[i, readers[position] + 1 :] += amount
+
+
+def solve_intervals(
+    problem: PartitionProblem,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind = DEFAULT_SCHEDULE,
+) -> Partition | None:
+    """The best split of the blocks, in their given order, into ``stages`` intervals.
+
+    Returns None when no split meets the memory limit.
+    """
+    n = problem.size
+    if not 1 <= stages <= n:
+        return None
+    slow, recompute = _needs(problem, stages)
+    frontiers = _interval_frontiers(problem, slow=slow, recompute=recompute)
+    prefixes = np.tri(n + 1, n, k=-1, dtype=bool)  # row i: the first i blocks
+    return _best_split(problem, prefixes, frontiers, stages, microbatches, schedule, "interval-dp")
+
+
+def down_sets(problem: PartitionProblem, *, limit: int) -> np.ndarray | None:
+    """Every set of blocks closed under predecessors that a stage boundary can leave behind.
+
+    Rows of a (K, N) boolean matrix, by size (ties by the blocks' bit pattern, block 0
+    lowest): the empty set first, all blocks last; sets holding the last block (the
+    model's output) other than all blocks are left out.  None when there are more than
+    ``limit``.  A chain has N + 1 (its prefixes).
+
+    A down-set is its maximal elements (an antichain) and their ancestors, so the sets
+    are counted lazily through ``nx.antichains``, which stops after ``limit`` however
+    many there are.  The last block is a sink: dropping it leaves exactly the down-sets
+    without it.
+
+    >>> from partitioner.solve.problem import PartitionProblem
+    >>> p = PartitionProblem(time_s=(1.0,) * 3, static_bytes=(0,) * 3, activation_bytes=(0,) * 3,
+    ...     allreduce_s=(0,) * 3, transfer_s=(0,) * 3, edges=((0, 2), (1, 2)))
+    >>> down_sets(p, limit=10).astype(int).tolist()
+    [[0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0], [1, 1, 1]]
+    >>> down_sets(p, limit=4) is None
+    True
+    """
+    n = problem.size
+    graph = problem_graph(problem)
+    graph.remove_node(n - 1)
+    closed = {v: sum(1 << u for u in nx.ancestors(graph, v)) | 1 << v for v in graph}
+    antichains = list(itertools.islice(nx.antichains(graph), limit))
+    if len(antichains) + 1 > limit:  # + 1: all blocks
+        return None
+    found = [functools.reduce(operator.or_, (closed[v] for v in a), 0) for a in antichains]
+    found = sorted(found, key=lambda d: (d.bit_count(), d)) + [(1 << n) - 1]
+    return np.array([[(d >> v) & 1 for v in range(n)] for d in found], dtype=bool)
+
+
+def solve_down_sets(
+    problem: PartitionProblem,
+    member: np.ndarray,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind = DEFAULT_SCHEDULE,
+) -> Partition | None:
+    """The best split over *every* topological order: stages are differences of nested down-sets.
+
+    Every valid assignment (no edge backward) is a chain of down-sets, so the same
+    bottleneck-enumerating DP over ``member``'s rows (from :func:`down_sets`) is exact
+    for any DAG.  None when no split meets the memory limit.
+    """
+    if not 1 <= stages <= problem.size:
+        return None
+    slow, recompute = _needs(problem, stages)
+    frontiers = _down_set_frontiers(problem, member, slow=slow, recompute=recompute)
+    return _best_split(problem, member, frontiers, stages, microbatches, schedule, "down-set-dp")
+
+
+def _down_set_frontiers(
+    problem: PartitionProblem, member: np.ndarray, *, slow: bool, recompute: bool
+) -> _Frontiers:
+    """Like :func:`_interval_frontiers`, for stages ``D_b minus D_a`` with ``D_a`` strictly inside ``D_b``."""
+    f = member.astype(float)
+    inside = (f @ (~member).astype(float).T) == 0  # inside[a, b]: D_a is a subset of D_b
+    sizes = member.sum(axis=1)
+    nested = inside & (sizes[:, None] < sizes[None, :])
+
+    def difference(values: tuple[float, ...]) -> np.ndarray:
+        totals = f @ np.asarray(values, dtype=float)
+        return totals[None, :] - totals[:, None]
+
+    compute = difference(problem.time_s)
+    static = difference(problem.static_bytes)
+    # received[u][a, b]: u lies before the stage (in D_a) and one of its readers inside it.
+    received = {}
+    for u, readers in problem_graph(problem).adj.items():
+        if readers:
+            count = member[:, sorted(readers)].sum(axis=1)
+            received[u] = member[:, u][:, None] & (count[None, :] > count[:, None])
+
+    def with_transfers(prices: tuple[float, ...]) -> np.ndarray:
+        cost = compute.copy()
+        for u, inbound in received.items():
+            if prices[u] > 0:
+                cost += prices[u] * inbound
+        cost[~nested] = np.inf
+        return cost
+
+    for nbytes, _, shared_readers in problem.shared:
+        count = member[:, sorted(set(shared_readers))].sum(axis=1)
+        static += nbytes * (count[None, :] > count[:, None])
+
+    def largest() -> np.ndarray:
+        return _largest_in_difference(member, nested, np.asarray(problem.activation_bytes, dtype=float))
+
+    return _assemble(problem, static, difference, with_transfers, largest, slow=slow, recompute=recompute)
+
+
+def _largest_in_difference(member: np.ndarray, nested: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``out[a, b]``: the largest ``values[v]`` over v in ``D_b minus D_a`` (0 if none), where ``nested``.
+
+    Blocks by decreasing value: each pair takes the first value whose block it holds.
+    """
+    out = np.zeros(nested.shape)
+    open_pairs = nested.copy()
+    for v in np.argsort(-values, kind="stable"):
+        if values[v] <= 0 or not open_pairs.any():
+            break
+        hit = open_pairs & np.outer(~member[:, v], member[:, v])
+        out[hit] = values[v]
+        open_pairs &= ~hit
+    return out
+
+
+def _best_split(
+    problem: PartitionProblem,
+    member: np.ndarray,
+    frontiers: _Frontiers,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind,
+    name: str,
+) -> Partition | None:
+    """Enumerate the bottleneck cap over frontier pairs; ``member[k]``: blocks before frontier k."""
+    start = time.perf_counter()
+    table, variant_of, candidates = _stage_tables(problem, frontiers, stages, microbatches, schedule)
+    if candidates.size == 0:
+        return None
+    # The all-reduce latency of the stage that pays the most: every split has every stage.
+    fixed = max(allreduce_latencies(problem, stages))
+    # Smallest cap with any feasible split (binary search), and the least sum overall.
+    unconstrained = _min_sum(table, variant_of, member, cap=np.inf)
+    if unconstrained is None:
+        return None
+    lo, hi = 0, candidates.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _min_sum(table, variant_of, member, cap=candidates[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    min_sum = unconstrained[0]
+    best: tuple[float, tuple[int, ...]] | None = None
+    index = lo
+    while index < candidates.size:
+        cap = candidates[index]
+        if best is not None and min_sum + (microbatches - 1) * cap + fixed >= best[0] - 1e-15:
+            break
+        found = _min_sum(table, variant_of, member, cap=cap)
+        assert found is not None  # caps from the smallest feasible one up are all feasible
+        objective, _ = step_time(problem, found[1], microbatches=microbatches, schedule=schedule)
+        if best is None or objective < best[0] - 1e-15:
+            best = (objective, found[1])
+        # The least sum only falls at some larger cap; every cap before that gives this split's
+        # sum with a larger maximum, so jump (binary search) to where the sum first falls, and
+        # far enough to beat the best: at cap c >= the next candidate, the step is at least
+        # sum + (M-1) c + fixed, so a sum of best - fixed - (M-1) next or more cannot win.
+        level = _below(found[0])
+        if index + 1 < candidates.size:
+            level = min(level, -_below(-(best[0] - fixed - (microbatches - 1) * float(candidates[index + 1]))))
+        index = _next_drop(table, variant_of, member, candidates, after=index, level=level)
+    assert best is not None
+    lower = min_sum + (microbatches - 1) * float(candidates[lo]) + fixed
+    return Partition(
+        stage_of=best[1],
+        stages=stages,
+        objective=best[0],
+        lower_bound=min(lower, best[0]),
+        status="optimal",
+        solver=name,
+        wall_s=time.perf_counter() - start,
+        recompute=choose_recompute(problem, best[1], stages, microbatches=microbatches, schedule=schedule),
+    )
+
+
+def _stage_tables(
+    problem: PartitionProblem,
+    frontiers: _Frontiers,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(table, variant_of, candidates)``: stage s between frontiers a and b takes ``table[variant_of[s], a, b]``.
+
+    Stages that hold as many micro-batches and share a kind of inbound link cost the
+    same, so there is one matrix per such variant, each entry the time of the option
+    :func:`~partitioner.solve.problem.choose_recompute` picks (``inf``: no stage, or nothing
+    fits).  ``candidates``: every finite entry, sorted, without repeats.
+    """
+    inbound, _ = stage_links(problem, stages)
+    keys = [
+        (in_flight(s, stages, microbatches, schedule, chunks=problem.chunks if problem.stage_rank else None),
+         bool(inbound[s]) and frontiers.cost_slow is not None)
+        for s in range(stages)
+    ]
+    variants = sorted(set(keys))
+    variant_of = np.array([variants.index(k) for k in keys], dtype=np.int64)
+    limit = None if problem.memory_limit is None else problem.memory_limit * (1 + MEMORY_TOLERANCE)
+    recompute = frontiers.kept is not None
+    everywhere = np.ones(frontiers.cost.shape, dtype=bool)
+    nowhere = np.zeros(frontiers.cost.shape, dtype=bool)
+    tables = []
+    used: dict[tuple[bool, bool], np.ndarray] = {}  # (slow link, recomputed): where some variant uses it
+    for flight, slow in variants:
+        base = frontiers.cost_slow if slow and frontiers.cost_slow is not None else frontiers.cost
+        keep = everywhere if limit is None else frontiers.static + flight * frontiers.activation <= limit
+        redo = nowhere
+        if recompute:
+            assert frontiers.kept is not None and frontiers.peak is not None
+            fits = everywhere if limit is None else (
+                frontiers.static + flight * frontiers.kept + frontiers.peak <= limit
+            )
+            if problem.recompute == "full":
+                keep, redo = nowhere, fits
+            elif limit is not None:  # auto: recompute only where keeping does not fit
+                redo = ~keep & fits
+        table = np.where(keep, base, np.inf)
+        if redo is not nowhere:
+            assert frontiers.extra is not None
+            table = np.where(redo, base + frontiers.extra, table)
+        tables.append(table)
+        for flag, where in ((False, keep), (True, redo)):
+            if where is not nowhere:
+                used[slow, flag] = used[slow, flag] | where if (slow, flag) in used else where
+    values = []
+    for (slow, flag), where in used.items():
+        base = frontiers.cost_slow if slow and frontiers.cost_slow is not None else frontiers.cost
+        chosen = base[where] + (frontiers.extra[where] if flag and frontiers.extra is not None else 0.0)
+        values.append(chosen[np.isfinite(chosen)])
+    candidates = np.unique(np.concatenate(values)) if values else np.zeros(0)
+    return np.stack(tables), variant_of, candidates
+
+
+def _next_drop(
+    table: np.ndarray,
+    variant_of: np.ndarray,
+    member: np.ndarray,
+    candidates: np.ndarray,
+    *,
+    after: int,
+    level: float,
+) -> int:
+    """The first candidate index past ``after`` whose least sum is below ``level`` (or the end)."""
+    lo, hi = after + 1, candidates.size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        found = _min_sum(table, variant_of, member, cap=candidates[mid])
+        if found is not None and found[0] < level:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _below(value: float) -> float:
+    """``value`` less a rounding margin (1e-12 relative): a sum must fall below this to count as smaller.
+
+    >>> _below(1.0) < 1.0 < -_below(-1.0)
+    True
+    """
+    return value - 1e-12 * max(1.0, abs(value))
+
+
+def _min_sum(
+    table: np.ndarray, variant_of: np.ndarray, member: np.ndarray, *, cap: float
+) -> tuple[float, tuple[int, ...]] | None:
+    """Least total stage time with every stage at most ``cap``; None if impossible.
+
+    Frontier 0 is the empty set and the last frontier all blocks; stage s between
+    frontiers a and b costs ``table[variant_of[s], a, b]``.
+    """
+    stages, k = variant_of.size, table.shape[1]
+    allowed = np.where(table <= cap, table, np.inf)
+    best = np.full(k, np.inf)
+    best[0] = 0.0
+    choices = np.zeros((stages, k), dtype=np.int64)
+    for s in range(stages):
+        reached = np.flatnonzero(np.isfinite(best))  # frontiers s stages can reach (few, early on)
+        if reached.size == 0:
+            return None
+        lo, hi = reached[0], reached[-1] + 1
+        total = best[lo:hi, None] + allowed[variant_of[s], lo:hi]  # (from frontier lo + i, to b)
+        pick = np.argmin(total, axis=0)
+        choices[s] = lo + pick
+        best = total[pick, np.arange(k)]
+    if not np.isfinite(best[k - 1]):
+        return None
+    stage_of = np.zeros(member.shape[1], dtype=np.int64)
+    end = k - 1
+    for s in range(stages - 1, -1, -1):
+        begin = int(choices[s, end])
+        stage_of[member[end] & ~member[begin]] = s
+        end = begin
+    return float(best[k - 1]), tuple(int(s) for s in stage_of)
