@@ -45,6 +45,7 @@ from partitioner.solve.problem import relative_gap
 
 __all__ = [
     "FORMAT_VERSION",
+    "STAGE_SHARD",
     "Boundary",
     "Candidate",
     "CostModelInfo",
@@ -65,7 +66,14 @@ __all__ = [
 
 FORMAT_VERSION = 3
 LINKS = ("intra", "inter")  # a message or all-reduce inside one node, or between nodes
+# Field metadata: a field added within the current format version, which a plan saved before it
+# may lack (it loads with the field's default).
+ADDED_IN_VERSION = "added_in_version"
 STAGE_RECOMPUTE = ("none", "full")  # keep activations, or recompute each block's forward in backward
+# How a stage group's replicas hold their state (ZeRO, Rajbhandari et al., SC 2020): "none" whole on every replica
+# (DDP); "optimizer" optimizer state sharded (gradients reduce-scattered, parameters all-gathered after the step);
+# "full" parameters, gradients and optimizer state sharded (FSDP2 fully_shard).
+STAGE_SHARD = ("none", "optimizer", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +130,10 @@ class StagePlan:
     recompute: str = "none"  # "full": activations dropped after forward, remade in backward
     allreduce_link: str = "intra"  # the link its replicas' gradient all-reduce crosses
     rank: int = 0  # the pipeline rank (0 .. pp - 1) holding this stage; several with chunks > 1
+    shard: str = dataclasses.field(default="none", metadata={ADDED_IN_VERSION: 3})  # one of STAGE_SHARD
+    # shard "full" only: free the gathered parameters after each forward (ZeRO-3 memory, an all-gather per
+    # micro-batch and backward) rather than keep them gathered from the first forward to the last backward.
+    reshard_after_forward: bool = dataclasses.field(default=False, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +145,6 @@ class StepPrediction:
     # Forward + backward FLOPs of one mini-batch, recomputation and loss excluded; None: not known.
     model_flops: float | None = None
     mfu: float | None = None  # model_flops / (gpus x cost_model.peak_flops x step_s), at most 1
-
-
-# Field metadata: a field added within the current format version, which a plan saved before it
-# may lack (it loads with the field's default).
-ADDED_IN_VERSION = "added_in_version"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,12 +467,17 @@ def _check_names(plan: Plan) -> None:
     ]
     for st in plan.stages:
         where = f"plan.stages[{st.index}]"
-        checks += [(f"{where}.recompute", st.recompute, STAGE_RECOMPUTE),
+        checks += [(f"{where}.shard", st.shard, STAGE_SHARD),
+                   (f"{where}.recompute", st.recompute, STAGE_RECOMPUTE),
                    (f"{where}.allreduce_link", st.allreduce_link, LINKS)]
         checks += [(f"{where}.boundary {b.producer}.link", b.link, LINKS) for b in (*st.inputs, *st.outputs)]
     for where, value, allowed in checks:
         if value not in allowed:
             raise ValueError(f"{where} is {value!r}, expected one of {', '.join(allowed)}")
+    for st in plan.stages:
+        if st.reshard_after_forward and st.shard != "full":
+            raise ValueError(f"plan.stages[{st.index}].reshard_after_forward is true, but its shard is "
+                             f"{st.shard!r}: only a fully sharded stage reshards")
     if plan.gpus_per_node is not None and plan.gpus_per_node < 1:
         raise ValueError(f"plan.gpus_per_node is {plan.gpus_per_node}, expected at least 1")
     jitter = plan.cost_model.action_jitter
