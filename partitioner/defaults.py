@@ -31,13 +31,16 @@ __all__ = [
     "DEFAULT_SCHEDULE",
     "MAX_ACTION_JITTER",
     "SCHEDULES",
+    "SHARD_MODES",
     "SPLIT_BACKWARD_SCHEDULES",
     "ScheduleKind",
     "schedule_chunks",
+    "shard_refusal",
     "splits_backward",
 ]
 
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
+ShardMode = Literal["none", "optimizer", "full"]
 
 # Every pipeline schedule, in the order the command line lists them.
 SCHEDULES: tuple[ScheduleKind, ...] = typing.get_args(ScheduleKind)
@@ -50,6 +53,19 @@ SPLIT_BACKWARD_SCHEDULES: tuple[ScheduleKind, ...] = ("zb-h1", "zbv")
 # MiB of gradients per DDP all-reduce bucket: DDP's own default
 # (torch.nn.parallel.DistributedDataParallel, ``bucket_cap_mb``).
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+# How a stage group's replicas hold their state (ZeRO, Rajbhandari et al., SC 2020, section 5): "none" whole on
+# every replica (DDP); "optimizer" optimizer state sharded across the group; "full" parameters, gradients and
+# optimizer state sharded (FSDP2 ``fully_shard``).  The plan records one per stage (``StagePlan.shard``).
+SHARD_MODES: tuple[ShardMode, ...] = typing.get_args(ShardMode)
+
+# (schedule, shard mode) pairs the runtime cannot run yet, with the reason the planner gives when refusing them.
+# The runtime's tests prove every pair not listed here; the planner never plans a listed one.
+_SHARD_UNSUPPORTED: dict[tuple[str, str], str] = {
+    (kind, mode): "the runtime does not yet run a sharded stage group under a split backward (B and W apart)"
+    for kind in SPLIT_BACKWARD_SCHEDULES for mode in ("optimizer", "full")
+}
+
 
 # Largest spread of one action about its stage's median, as the std of log(seconds / median): e^1 either
 # way.  Beyond it a trace is not of a steady run (calibration files and plan.json are checked against it).
@@ -97,3 +113,14 @@ def schedule_chunks(kind: str, chunks: int | None = None) -> int:
             f"Schedule {kind!r} runs exactly {need} {plural} per pipeline rank{why}, not chunks={chunks}."
         )
     return need
+
+
+def shard_refusal(kind: str, mode: str) -> str | None:
+    """Why schedule ``kind`` cannot run stage groups sharded as ``mode`` (None: it can).
+
+    >>> shard_refusal("1f1b", "full") is None, shard_refusal("gpipe", "none") is None
+    (True, True)
+    """
+    if mode not in SHARD_MODES:
+        raise ScheduleError(f"Unknown shard mode {mode!r}; choose one of {', '.join(SHARD_MODES)}.")
+    return _SHARD_UNSUPPORTED.get((kind, mode))
