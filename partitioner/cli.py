@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
-from partitioner.defaults import SCHEDULES
+from partitioner.defaults import SCHEDULES, SHARD_MODES
 from partitioner.errors import AutopartitionError
 from partitioner.report.progress import Reporter, hide_library_output
 from partitioner.units import SIZE_HELP, parse_size, plural
@@ -38,6 +38,7 @@ _CAPTURE = ("auto", "export", "symbolic_trace")
 _DEFAULT_BATCH = 32
 _AUTO = "auto"
 _RECOMPUTE = ("auto", "none", "full")
+_SHARD = ("auto", *SHARD_MODES)
 _WIDTH = 100
 _EXAMPLES = Path(__file__).resolve().parent.parent / "examples"  # in a checkout (pip install -e .)
 _WEIGHTS_ENV = "AUTOPARTITION_WEIGHTS"  # runtime.weights.WEIGHTS_ENV: Pipeline reads it (no torch import here)
@@ -48,12 +49,14 @@ examples:
   autopartition examples/gpt.py:gpt_medium --gpus 8 --device h100 --memory-per-gpu 80GiB
   autopartition examples/gpt3.py:gpt3_xl --gpus 8 --device h100 --precision bf16-mixed
   autopartition model.py --gpus 8 --pp 4 --dp 2 --schedule 1f1b --recompute none
+  autopartition examples/llama.py:llama3_70b --gpus 64 --device h100 --precision bf16-mixed --shard auto
   autopartition model.py --gpus 8 --pp 4 --schedule interleaved-1f1b --chunks 2 --microbatches 8
   autopartition show plan/                         # the report again, from plan.json
   autopartition verify plan/ --model model.py      # run on CPU ranks, compare with the model
   autopartition run plan/ --nproc-per-node 8 -- train.py --epochs 1
   autopartition calibrate plan/ trace.json -o calib.json   # fit the costs to a traced run
   autopartition model.py --gpus 8 --calibration calib.json   # plan again with them
+  autopartition export plan/ --to torchtitan -o pp.toml      # the plan as torchtitan settings
 
 model file: build_model() (or a module-level `model`), example_inputs(batch_size) (or a
 module-level tuple), optionally loss_fn(outputs, target) and example_target(batch_size).
@@ -94,6 +97,7 @@ def _dispatch(args: list[str]) -> int:
         "show": (_show_parser, _show),
         "verify": (_verify_parser, _verify),
         "calibrate": (_calibrate_parser, _calibrate),
+        "export": (_export_parser, _export),
     }
     if args and args[0] == "run":
         return _run(args[1:])
@@ -164,7 +168,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopartition",
         usage="autopartition MODEL.py[:FACTORY] --gpus N [options]\n"
-        "       autopartition {show,verify,run} ... (see `autopartition show --help`)",
+        "       autopartition {show,verify,run,calibrate,export} ... (see `autopartition show --help`)",
         description=_fill("Split a PyTorch model into pipeline stages (x data-parallel replicas) over N GPUs: "
         "capture, cost, solve; print the stage table and write the plan directory."),
         epilog=_EPILOG,
@@ -199,6 +203,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompute", choices=_RECOMPUTE, default=_AUTO, type=str.lower,
                         help="recompute activations in backward: auto (per stage, only where needed to fit), "
                         "none, full (default auto)")
+    parser.add_argument("--shard", choices=_SHARD, default=_AUTO, type=str.lower,
+                        help="how each stage group's replicas hold their state: auto (chosen with pp, dp and the "
+                        "schedule), none (whole on every replica: DDP), optimizer (optimizer state sharded), "
+                        "full (weights, gradients and optimizer state sharded: FSDP2) (default auto)")
     parser.add_argument("--gpus-per-node", type=_positive_int, metavar="K",
                         help="GPUs per node, a divisor of N: links between nodes are slower "
                         "(default: the largest divisor of N up to 8)")
@@ -361,6 +369,7 @@ def _plan(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             gpus_per_node=args.gpus_per_node,
             chunks=args.chunks,
+            shard=args.shard,
             calibration=args.calibration,
             loss_fn=model_file.loss_fn,
             target=model_file.example_target(batch) if model_file.example_target else None,
@@ -490,6 +499,52 @@ def _show(args: argparse.Namespace) -> int:
     if report is not None:
         print()
         print(f"report: {report}")
+    return 0
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopartition export",
+        description=_fill("Write a plan as another framework's settings, to run it with that framework's "
+        "trainer. torchtitan: its [parallelism] (stages as module_fqns_per_model_part, schedule, micro-batch "
+        "size, data-parallel degrees), [training] and [activation_checkpoint] sections as TOML, with "
+        "torchtitan 0.3's command-line flags in its header. What torchtitan cannot express is said on stderr "
+        "with the nearest setting written."),
+        epilog="examples:\n  autopartition export plan/ --to torchtitan -o pp.toml\n"
+        "  autopartition export plan/ --to torchtitan --names torchtitan-llama   # Hugging Face Llama -> torchtitan's",
+        formatter_class=_formatter,
+    )
+    parser.add_argument("plan", metavar="DIR", help="plan directory (or its plan.json)")
+    parser.add_argument("--to", required=True, metavar="FRAMEWORK", help="the framework: torchtitan")
+    parser.add_argument("-o", "--out", metavar="FILE", help="file to write (default: standard output)")
+    parser.add_argument("--names", default="model", metavar="STYLE",
+                        help="module names: model (the model's own; default) or torchtitan-llama "
+                        "(a Hugging Face LlamaForCausalLM's blocks as torchtitan's Llama names them)")
+    return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from partitioner.export.torchtitan import export_torchtitan
+    from partitioner.plan import Plan
+
+    if args.to != "torchtitan":
+        raise AutopartitionError(f"--to {args.to}: autopartition exports to torchtitan only; use --to torchtitan.")
+    plan = Plan.load(args.plan)
+    exported = export_torchtitan(plan, names=args.names, source=args.plan)
+    for note in exported.notes:
+        _stderr(f"export: {note}")
+    if args.out is None:
+        sys.stdout.write(exported.toml())
+        return 0
+    out = Path(args.out)
+    if out.is_dir():
+        raise AutopartitionError(f"-o {args.out} is a directory; give a file name, e.g. -o {out / 'torchtitan.toml'}.")
+    try:
+        out.write_text(exported.toml())
+    except OSError as exc:
+        raise AutopartitionError(f"cannot write -o {args.out}: {exc.strerror}.") from exc
+    _stderr(f"export: wrote {out}: torchtitan 0.2 reads it with --job.config_file {shlex.quote(str(out))}; "
+            "torchtitan 0.3 takes the flags in its header")
     return 0
 
 

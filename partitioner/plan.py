@@ -205,6 +205,9 @@ class Candidate:
     memory_bytes: float | None = None  # peak per GPU of its split; for "infeasible", what it would need
     bubble_fraction: float | None = None  # simulated where simulated, else closed form
     chunks: int | None = None  # stages per pipeline rank (interleaved-1f1b, zbv); None: one
+    # How its stage groups' replicas hold their state (one of STAGE_SHARD; with --shard auto, a stage group that
+    # fits whole stays "none"); None: not recorded (older plans).
+    shard: str | None = dataclasses.field(default=None, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,12 @@ without ``files``, is still read): ``step`` (>= 0), ``model`` (class name),
 takes the hyperparameters its parameters were saved with (lr, betas, ...), as
 ``torch.optim.Optimizer.load_state_dict`` does.
 
+Sharded replicas (:mod:`runtime.shard`): a fully sharded stage's parameters and Adam
+state are ``DTensor`` shards, which DCP writes and reads as parts of the same whole
+entries (a replica reads only its shard); under ZeRO-1 each replica writes the state
+of the parameters it steps and the manifest names the wrapped optimizer's class, so a
+checkpoint resumes under any other shard mode as well.
+
 Every rank reads the small files and its own entries, so the directory must be
 on a file system all ranks see (as DCP itself needs).  DCP's ``.metadata`` is a
 pickle: resume only from checkpoints you trust.
@@ -66,6 +72,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import uuid
 import warnings
@@ -417,7 +424,7 @@ def save_checkpoint(
             files = {name: record for _, part in gathered for name, record in part.items()}
             files[PLAN_FILE] = {"bytes": (folder / PLAN_FILE).stat().st_size, "crc32": file_crc32(folder / PLAN_FILE)}
             per_rank = [h for h, _ in gathered]
-            manifest = _manifest(plan, step, None if optimizer is None else (type(optimizer).__name__, per_rank))
+            manifest = _manifest(plan, step, None if optimizer is None else (_optimizer_kind(optimizer), per_rank))
             manifest["files"] = dict(sorted(files.items()))
             _at("manifest")
             _write_synced(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -547,7 +554,7 @@ def _optimizer_entries(
             if name in hyper:
                 continue  # the other copy of a tied weight on this rank: equal state
             hyper[name] = settings
-            for key, value in optimizer.state.get(param, {}).items():
+            for key, value in _optimizer_state(optimizer).get(param, {}).items():
                 if value is None:
                     continue
                 if not isinstance(value, torch.Tensor) or "." in str(key):
@@ -618,10 +625,13 @@ def load_checkpoint(
                 shape, dtype=items[0][2].dtype)
         optim_keys = [k for k in info.tensors if k.startswith(OPTIM_PREFIX)] if optimizer is not None else []
         wanted_names = set(names.values())
+        held = _held_parameters(modules, canon)
         for key in optim_keys:
-            if key[len(OPTIM_PREFIX):].rpartition(".")[0] in wanted_names:
+            name = key[len(OPTIM_PREFIX):].rpartition(".")[0]
+            if name in wanted_names:
                 shape, dtype = info.tensors[key]
-                targets[key] = torch.empty(shape, dtype=dtype)
+                # A fully sharded parameter's state is read as its shard (DCP reads only that part).
+                targets[key] = _like_parameter(torch.empty(shape, dtype=dtype), held.get(name))
         # The files this rank reads: there, long enough, and (with a manifest) their CRC-32s match.
         check_reads(info.path, info.storage, targets, info.files, fix=_fix(info.path, info.step))
         read_dcp(info.path, targets)
@@ -674,7 +684,7 @@ def _check_optimizer(info: CheckpointInfo, optimizer: torch.optim.Optimizer, nam
             "Load it with optimizer=None to take the model only (the optimizer then starts afresh), or "
             "resume from a checkpoint saved with the optimizer."
         )
-    kind = type(optimizer).__name__
+    kind = _optimizer_kind(optimizer)
     if saved.get("class") != kind:
         raise CheckpointError(
             f"The checkpoint {info.path} holds {saved.get('class')} state, but the optimizer is a {kind}. "
@@ -783,6 +793,38 @@ def _local_entries(
             seen.add(id(tensor))
             out.setdefault(canon.get(local, local), []).append((index, local, tensor))
     return out
+
+
+def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class; ZeRO-1's ``ZeroRedundancyOptimizer`` by the class it wraps (its state is that one's)."""
+    inner = getattr(optimizer, "optim", None)
+    return type(inner if _is_zero(optimizer) else optimizer).__name__
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> Any:
+    """Per-parameter state; under ZeRO-1 this replica's share (the replicas' shares make the whole, DCP
+    writing each key once)."""
+    return optimizer.optim.state if _is_zero(optimizer) else optimizer.state  # type: ignore[attr-defined]
+
+
+def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    # Not imported here: torch.distributed.optim warns on import; an instance means it is loaded already.
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+def _held_parameters(modules: Sequence[nn.Module], canon: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Canonical name -> this rank's parameter."""
+    return {canon.get(n, n): p for module in modules for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _like_parameter(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
+    """``value`` laid out as ``param``: this rank's shard where the parameter is a same-shaped ``DTensor``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor) and tuple(param.shape) == tuple(value.shape):
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 
 def _parameter_names(modules: Sequence[nn.Module], canon: dict[str, str]) -> dict[int, str]:

@@ -7,7 +7,9 @@ contribute, the others add nothing) and each tied parameter once (on the
 lowest stage holding it).  Per-tensor norms are combined across ranks with one
 all-reduce (a sum of ``norm ** p``, or a max for ``inf``); every rank then
 scales all of its gradients, every copy and replica alike, by the same factor,
-so replicas and tied copies stay equal.
+so replicas and tied copies stay equal.  A fully sharded stage's gradients are
+``DTensor`` shards, each replica holding a different part: every replica counts
+(and scales) its own shard, so the sum over ranks is still the whole stage once.
 
 Example (one process; a pipeline passes its stages and a process group)::
 
@@ -37,13 +39,14 @@ __all__ = ["clip_gradients", "local_gradients", "scale_gradients", "total_norm"]
 
 
 def local_gradients(
-    plan: Plan, stages: Sequence[tuple[int, nn.Module]], *, replica: int
+    plan: Plan, stages: Sequence[tuple[int, nn.Module]], *, replica: int, sharded: bool = False
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(gradients this rank counts in the whole model's norm, every gradient it holds).
 
     ``stages``: (stage index, stage module) for each stage this rank holds.
-    Counted: replica 0 only; a tied parameter on the lowest stage holding it
-    only; a parameter shared by two local stage modules once.
+    Counted: replica 0 only (``sharded``: every replica, its own shard); a tied
+    parameter on the lowest stage holding it only; a parameter shared by two
+    local stage modules once.  Sharded gradients come as their local tensors.
     """
     owner = {alias: min(t.stages) for t in plan.tied for alias in t.aliases}
     counted: list[torch.Tensor] = []
@@ -54,9 +57,10 @@ def local_gradients(
             if param.grad is None or id(param) in seen:
                 continue
             seen.add(id(param))
-            held.append(param.grad)
-            if replica == 0 and owner.get(name, index) == index:
-                counted.append(param.grad)
+            grad = _local(param.grad)
+            held.append(grad)
+            if (sharded or replica == 0) and owner.get(name, index) == index:
+                counted.append(grad)
     return counted, held
 
 
@@ -98,6 +102,7 @@ def clip_gradients(
     stages: Sequence[tuple[int, nn.Module]],
     *,
     replica: int,
+    sharded: bool = False,
     max_norm: float,
     norm_type: float = 2.0,
     device: torch.device,
@@ -105,7 +110,7 @@ def clip_gradients(
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Clip every gradient of the pipelined model to a whole-model norm of ``max_norm``; returns that norm."""
-    counted, held = local_gradients(plan, stages, replica=replica)
+    counted, held = local_gradients(plan, stages, replica=replica, sharded=sharded)
     total = total_norm(counted, norm_type, device=device, group=group)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise AutopartitionError(
@@ -114,6 +119,13 @@ def clip_gradients(
         )
     scale_gradients(held, total, max_norm)
     return total
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor`` gradient's local shard (a view: scaling it scales the gradient); any other as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _check_norm_type(norm_type: float) -> float:

@@ -95,6 +95,7 @@ __all__ = [
     "init_seed",
     "materialise_model",
     "materialise_modules",
+    "materialised_values",
 ]
 
 InitWeights = Callable[[nn.Module, str], Any]
@@ -154,6 +155,47 @@ def materialise_modules(
     graphs of ``fx.GraphModule`` holders become ``device``.  Raises
     :class:`~partitioner.errors.ModelFileError` for a tensor nothing can initialise.
     """
+    made = _values(model, holders, seed=seed, init_weights=init_weights, device=device, supply=supply)
+    if made:
+        _replace(made, [model, *holders])
+
+
+def materialised_values(
+    model: nn.Module,
+    holders: Sequence[nn.Module],
+    *,
+    seed: int = 0,
+    init_weights: InitWeights | None = None,
+    device: torch.device | str = "cpu",
+    keep: Callable[[torch.Tensor, bool], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """What :func:`materialise_modules` would give ``holders``' meta tensors, by name in the holders, not put in.
+
+    ``keep(value, is_parameter)`` receives each value as soon as its owner is
+    initialised and returns what to keep (a fully sharded rank keeps its shard):
+    only one owner's tensors are ever whole at once.  ``holders`` stay on meta.
+    """
+    made = _values(model, holders, seed=seed, init_weights=init_weights, device=device, supply=None, keep=keep)
+    out: dict[str, torch.Tensor] = {}
+    for holder in holders:
+        for qual, module in holder.named_modules():
+            for attr, t in (*module._parameters.items(), *module._buffers.items()):
+                if t is not None and id(t) in made:
+                    out.setdefault(_state_name(qual, attr), made[id(t)])
+    return out
+
+
+def _values(
+    model: nn.Module,
+    holders: Sequence[nn.Module],
+    *,
+    seed: int,
+    init_weights: InitWeights | None,
+    device: torch.device | str,
+    supply: TensorSupply | None,
+    keep: Callable[[torch.Tensor, bool], torch.Tensor] | None = None,
+) -> dict[int, torch.Tensor]:
+    """The value of every meta tensor of ``holders``, by ``id`` of the meta tensor (``keep`` applied)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -167,7 +209,7 @@ def materialise_modules(
             if t.is_meta:
                 wanted.setdefault(id(t), t)
     if not wanted:
-        return
+        return {}
     strangers = [_name_in(holders, t) for key, t in wanted.items() if key not in owners]
     if strangers:
         raise ModelFileError(
@@ -184,8 +226,10 @@ def materialise_modules(
     for owner, needed in by_owner.items():
         values = _initialise(model, owner, needed, seed=seed, init_weights=init_weights, device=device)
         for attr, tensor in needed.items():
-            made[id(tensor)] = values[attr]
-    _replace(made, [model, *holders])
+            # Popped straight into keep(): the whole value goes as soon as keep() has taken its part.
+            made[id(tensor)] = (values.pop(attr) if keep is None
+                                else keep(values.pop(attr), isinstance(tensor, nn.Parameter)))
+    return made
 
 
 # ----------------------------------------------------------------- owners

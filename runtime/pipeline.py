@@ -17,6 +17,7 @@ import hashlib
 import io
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ from runtime.comm import (
 from runtime.evaluate import concat_microbatches, evaluate, evaluation_mode
 from runtime.execute import StepRunner, gradient_order
 from runtime.failure import reports_failures
-from runtime.materialise import InitWeights, materialise_modules
+from runtime.materialise import InitWeights, materialise_modules, materialised_values
 from runtime.precision import PrecisionForward, cast_parameters, plan_at_precision, precision_loss
 from runtime.recompute import Recomputed
 from runtime.replicate import (
@@ -61,6 +62,19 @@ from runtime.replicate import (
     sum_tied_grads,
     sync_tied_weights,
     wrap_replicas,
+)
+from runtime.shard import (
+    ShardedStep,
+    build_optimizer,
+    check_shard_plan,
+    fill_shards,
+    plain_tensor,
+    rank_shard_mode,
+    shard_layout,
+    shard_modules,
+    shard_of,
+    shardable_on_meta,
+    stage_meshes,
 )
 from runtime.stage import LocalStage, build_local_stages, example_microbatch
 from runtime.weights import load_weights, weights_from_env
@@ -118,6 +132,9 @@ class Pipeline:
     rank, with the fix (e.g. a ``DistributedSampler`` over the global rank instead
     of :attr:`dp_rank`).
 
+    Stages planned with ``shard`` ``optimizer`` or ``full`` split their state over their
+    replicas (:mod:`runtime.shard`); :meth:`optimizer` builds the optimizer that fits.
+
     ``timeout``: seconds any wait for a peer may take (default: ``$AUTOPARTITION_TIMEOUT``,
     else 300); past it the rank stops with an error naming the peer and the action.
     """
@@ -157,8 +174,10 @@ class Pipeline:
         # so that a failure on any rank stops all of them (a lone raise would leave the
         # others waiting in the first collective until the timeout).
         failure: Exception | None = None
+        deferred: dict[str, torch.Tensor] | None = None  # shards of a meta model's stage, put in once sharded
         try:
             self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
+            check_shard_plan(plan)  # a shard mode the runtime cannot run: refused on every rank alike
             validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from(),
                      stage_rank=plan.stage_ranks())
             # Every stage this rank holds: one with chunks == 1, several for interleaved and V schedules.
@@ -168,8 +187,17 @@ class Pipeline:
                 load_weights([s.module for s in self._stages], weights, keys=self._state_keys, tied=plan.tied)
             # A model built on meta: only this rank's stages get real tensors, initialised per module
             # under seeds from (seed, module name), so every partition starts from the same values.
-            materialise_modules(model, [local.module for local in self._stages], seed=seed,
-                                init_weights=init_weights, device=self.device)
+            # A fully sharded rank keeps only its shard of each, one module at a time (runtime.shard).
+            self.shard_mode = rank_shard_mode(plan, self.pipeline_rank)
+            held = [local.module for local in self._stages]
+            if self.shard_mode == "full" and weights is None and shardable_on_meta(held):
+                parts = shard_layout(plan, self.pipeline_rank)[1]  # HSDP: a node's replicas split it
+                part = self.replica % parts
+                deferred = materialised_values(
+                    model, held, seed=seed, init_weights=init_weights, device=self.device,
+                    keep=lambda value, is_param: shard_of(value, dp=parts, replica=part) if is_param else value)
+            else:
+                materialise_modules(model, held, seed=seed, init_weights=init_weights, device=self.device)
         except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised
             failure = exc
         _agree(plan, failure, device=self.device, timeout=timeout)
@@ -181,27 +209,42 @@ class Pipeline:
         for local in self._stages:
             local.plan = plan.stages[local.plan.index]
         self._groups = make_groups(plan, self.rank)
+        mesh = stage_meshes(plan, self.rank, self._groups.stage, self.device)  # collective: every rank
         modules = [local.module for local in self._stages]
         share_tied_parameters(plan, modules)  # a weight two stages of this rank use: one Parameter
-        for module in modules:
-            module.to(self.device)
-        sync_tied_weights(modules, self._groups)
+        if deferred is None:  # else still on meta: every copy and replica gets its values from one rule
+            for module in modules:
+                module.to(self.device)
+            sync_tied_weights(modules, self._groups)
         for module in modules:
             cast_parameters(module, plan.precision)  # bf16: parameters in bfloat16; else unchanged
         # What runs each stage's forward: precision and recomputation wrappers around the stage module
         # (made after every .to(): they read the stage's state through it, never copies).
         self._runnables = tuple(_runnable(local, plan.precision, self.device) for local in self._stages)
+        # shard "full": each stage's runnable becomes one FSDP2 unit over its stage group (runtime.shard).
+        self._sharded: ShardedStep | None = None
+        self._built_optimizer = False
+        if mesh is not None:
+            if deferred is None:
+                broadcast_replicas(modules, self._groups)  # every replica keeps its shard of equal values
+            policy = [local.plan.reshard_after_forward for local in self._stages]
+            self._runnables = shard_modules(self._runnables, policy, mesh)
+            if deferred is not None:
+                fill_shards(self._runnables, modules, deferred, self.device)
+                deferred = None
+            self._sharded = ShardedStep(self._runnables, policy,
+                                        splits_backward=plan.schedule_data().splits_backward)
         self._run_loss = precision_loss(loss_fn, plan.precision, self.device.type)
         self._reducer = None
-        if needs_explicit_reduce(plan):  # W actions or several stages: DDP's hooks cannot serve
+        self._modules: tuple[torch.nn.Module, ...] = self._runnables  # "full": FSDP2 reduces the gradients
+        if self._sharded is None and needs_explicit_reduce(plan):  # W actions or several stages: no DDP hooks
             broadcast_replicas(modules, self._groups)
-            self._modules: tuple[torch.nn.Module, ...] = self._runnables
             self._reducer = replica_reducer(
                 {local.plan.index: local.module for local in self._stages},
                 gradient_order(plan.schedule_data().actions[self.pipeline_rank]), self._groups,
                 bucket_cap_mb=plan.bucket_cap_mb, timeout=timeout,
             )
-        else:
+        elif self._sharded is None:
             self._modules = tuple(
                 wrap_replicas(m, self._groups, bucket_cap_mb=plan.bucket_cap_mb, device=self.device)
                 for m in self._runnables
@@ -217,6 +260,7 @@ class Pipeline:
         ships = batch == "replica" and loss_fn is not None and first != last and self.rank in (first, last)
         self._ship = (first, last) if ships else None
         self._fed: set[str] = set()  # step / eval_step: whose first feeding the ranks compared
+        self._warned_optimizer = False
         self._shipping: list[Any] = []  # the target's sends in flight: buffers and works
         dist.barrier()
         self._clock_zero = time.time()  # right after a barrier: a common origin for traces
@@ -261,6 +305,17 @@ class Pipeline:
                     seen.add(id(param))
                     yield name, param
 
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any) -> torch.optim.Optimizer:
+        """``optimizer_class(pipe.parameters(), **defaults)``, its state split over the replicas as the plan says.
+
+        Under shard ``optimizer`` a ``ZeroRedundancyOptimizer`` (ZeRO-1) over this rank's stage group
+        (``opt.step()`` updates this replica's share of the parameters and broadcasts them); under ``full``
+        the parameters are already shards, so the plain optimizer is; under ``none`` it is the plain one.
+        """
+        self._built_optimizer = True
+        return build_optimizer(self.parameters(), optimizer_class, mode=self.shard_mode,
+                               group=self._groups.stage, **defaults)
+
     @property
     def dp_rank(self) -> int:
         """This rank's replica (0..dp-1): which share of the mini-batch it trains on."""
@@ -300,7 +355,20 @@ class Pipeline:
         Returns the mini-batch mean loss on the last stage's ranks, None on the others.
         """
         micro = self._feed(inputs, target, call="step")
+        if self._sharded is not None:
+            self._sharded.begin()
         loss = self._runner.run(micro, record=self.trace)
+        if self._sharded is not None:
+            self._sharded.end()  # one reduce-scatter per stage, averaged over the replicas
+        elif self.shard_mode == "optimizer" and not self._built_optimizer and not self._warned_optimizer:
+            self._warned_optimizer = True
+            warnings.warn(
+                f"rank {self.rank}: the plan shards the optimizer state of stages {list(self.stages)} over their "
+                f"{self.plan.dp} replicas, but no optimizer was built with pipe.optimizer(...): an optimizer over "
+                "pipe.parameters() holds the whole state on every replica (training is right, the memory the plan "
+                "counted on is not saved). Build it with pipe.optimizer(torch.optim.AdamW, lr=...).",
+                RuntimeWarning, stacklevel=2,
+            )
         self._target_sent()
         if self._reducer is not None:
             self._reducer.finish()
@@ -328,6 +396,8 @@ class Pipeline:
                 rank=self.rank, loss_fn=self._run_loss, device=self.device, timeout=self.timeout,
                 keep_outputs=return_outputs,
             )
+        for module in self._sharded_modules():  # gathered by the forward: an optimizer step must not miss them
+            module.reshard()  # type: ignore[operator]
         self._target_sent()
         if loss is not None and self._groups.stage is not None:
             dist.all_reduce(loss, group=self._groups.stage)
@@ -346,6 +416,8 @@ class Pipeline:
         """
         return clip_gradients(
             self.plan, [(local.plan.index, local.module) for local in self._stages], replica=self.replica,
+            # Shards count once: HSDP's other nodes hold copies of the first node's shards.
+            sharded=self._sharded is not None and self.replica < shard_layout(self.plan, self.pipeline_rank)[1],
             max_norm=max_norm, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite,
         )
 
@@ -353,11 +425,13 @@ class Pipeline:
         """This stage's parameters and buffers under the original model's names.
 
         A tied parameter appears under every name the model's own state dict gives
-        it, whichever name the captured graph used for it.
+        it, whichever name the captured graph used for it.  Fully sharded stages
+        give whole tensors, gathered over their replicas: every rank of such a
+        stage must call it.
         """
         own: dict[str, torch.Tensor] = {}
         for local in self._stages:
-            own.update(local.module.state_dict())
+            own.update({k: plain_tensor(v) for k, v in local.module.state_dict().items()})
         state = {k: v for k, v in own.items() if k in self._state_keys}
         for name, aliases in self._aliases().items():
             for alias in aliases:
@@ -387,7 +461,7 @@ class Pipeline:
                 "Load a checkpoint of the same model."
             )
         for module, wanted in loads:
-            module.load_state_dict(wanted, strict=False)
+            module.load_state_dict(_as_held(module, wanted), strict=False)
         sync_tied_weights([module for module, _ in loads], self._groups)
 
     def save_checkpoint(
@@ -411,6 +485,10 @@ class Pipeline:
         return checkpoint.load_checkpoint(directory, modules=self.modules, plan=self.plan,
                                           keys=self._state_keys, optimizer=optimizer)
 
+    def _sharded_modules(self) -> list[torch.nn.Module]:
+        """This rank's fully sharded stage modules (none unless its stages are planned ``full``)."""
+        return list(self._runnables) if self._sharded is not None else []
+
     def _aliases(self) -> dict[str, tuple[str, ...]]:
         """Each tied parameter this stage holds (by its name here) -> all of its names."""
         own = {p for local in self._stages for p in local.plan.parameters}
@@ -425,7 +503,8 @@ class Pipeline:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every stage's state gathered on rank 0 (replica 0 of each stage), in the original names."""
-        local = {k: v.detach().cpu() for k, v in self.state_dict().items()} if self.replica == 0 else {}
+        state = self.state_dict() if self.replica == 0 or self._sharded is not None else {}  # gathers shards
+        local = {k: v.detach().cpu() for k, v in state.items()} if self.replica == 0 else {}
         gathered: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
         dist.gather_object(local, gathered if self.rank == 0 else None, dst=0)
         if self.rank != 0:
@@ -603,6 +682,22 @@ class Pipeline:
             (tuple(piece(x, mb) for x in inputs), pytree.tree_map(lambda v, mb=mb: piece(v, mb), target))
             for mb in range(plan.microbatches)
         ]
+
+
+def _as_held(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors laid out as ``module`` holds them: this rank's shard where it holds a ``DTensor``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    held = module.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        now = held.get(key)
+        if isinstance(now, DTensor) and not isinstance(value, DTensor):
+            # Every replica holds the whole tensor: each takes its own shard, nothing is sent.
+            value = distribute_tensor(value.to(now.device, now.dtype), now.device_mesh, now.placements,
+                                      src_data_rank=None)
+        out[key] = value
+    return out
 
 
 def _digest(value: Any) -> str:

@@ -15,12 +15,16 @@ per pipeline rank serves all of them.
   does the initial broadcast, and a :class:`ReplicaReducer` averages each
   stage's gradients once they are complete in the step, in buckets of the same
   size, asynchronously, in the same order on every replica.
+* A pipeline rank whose stages are planned ``shard="full"`` uses neither: FSDP2
+  reduce-scatters its gradients (:mod:`runtime.shard`); under ``"optimizer"``
+  gradients are averaged as above and the optimizer state is split.
 * A parameter tied across stages (GPT-2's token embedding is also its LM head)
   is one Parameter object within a rank (:func:`share_tied_parameters`; its
   gradients add up there by themselves), and one copy per pipeline rank
   holding it; the copies start equal (broadcast from the rank of the first
   stage holding it) and their gradients are summed over those ranks, replica
-  by replica, before the optimizer step, so they stay equal.
+  by replica, before the optimizer step, so they stay equal.  In fully sharded
+  stages (:mod:`runtime.shard`) each replica does so with its own shard.
 
 All ranks create every group in the same order, as torch.distributed requires.
 
@@ -243,7 +247,7 @@ def sync_tied_weights(modules: Modules, groups: Groups) -> None:
         for t in groups.tied:
             param = _find_parameter(modules, t.local_name)
             if param is not None:
-                dist.broadcast(param.data, src=t.source, group=t.group)
+                dist.broadcast(_local(param.data), src=t.source, group=t.group)
 
 
 def sum_tied_grads(modules: Modules, groups: Groups) -> None:
@@ -254,10 +258,22 @@ def sum_tied_grads(modules: Modules, groups: Groups) -> None:
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=t.group)
+        dist.all_reduce(_local(param.grad), op=dist.ReduceOp.SUM, group=t.group)
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A fully sharded copy's own shard (runtime.shard), else the tensor.
+
+    Every copy of a sharded tied parameter is split the same way over replicas of one
+    size, so replica r's shards of all copies are the same slice: summed or broadcast
+    over the copies of replica r, shard for shard.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _listed(modules: Modules) -> list[torch.nn.Module]:

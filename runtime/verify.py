@@ -1,6 +1,6 @@
 """Verify a plan: run it on CPU ranks and compare with the unpartitioned model run the same way.
 
-``verify(plan_dir, model_spec)`` spawns ``plan.gpus`` CPU processes (gloo),
+``verify(plan_dir, model_spec)`` starts ``plan.gpus`` CPU processes (gloo, :func:`start_ranks`),
 trains ``steps`` optimizer steps (SGD with momentum) through
 :class:`~runtime.Pipeline`, and checks every step against a reference that
 runs the whole model in this process *the way the pipeline runs it*, so that
@@ -42,6 +42,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import multiprocessing
 import os
 import socket
 import sys
@@ -73,10 +74,12 @@ from runtime.failure import (
     write_log,
 )
 from runtime.materialise import InitWeights, materialise_model
+from runtime.shard import plain_tensor
 from runtime.stage import call_spec, recapture
 
 __all__ = [
     "DTYPES",
+    "RANK_PRELOAD",
     "Derandomised",
     "ModelTraits",
     "RandomOp",
@@ -87,6 +90,7 @@ __all__ = [
     "model_traits",
     "plan_in_dtype",
     "reference_microbatches",
+    "start_ranks",
     "verify",
     "verify_plan",
 ]
@@ -319,6 +323,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What every rank imports anyway (torch._dynamo: fake tensors, for the stage's recapture; the
+# distributed packages: replicas and checkpoints): the fork server imports it once, each rank is forked from it.
+RANK_PRELOAD = [
+    "torch", "torch._dynamo", "torch.export", "torch.distributed", "torch.distributed.fsdp",
+    "torch.distributed.tensor", "torch.distributed.checkpoint", "partitioner.modelfile", "runtime.pipeline",
+    "runtime.checkpoint", "runtime.verify",
+]
+
+
+def start_ranks(
+    fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, *, join: bool = True
+) -> mp.ProcessContext | None:
+    """Start ``nprocs`` CPU ranks running ``fn(rank, *args)``: fresh processes without re-importing torch.
+
+    Spawning a rank costs a new interpreter importing torch (seconds each, more with
+    several ranks on few cores); a fork server (started on the first call, kept for the
+    life of this process) imports :data:`RANK_PRELOAD` once and forks every rank from it,
+    so each rank is still a new process with its own state.  Each rank gets this
+    process's environment as it is at the call (a forked rank would otherwise see the
+    server's, from when it started).  Where there is no fork server (Windows), ranks
+    are spawned.  ``join`` as :func:`torch.multiprocessing.start_processes`.
+    """
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # no effect once the server runs
+    return mp.start_processes(_in_environment, args=(dict(os.environ), fn, args), nprocs=nprocs,
+                              start_method=method, join=join)
+
+
+def _in_environment(rank: int, environment: dict[str, str], fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
+    fn(rank, *args)
+
+
 def verify(
     plan_dir: str | Path,
     model_spec: str,
@@ -363,12 +402,8 @@ def verify(
     with tempfile.TemporaryDirectory(prefix="autopartition-verify-") as out:
         port = free_port()
         try:
-            mp.start_processes(
-                _rank_main,
-                args=(plan.gpus, port, str(plan_dir), model_spec, steps, lr, out, timeout, dtype, seed),
-                nprocs=plan.gpus,
-                start_method="spawn",
-            )
+            start_ranks(_rank_main, (plan.gpus, port, str(plan_dir), model_spec, steps, lr, out, timeout, dtype, seed),
+                        plan.gpus)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # one rank failed; the others were stopped
             raise _rank_failure(Path(out), plan, exc) from None
         ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(plan.gpus)]
@@ -638,11 +673,13 @@ def _train_rank(
                     init_weights=_init_weights(model_file), seed=seed)
     inputs, target = _batch(model_file, plan, dtype)
     # A rank whose stages hold no parameter (a stage of shape ops only) has nothing to step.
-    opt = torch.optim.SGD(pipe.parameters(), lr=lr, momentum=0.9) if list(pipe.parameters()) else None
+    # pipe.optimizer: under shard "optimizer" its state is split over the replicas (ZeRO-1), as the plan says.
+    opt = pipe.optimizer(torch.optim.SGD, lr=lr, momentum=0.9) if list(pipe.parameters()) else None
     params = {n for n, _ in pipe.named_parameters()}
 
     def snapshot() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        state = {n: t.detach().clone() for m in pipe.modules for n, t in m.state_dict().items()}
+        # plain_tensor: a fully sharded stage's DTensor gathered whole (every replica calls it, in one order).
+        state = {n: plain_tensor(t).detach().clone() for m in pipe.modules for n, t in m.state_dict().items()}
         return {n: t for n, t in state.items() if n in params}, {n: t for n, t in state.items() if n not in params}
 
     record: dict[str, Any] = {"stage": pipe.stages[0], "stages": pipe.stages, "replica": plan.rank_layout()[rank][1],
@@ -659,7 +696,7 @@ def _train_rank(
         if loss is not None:
             record["losses"].append(loss.item())
         record["grads"].append(
-            {n: q.grad.detach().clone() for n, q in pipe.named_parameters() if q.grad is not None}
+            {n: plain_tensor(q.grad).detach().clone() for n, q in pipe.named_parameters() if q.grad is not None}
         )
         if opt is not None:
             opt.step()

@@ -6,6 +6,7 @@ not installed) imports one way everywhere: ``from tools import bench_runtime``.
 Done here, it also reaches spawned ranks, which start with the parent's ``sys.path``.
 """
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,13 @@ _HERE = Path(__file__).resolve().parent
 for _path in (str(_HERE / "models"), str(_HERE.parent)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
+
+from runtime.verify import RANK_PRELOAD
+
+# Ranks are forked from one server that imported these (runtime.verify.start_ranks); the
+# Hugging Face models' ranks also import transformers' model base (a second each).
+if importlib.util.find_spec("transformers") is not None:
+    RANK_PRELOAD.append("transformers.modeling_utils")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

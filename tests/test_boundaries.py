@@ -41,7 +41,7 @@ LAYERS: dict[str, int] = {
     "solve": 3,
     "plan": 4, "stagegraph": 4, "agree": 4,
     "schedule": 5,
-    "report": 6,
+    "report": 6, "export": 6,
     "search": 7,
     "cli": 8, "__main__": 8, "__init__": 8,
 }

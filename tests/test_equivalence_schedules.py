@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from chunked import plan_schedule
-from inprocess import run_stages
+from inprocess import assert_matches_whole_model, run_stages
 from schedule_workers import compare_with_reference, train_plans
 
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
@@ -69,21 +68,9 @@ def test_one_step_in_process_matches_whole_model(
     assert mf.loss_fn is not None and mf.example_target is not None
     inputs, target = mf.example_inputs(batch), mf.example_target(batch)
 
-    loss, grads = run_stages(plan, mf.build, inputs, target, mf.loss_fn, every_parameter=True)
+    got = run_stages(plan, mf.build, inputs, target, mf.loss_fn, every_parameter=True)
 
-    whole = mf.build()
-    size = plan.microbatch_size
-    want = torch.zeros(())
-    for mb in range(microbatches):  # the same micro-batches, each loss / M
-        part = slice(mb * size, (mb + 1) * size)
-        mb_loss = mf.loss_fn(whole(*(x[part] for x in inputs)), target[part]) / microbatches
-        mb_loss.backward()
-        want += mb_loss.detach()
-    torch.testing.assert_close(loss, want, rtol=0, atol=TOLERANCE)
-    expected = {n: p.grad for n, p in whole.named_parameters()}
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], rtol=0, atol=TOLERANCE, msg=name)
+    assert_matches_whole_model(plan, mf.build, inputs, target, mf.loss_fn, got, tolerance=TOLERANCE)
 
 
 # -------------------------------------------------------------- spawned ranks

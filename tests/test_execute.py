@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from inprocess import run_stages
+from inprocess import assert_matches_whole_model, run_stages
 from planning_helpers import make_plan
 
 from partitioner.modelfile import load_model_file
@@ -123,19 +123,9 @@ def test_in_place_writes_and_split_convolutions_in_one_process(tmp_path: Path, c
     assert mf.loss_fn is not None and mf.example_target is not None
     inputs, target = mf.example_inputs(plan.batch_size), mf.example_target(plan.batch_size)
 
-    loss, grads = run_stages(plan, mf.build, inputs, target, mf.loss_fn, every_parameter=True)
+    got = run_stages(plan, mf.build, inputs, target, mf.loss_fn, every_parameter=True)
 
-    whole, size, want = mf.build(), plan.microbatch_size, torch.zeros(())
-    for mb in range(plan.microbatches):
-        part = slice(mb * size, (mb + 1) * size)
-        mb_loss = mf.loss_fn(whole(*(x[part] for x in inputs)), target[part]) / plan.microbatches
-        mb_loss.backward()
-        want += mb_loss.detach()
-    torch.testing.assert_close(loss, want, rtol=0, atol=_TOLERANCE)
-    expected = {n: p.grad for n, p in whole.named_parameters()}
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], rtol=0, atol=_TOLERANCE, msg=name)
+    assert_matches_whole_model(plan, mf.build, inputs, target, mf.loss_fn, got, tolerance=_TOLERANCE, label=case)
 
 
 _STEPS = 3

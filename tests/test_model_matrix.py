@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 import torch
-from inprocess import run_stages  # type: ignore[import-not-found]  # tests/models, on sys.path
+from inprocess import assert_matches_whole_model, run_stages  # type: ignore[import-not-found]  # tests/models
 
 from partitioner.errors import AutopartitionError
-from partitioner.graph.capture import CallSpec, model_loss
+from partitioner.graph.capture import CallSpec
 from partitioner.modelfile import load_model_file
 from tools.model_matrix import (
     DEFAULT_SCHEDULE,
@@ -64,21 +64,6 @@ def _check_spawned(model: str, schedule: str, tmp_path: Path) -> None:
         assert expected in result.detail, result.detail
 
 
-def _whole_model_step(build: Any, loss_fn: Any, flat: tuple[torch.Tensor, ...], call: CallSpec, target: Any,
-                      *, microbatches: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The unpartitioned model over the plan's micro-batches: mean loss and gradients, as the pipeline sums them."""
-    whole, size, total = build(), flat[0].shape[0] // microbatches, torch.zeros(())
-    for mb in range(microbatches):
-        part = slice(mb * size, (mb + 1) * size)
-        args, kwargs = call.rebuild([x[part] for x in flat])
-        outputs = whole(*args, **kwargs)
-        loss = loss_fn(outputs, target[part]) if loss_fn is not None else model_loss(outputs)
-        assert loss is not None
-        (loss / microbatches).backward()
-        total += loss.detach() / microbatches
-    return total, {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
-
-
 def _draws_randomly(build: Any, inputs: Any) -> bool:
     """Whether two training-mode forwards of one model on one batch differ (dropout and other random ops)."""
     call, flat = CallSpec.of(inputs)
@@ -104,15 +89,10 @@ def test_default_row_trains_like_the_whole_model(tmp_path: Path, model: str, sch
         _check_spawned(model, schedule, tmp_path)
         return
     target = model_file.example_target(entry.batch) if model_file.loss_fn and model_file.example_target else None
-    loss, grads = run_stages(plan, model_file.build, inputs, target, model_file.loss_fn)
-    call, flat = CallSpec.of(inputs)
-    want, expected = _whole_model_step(model_file.build, model_file.loss_fn, flat, call, target,
-                                       microbatches=plan.microbatches)
+    got = run_stages(plan, model_file.build, inputs, target, model_file.loss_fn)
     label = f"{model} x {plan.schedule} ({plan.pp}x{plan.dp}, M={plan.microbatches})"
-    torch.testing.assert_close(loss, want, rtol=0, atol=_TOLERANCE, msg=label)
-    assert grads.keys() == expected.keys(), label
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], rtol=0, atol=_TOLERANCE, msg=f"{label}: {name}")
+    assert_matches_whole_model(plan, model_file.build, inputs, target, model_file.loss_fn, got,
+                               tolerance=_TOLERANCE, label=label)
 
 
 @pytest.mark.slow  # plans, then spawns 2 or 4 ranks

@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from partitioner import agree
 from partitioner.agree import plan_digest, plan_sections, solved_on_rank0
@@ -37,7 +36,7 @@ from partitioner.errors import AutopartitionError, InfeasibleError
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan, example_plan
 from runtime.pipeline import _mismatch_message
-from runtime.verify import free_port
+from runtime.verify import free_port, start_ranks
 
 MODELS = Path(__file__).parent / "models"
 MLP = str(MODELS / "mlp.py")
@@ -163,7 +162,8 @@ def _spawn(
     fn: Any, args: tuple[Any, ...], out: Path, nprocs: int = 2, limit_s: float = LIMIT_S
 ) -> dict[int, dict[str, Any]]:
     """Run ``fn(rank, *args)`` on ``nprocs`` ranks; what each reported (``agreement_workers``)."""
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    context = start_ranks(fn, args, nprocs, join=False)
+    assert context is not None
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline and any(p.is_alive() for p in context.processes):
         time.sleep(0.1)

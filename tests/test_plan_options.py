@@ -250,7 +250,7 @@ def test_microbatches_and_schedule_auto(mlp: nn.Module) -> None:
                               "chosen"]
     assert max(len(line) for line in text.splitlines()) <= WIDTH
     report = report_markdown(plan)
-    assert "| pp x dp | M | schedule | recomputes |" in report
+    assert "| pp x dp | M | schedule | shard | recomputes |" in report
     assert sum(line.startswith("| ") for line in report.split("## Combinations")[1].split("##")[0].splitlines()) \
         == len(plan.candidates) + 1
 

@@ -15,16 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from partitioner.plan import Plan
-from runtime.verify import free_port
+from runtime.verify import free_port, start_ranks
 
 MODELS = Path(__file__).parent / "models"
 SPEC = str(MODELS / "dying.py")
 BATCH = 8
 STEPS = 3
 PIPELINE_TIMEOUT_S = 10.0  # Pipeline(timeout=...): the limit of every wait
+HANG_TIMEOUT_S = 5.0  # the same in the hang test, which waits it out: long enough for a step on a loaded machine
 LIMIT_S = 60.0  # every survivor must have exited by then (the default collective timeout is 30 min)
 
 import dying
@@ -44,19 +44,19 @@ class Outcome:
     stop_delay_s: dict[int, float]  # per survivor: from finishing step 0 to catching the failure
 
 
-def run_with_failing_rank(tmp_path: Path, *, hang: bool) -> Outcome:
+def run_with_failing_rank(tmp_path: Path, *, hang: bool, timeout: float = PIPELINE_TIMEOUT_S) -> Outcome:
     """Plan pp=3, spawn the ranks, wait until every rank but the failing one has exited."""
     plan = make_plan(SPEC, tmp_path / "plan", pp=3, dp=1, microbatches=dying.MICROBATCHES, schedule="gpipe")
     assert (plan.pp, plan.dp, plan.gpus) == (3, 1, 3)
     failing = plan.stages[-1].ranks[0]
     out = tmp_path / "out"
     out.mkdir()
-    context = mp.start_processes(
+    context = start_ranks(
         rank_workers.failure_worker,
-        args=(plan.gpus, free_port(), str(tmp_path / "plan"), SPEC, str(out), STEPS, PIPELINE_TIMEOUT_S,
-              failing, hang),
-        nprocs=plan.gpus, start_method="spawn", join=False,
+        (plan.gpus, free_port(), str(tmp_path / "plan"), SPEC, str(out), STEPS, timeout, failing, hang),
+        plan.gpus, join=False,
     )
+    assert context is not None
     processes = context.processes
     survivors = [p for r, p in enumerate(processes) if r != failing]
     start = time.monotonic()
@@ -124,9 +124,9 @@ def test_killed_rank_stops_the_others_with_a_message_naming_it(tmp_path: Path) -
 
 
 def test_hung_rank_stops_the_others_after_the_pipeline_timeout(tmp_path: Path) -> None:
-    o = run_with_failing_rank(tmp_path, hang=True)
+    o = run_with_failing_rank(tmp_path, hang=True, timeout=HANG_TIMEOUT_S)
     assert o.codes[o.failing_rank] is None, f"rank 2 should still hang in loss_fn: {o.codes}"
-    # Rank 1 waits PIPELINE_TIMEOUT_S for rank 2, then rank 0 learns of rank 1's exit.
-    check_survivors(o, max_delay_s=2 * PIPELINE_TIMEOUT_S + 10)
+    # Rank 1 waits HANG_TIMEOUT_S for rank 2, then rank 0 learns of rank 1's exit.
+    check_survivors(o, max_delay_s=2 * HANG_TIMEOUT_S + 10)
     # Nothing broke a connection: rank 1 stopped because its wait for rank 2 timed out.
-    assert o.stop_delay_s[1] >= 0.8 * PIPELINE_TIMEOUT_S, o.stop_delay_s
+    assert o.stop_delay_s[1] >= 0.8 * HANG_TIMEOUT_S, o.stop_delay_s

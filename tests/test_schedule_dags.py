@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from chunked import plan_schedule  # type: ignore[import-not-found]  # tests/models, on sys.path
+from inprocess import assert_matches_whole_model  # type: ignore[import-not-found]
 
 import partitioner.search.assemble
 from partitioner import compile
@@ -252,20 +253,8 @@ def test_cnn_runs_in_process_over_order_paired_messages(tmp_path: Path, schedule
 
     mf = load_model_file(CNN)
     assert mf.loss_fn is not None and mf.example_target is not None
-    torch.manual_seed(0)
-    whole = mf.build()
     inputs, target = mf.example_inputs(plan.batch_size), mf.example_target(plan.batch_size)
-    size, want = plan.microbatch_size, torch.zeros(())
-    for mb in range(plan.microbatches):
-        part = slice(mb * size, (mb + 1) * size)
-        mb_loss = mf.loss_fn(whole(*(x[part] for x in inputs)), target[part]) / plan.microbatches
-        mb_loss.backward()
-        want += mb_loss.detach()
-    torch.testing.assert_close(loss, want, rtol=0, atol=TOLERANCE)
-    expected = {n: p.grad for n, p in whole.named_parameters()}
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], rtol=0, atol=TOLERANCE, msg=name)
+    assert_matches_whole_model(plan, mf.build, inputs, target, mf.loss_fn, (loss, grads), tolerance=TOLERANCE)
 
 
 # ------------------------------------------------------------------ planner

@@ -14,6 +14,7 @@ a deliberately wrong model still gives MISMATCH, naming the step and parameter.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -393,3 +394,23 @@ def test_chunked_schedules_verify(tmp_path: Path, model: str, schedule: str, chu
     assert result.max_grad_diff < 1e-5
     assert any("stages " in place for place in result.rank_places), result.rank_places
     assert plan.chunks == 2 and len(plan.stages) == 4
+
+
+def test_ranks_are_new_processes_with_the_environment_of_each_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """start_ranks forks ranks from a server started once: each must still see the caller's environment now."""
+    import rank_workers
+
+    from runtime.verify import start_ranks
+
+    seen = []
+    for value in ("first", "second"):
+        monkeypatch.setenv("AUTOPARTITION_TEST_VALUE", value)
+        out = tmp_path / value
+        out.mkdir()
+        start_ranks(rank_workers.environment_worker, ("AUTOPARTITION_TEST_VALUE", str(out)), 2)
+        seen.append([(out / f"rank{r}.txt").read_text().split() for r in range(2)])
+    assert [[v for v, _ in call] for call in seen] == [["first", "first"], ["second", "second"]], seen
+    pids = [int(p) for call in seen for _, p in call]
+    assert len(set(pids)) == 4 and os.getpid() not in pids, pids  # a fresh process per rank and call

@@ -91,6 +91,7 @@ __all__ = [
     "equal_layer_split",
     "first_last_lighter_split",
     "main",
+    "print_shard_table",
     "summarize_recompute",
 ]
 
@@ -133,6 +134,7 @@ OPTIONS: dict[str, Any] = {
     "recompute": "auto",
     "microbatches": "auto",
     "schedule": "auto",
+    "shard": "auto",
 }
 LEGACY = {"microbatches": 8, "schedule": "gpipe"}  # for a planner without precision/auto support
 
@@ -277,8 +279,9 @@ class _Recorder:
 
 
 def _shape(plan: Any) -> tuple[Any, ...]:
-    """The recorder's key: pp x dp x M, schedule and stages per rank (a planner before chunks: 1)."""
-    return (plan.pp, plan.dp, plan.microbatches, plan.schedule, getattr(plan, "chunks", 1))
+    """The recorder's key: pp x dp x M, schedule, stages per rank (a planner before chunks: 1) and shard modes."""
+    shards = tuple(dict.fromkeys(getattr(s, "shard", "none") for s in plan.stages))
+    return (plan.pp, plan.dp, plan.microbatches, plan.schedule, getattr(plan, "chunks", 1), shards)
 
 
 def _stage_count(plan: Any) -> int:
@@ -476,7 +479,15 @@ def run_child(case: Case) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - reported in the table
             baselines[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     predicted = plan.predicted
+    ddp = None
+    if "shard" in supported:
+        # Every stage group DDP already: the DDP-only search chooses the same plan (its trials are a subset).
+        ddp = _ddp_only(case, compile, model, inputs, supported) if set(_stage_shard(plan)) != {"none"} else \
+            _plan_row(plan)
     return {
+        "ddp": ddp,
+        "shard": summarize_recompute(_stage_shard(plan)),
+        "bubble": predicted.bubble_fraction,
         "case": case.name,
         "parameters": parameters,
         "setup_s": setup_s,
@@ -501,6 +512,82 @@ def run_child(case: Case) -> dict[str, Any]:
         "baselines": baselines,
         "notes": notes,
     }
+
+
+def _stage_shard(plan: Any) -> list[str]:
+    return [getattr(s, "shard", "none") for s in plan.stages]
+
+
+def _ddp_only(case: Case, compile: Callable[..., Any], model: Any, inputs: Any,
+              supported: dict[str, Any]) -> dict[str, Any]:
+    """The best plan with every stage group DDP (``shard="none"``), for the side-by-side table."""
+    t0 = time.perf_counter()
+    try:
+        plan = compile(model, inputs, gpus=case.gpus, device=case.device, **{**supported, "shard": "none"})
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {"wall_s": time.perf_counter() - t0, **_plan_row(plan)}
+
+
+def _plan_row(plan: Any) -> dict[str, Any]:
+    """A plan's shape, modes and predictions for the side-by-side table."""
+    return {
+        "pp": plan.pp, "dp": plan.dp, "microbatches": plan.microbatches, "schedule": plan.schedule,
+        "chunks": getattr(plan, "chunks", 1), "shard": summarize_recompute(_stage_shard(plan)),
+        "recompute": summarize_recompute(_stage_recompute(plan)), "step_s": plan.predicted.step_s,
+        "bubble": plan.predicted.bubble_fraction, "peak_bytes": _gpu_peak(plan), "mfu": plan.predicted.mfu,
+    }
+
+
+# Issue 21's target: sharding shortens 70B/64's step by at least 25% against the DDP-only plan, on at most 16
+# pipeline ranks.
+SHARD_TARGETS: dict[str, tuple[float, int]] = {"llama3-70b": (0.25, 16)}
+
+
+def _shard_problems(result: dict[str, Any]) -> list[str]:
+    target = SHARD_TARGETS.get(result["case"])
+    ddp = result.get("ddp")
+    if target is None or "error" in result or not ddp or "error" in ddp:
+        return []
+    shorter, most = target
+    problems = []
+    gain = 1 - result["step_s"] / ddp["step_s"]
+    if gain < shorter:
+        problems.append(f"{result['case']}: sharding shortens the step by {gain:.1%} < {shorter:.0%} "
+                        f"({_s(result['step_s'])} s against DDP-only {_s(ddp['step_s'])} s)")
+    if result["pp"] > most:
+        problems.append(f"{result['case']}: sharded plan on {result['pp']} pipeline ranks > {most}")
+    return problems
+
+
+def print_shard_table(results: list[dict[str, Any]]) -> list[str]:
+    """Each case's best plan with sharding (``--shard auto``) beside the DDP-only one; the targets missed."""
+    rows = [r for r in results if "error" not in r and r.get("ddp")]
+    if not rows:
+        return []
+    header = ["case", "plan", "pp x dp x M", "schedule", "shard per stage", "recompute per stage", "step s",
+              "bubble", "peak GB", "step vs DDP-only"]
+    print()
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    problems: list[str] = []
+    for r in rows:
+        ddp = r["ddp"]
+        for label, x in (("shard auto", r), ("DDP only", ddp)):
+            if "error" in x:
+                print(f"| {r['case']} | {label} | error: {x['error']} |" + " - |" * 7)
+                continue
+            versus = "" if x is ddp or "error" in ddp else f"{100 * (x['step_s'] / ddp['step_s'] - 1):+.1f}%"
+            print("| " + " | ".join([
+                r["case"], label, f"{x['pp']} x {x['dp']} x {x['microbatches']}", _schedule_cell(x), x["shard"],
+                x["recompute"], _s(x["step_s"]), f"{100 * x['bubble']:.1f}%", _gb(x["peak_bytes"]), versus or "-",
+            ]) + " |")
+        problems += _shard_problems(r)
+    print()
+    print("shard auto: the planner chooses each stage group's mode (none = DDP, optimizer, full) with pp x dp x M, "
+          "the schedule and recomputation; DDP only: the same search with --shard none. Target (issue 21): "
+          "70B/64 at least 25% shorter than DDP only, on at most 16 pipeline ranks.")
+    return problems
 
 
 def _ours_split(plan: Any) -> str:
@@ -710,6 +797,9 @@ def print_results(results: list[dict[str, Any]], cases: dict[str, Case]) -> bool
         if r.get("notes"):
             extra.append("notes: " + "; ".join(r["notes"]))
         print(f"- {r['case']}: " + "; ".join(extra))
+    shard_messages = print_shard_table(results)
+    all_ok &= not shard_messages
+    messages += shard_messages
     if messages:
         print()
         for m in messages:

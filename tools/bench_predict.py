@@ -57,7 +57,6 @@ if str(ROOT) not in sys.path:
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tools.bench_runtime import CLEAN_WAIT, BenchConfig, batch_data, build_gpt, sched_times
 
@@ -275,7 +274,7 @@ def run_plan(spec: PlanSpec, cfg: BenchConfig, out: Path, *, warmup: int, steps:
              say: Callable[[str], None] = print) -> Result:
     from examples.gpt import loss_fn
     from partitioner.search.planner import compile as plan_compile
-    from runtime.verify import free_port
+    from runtime.verify import free_port, start_ranks
 
     out.mkdir(parents=True, exist_ok=True)
     x, y = batch_data(cfg)
@@ -287,9 +286,9 @@ def run_plan(spec: PlanSpec, cfg: BenchConfig, out: Path, *, warmup: int, steps:
     say(f"{spec.name}: planned in {time.perf_counter() - t0:.1f} s (predicted step "
         f"{plan.predicted.step_s * 1e3:.1f} ms); running {spec.gpus} ranks")
     with tempfile.TemporaryDirectory(prefix="bench-predict-") as tmp:
-        mp.start_processes(_rank_main, args=(spec.gpus, free_port(), str(out / "plan"), dataclasses.asdict(cfg),
-                                             warmup, steps, tmp),
-                           nprocs=spec.gpus, start_method="spawn")
+        start_ranks(_rank_main, (spec.gpus, free_port(), str(out / "plan"), dataclasses.asdict(cfg),
+                                 warmup, steps, tmp),
+                    spec.gpus)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(spec.gpus)]
         shutil.move(str(Path(tmp, "measured.json")), str(out / "measured.json"))
     result, median_step = analyse(plan, ranks, name=spec.name, cores=os.cpu_count() or 1)

@@ -80,7 +80,6 @@ if str(ROOT) not in sys.path:
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 __all__ = ["BenchConfig", "Row", "format_table", "main", "run_benchmark", "timed_steps"]
@@ -516,7 +515,7 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
                   say: Callable[[str], None] = print) -> list[Row]:
     """Run the configurations ``keys`` (default: all of :data:`LABELS`; "single" is always run)."""
     from partitioner.plan import Plan
-    from runtime.verify import free_port
+    from runtime.verify import free_port, start_ranks
 
     chosen = ["single"] + [k for k in LABELS if k != "single" and (keys is None or k in keys)]
     schedules = [s for s in ("gpipe", "1f1b") if any(k in chosen for k in (f"ours_{s}", f"torch_{s}_our_split"))]
@@ -529,9 +528,9 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
         say(f"planned in {time.perf_counter() - t0:.1f} s; running {WORLD} ranks "
             f"({cfg.rounds} rounds x {cfg.steps} timed steps per configuration)")
         t0 = time.perf_counter()
-        mp.start_processes(_rank_main, args=(free_port(), dataclasses.asdict(cfg),
-                                             {k: str(v) for k, v in plans.items()}, chosen, str(base)),
-                           nprocs=WORLD, start_method="spawn")
+        start_ranks(_rank_main, (free_port(), dataclasses.asdict(cfg),
+                                 {k: str(v) for k, v in plans.items()}, chosen, str(base)),
+                    WORLD)
         say(f"ranks finished in {time.perf_counter() - t0:.1f} s")
         results = [json.loads(Path(base, f"rank{r}.json").read_text()) for r in range(WORLD)]
         loaded = {k: Plan.load(v) for k, v in plans.items()}

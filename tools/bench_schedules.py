@@ -100,7 +100,6 @@ if str(ROOT) not in sys.path:
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from tools.bench_runtime import (
@@ -479,7 +478,7 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
     on the others' traces (see the module docstring).
     """
     from partitioner.plan import Plan
-    from runtime.verify import free_port
+    from runtime.verify import free_port, start_ranks
 
     chosen = [k for k in CONFIGS if keys is None or k in keys]
     needed = [p for p in PLANS if any(CONFIGS[k].plan == p for k in chosen)]
@@ -493,9 +492,9 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
             + (f" (auto picked {schedule_name(plans['auto'])})" if "auto" in plans else "")
             + f"; running {WORLD} ranks ({cfg.rounds} rounds x {cfg.steps} timed steps per configuration)")
         t0 = time.perf_counter()
-        mp.start_processes(_rank_main, args=(free_port(), dataclasses.asdict(cfg), {k: str(v) for k, v in dirs.items()},
-                                             chosen, str(base), probe_timeout, calibrated),
-                           nprocs=WORLD, start_method="spawn")
+        start_ranks(_rank_main, (free_port(), dataclasses.asdict(cfg), {k: str(v) for k, v in dirs.items()},
+                                 chosen, str(base), probe_timeout, calibrated),
+                    WORLD)
         say(f"ranks finished in {time.perf_counter() - t0:.1f} s")
         results = [json.loads(Path(base, f"rank{r}.json").read_text()) for r in range(WORLD)]
     calibrations = calibrate_each(plans, results) if calibrated else {}

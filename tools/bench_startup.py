@@ -49,7 +49,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 __all__ = ["RankMemory", "SkewedLM", "StartupConfig", "StartupResult", "format_table", "main", "measure"]
@@ -168,7 +167,7 @@ def _whole_main(_: int, config: dict[str, Any], out: str) -> None:
 
 def measure(cfg: StartupConfig, *, work: Path | None = None) -> StartupResult:
     """Plan ``cfg``'s model, start its ranks and one whole-model process; their peak memory."""
-    from runtime.verify import free_port
+    from runtime.verify import free_port, start_ranks
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
@@ -176,9 +175,8 @@ def measure(cfg: StartupConfig, *, work: Path | None = None) -> StartupResult:
         base.mkdir(parents=True, exist_ok=True)
         _plan(cfg, base / "plan")
         config = dataclasses.asdict(cfg)
-        mp.start_processes(_rank_main, args=(cfg.ranks, free_port(), str(base / "plan"), config, str(base)),
-                           nprocs=cfg.ranks, start_method="spawn")
-        mp.start_processes(_whole_main, args=(config, str(base)), nprocs=1, start_method="spawn")
+        start_ranks(_rank_main, (cfg.ranks, free_port(), str(base / "plan"), config, str(base)), cfg.ranks)
+        start_ranks(_whole_main, (config, str(base)), 1)
         rows = [json.loads((base / f"rank{r}.json").read_text()) for r in range(cfg.ranks)]
         whole = json.loads((base / "whole.json").read_text())
     return StartupResult(

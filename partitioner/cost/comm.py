@@ -18,6 +18,28 @@ bandwidth in bytes/s and latency in seconds per message); no torch.
   all-reduce (one latency term) per bucket (``torch.nn.parallel.
   DistributedDataParallel``'s ``bucket_cap_mb``, default 25 MiB; Li et al.,
   "PyTorch Distributed", VLDB 2020, section 3.2.3).
+* Sharded replicas (ZeRO, Rajbhandari et al., SC 2020, section 7; FSDP2):
+  a ring reduce-scatter and a ring all-gather each take ``D-1`` steps of
+  ``bytes / D`` (half a ring all-reduce each, the same references):
+  ``(D-1)/D x bytes / bandwidth + (D-1) x latency``.  Per step, a stage group
+  sharded ``optimizer`` (ZeRO-1: torch's ``ZeroRedundancyOptimizer``, runtime/shard.py)
+  all-reduces its gradients as DDP does and broadcasts its updated weights (as
+  held: an all-gather's bytes) after the optimizer step; one sharded ``full``
+  all-gathers its weights (as held: bf16-mixed is autocast, not an FSDP2
+  precision policy) and reduce-scatters its
+  gradients once per step (kept gathered across micro-batches), or with
+  ``reshard_after_forward`` all-gathers them again for every micro-batch's
+  forward and backward (:func:`shard_step_seconds`, :func:`shard_microbatch_seconds`).
+  Overlap (:mod:`partitioner.schedule.simulate`): DDP's bucketed all-reduce
+  overlaps the last backward (Li et al. 2020, section 3.2.3); the sharded
+  collectives of a pipeline stage do not: torch's pipelining calls FSDP's
+  post-backward reduce-scatter only after the stage's last backward
+  (``torch/distributed/pipelining/stage.py``), and the all-gather after the
+  optimizer step (``optimizer``) or before the first forward (``full``) has no
+  compute beside it, so each is charged whole, once per step.  Per-micro-batch
+  all-gathers (``reshard_after_forward``) are prefetched one layer ahead by FSDP2
+  (implicit forward prefetch, ``backward_prefetch``) and cost only what exceeds
+  the compute they hide behind.
 * Topology: ranks are laid out stage-major, ``rank = stage x dp + replica``,
   and node ``rank // gpus_per_node``.  A message or a ring that crosses nodes
   is priced on the inter-node :class:`Link` (InfiniBand, one port per GPU),
@@ -53,6 +75,9 @@ __all__ = [
     "p2p_crosses_nodes",
     "ring_allreduce_seconds",
     "ring_latency_seconds",
+    "ring_shard_seconds",
+    "shard_microbatch_seconds",
+    "shard_step_seconds",
 ]
 
 
@@ -81,6 +106,23 @@ def ring_allreduce_seconds(
     if replicas <= 1 or nbytes <= 0:
         return 0.0
     steps = 2 * (replicas - 1)
+    return steps / replicas * nbytes / bandwidth + messages * steps * latency
+
+
+def ring_shard_seconds(
+    nbytes: float, replicas: int, *, bandwidth: float, latency: float, messages: float = 1
+) -> float:
+    """Ring reduce-scatter (or all-gather) of ``nbytes`` whole across ``replicas`` ranks: ``D-1`` steps of ``bytes/D``.
+
+    Half a ring all-reduce (which is one of each).  ``messages`` 0 leaves the
+    latency out (the solver charges it once per stage).
+
+    >>> ring_shard_seconds(1e9, 2, bandwidth=1e9, latency=1e-3), ring_shard_seconds(1e9, 1, bandwidth=1e9, latency=1)
+    (0.501, 0.0)
+    """
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    steps = replicas - 1
     return steps / replicas * nbytes / bandwidth + messages * steps * latency
 
 
@@ -144,6 +186,11 @@ class Link:
             nbytes, replicas, bandwidth=self.bandwidth, latency=self.latency, messages=messages
         )
 
+    def shard_seconds(self, nbytes: float, replicas: int, *, messages: float = 1) -> float:
+        """A ring reduce-scatter or all-gather on this link (:func:`ring_shard_seconds`)."""
+        return ring_shard_seconds(nbytes, replicas, bandwidth=self.bandwidth, latency=self.latency,
+                                  messages=messages)
+
     def latency_seconds(self, replicas: int) -> float:
         """The latency part of one ring all-reduce message on this link (:func:`ring_latency_seconds`)."""
         return ring_latency_seconds(replicas, latency=self.latency)
@@ -204,3 +251,57 @@ def allreduce_crosses_nodes(s: int, *, dp: int, gpus_per_node: int | None) -> bo
     True
     """
     return node_of(s * dp, gpus_per_node) != node_of(s * dp + dp - 1, gpus_per_node)
+
+
+# ------------------------------------------------------------------ sharded replicas
+
+
+def shard_step_seconds(
+    shard: str, replicas: int, on: Link, *, gradient_bytes: float, weight_bytes: float, gathered_bytes: float,
+    reshard_after_forward: bool = False, messages: float = 0,
+) -> float:
+    """The collectives a stage group sharded as ``shard`` runs once per step, latency ``messages`` times each.
+
+    ``optimizer``: all-reduce of the gradients (ZeRO-1 keeps them whole; charged
+    whole here, though DDP may hide part of it behind the last backward) + the
+    all-gather of the updated weights as held (``weight_bytes``); ``full``:
+    reduce-scatter of the gradients + (kept gathered) one all-gather of the weights
+    (``gathered_bytes``; with ``reshard_after_forward`` those are per micro-batch,
+    :func:`shard_microbatch_seconds`).  ``none`` (DDP's all-reduce) is priced by
+    :meth:`Link.allreduce_seconds` with its buckets.
+
+    1 GB of fp32 gradients over 4 replicas at 1 GB/s, bf16 weights gathered::
+
+        >>> on = Link(1e9, 0.0)
+        >>> shard_step_seconds("optimizer", 4, on, gradient_bytes=1e9, weight_bytes=1e9, gathered_bytes=5e8)
+        2.25
+        >>> shard_step_seconds("full", 4, on, gradient_bytes=1e9, weight_bytes=1e9, gathered_bytes=5e8)
+        1.125
+        >>> on.allreduce_seconds(1e9, 4)  # DDP: a reduce-scatter and an all-gather of the gradients
+        1.5
+    """
+    if shard == "none":
+        raise ValueError("shard none is DDP's all-reduce: Link.allreduce_seconds")
+    scatter = on.shard_seconds(gradient_bytes, replicas, messages=messages)
+    if shard == "optimizer":  # the all-reduce is a reduce-scatter and an all-gather of the gradients
+        return 2 * scatter + on.shard_seconds(weight_bytes, replicas, messages=messages)
+    if shard == "full":
+        gather = 0.0 if reshard_after_forward else on.shard_seconds(gathered_bytes, replicas, messages=messages)
+        return scatter + gather
+    raise ValueError(f"shard is {shard!r}, expected none, optimizer or full")
+
+
+def shard_microbatch_seconds(
+    replicas: int, on: Link, *, gathered_bytes: float, forward_s: float, backward_s: float, messages: float = 1
+) -> float:
+    """Exposed all-gather seconds per micro-batch of a ``full`` group that reshards after forward.
+
+    One all-gather of the compute-dtype weights before the forward and one
+    before the backward, each hidden behind that pass's compute by FSDP2's
+    prefetch of the next layer; what exceeds the compute is exposed.
+
+    >>> shard_microbatch_seconds(2, Link(1e9, 0.0), gathered_bytes=2e9, forward_s=0.5, backward_s=2.0)
+    0.5
+    """
+    gather = on.shard_seconds(gathered_bytes, replicas, messages=messages)
+    return max(0.0, gather - forward_s) + max(0.0, gather - backward_s)

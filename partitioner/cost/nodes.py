@@ -21,7 +21,9 @@ Counting alone (``measure=False``, used for ``--device a100|h100|h200``) runs on
 fake tensors (:mod:`partitioner.graph.meta`): every parameter, buffer and input is
 replaced by a ``FakeTensor`` of its shape and dtype, so nothing is computed or
 allocated and no weight is read or copied, whether the model holds real weights
-or was built on ``meta``.  Timing a model that holds meta tensors materialises
+or was built on ``meta``; a call equal to one counted before (the same op of the
+next identical layer, on tensors of the same shapes) takes its cost without being
+run again (:class:`_CountInterpreter`: Llama 3 70B's 4,651 nodes in 1 s, not 10).  Timing a model that holds meta tensors materialises
 one layer at a time with placeholder values and times a repeated layer once
 (:func:`_measure_by_layer`).
 
@@ -53,7 +55,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -132,7 +134,7 @@ def _count(gm: fx.GraphModule, inputs: tuple[Any, ...], *, progress: Progress | 
     home = home_device(gm, inputs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = FakeState(gm, mode, home)
-    runner = _CostInterpreter(gm, measure=False, device=home, warmup=0, repeats=0, progress=progress, state=state)
+    runner = _CountInterpreter(gm, device=home, progress=progress, state=state)
     runner.home = home
     with mode, torch.enable_grad():
         runner.run(*(fake_like(x, home) if isinstance(x, torch.Tensor) else x for x in inputs))
@@ -504,6 +506,7 @@ class _CostInterpreter(StandIns):
         self.param_storages = {_storage(p) for p in gm.parameters()} if state is None else set()
         self.total = len(gm.graph.nodes)
         self.done = 0
+        self.wrote = False  # whether the node costed last wrote into a tensor in place
 
     def tick(self) -> None:
         self.done += 1
@@ -586,6 +589,7 @@ class _CostInterpreter(StandIns):
             if "leaf Variable that requires grad" not in str(exc):
                 raise
             real = first_call(writable=True)  # an in-place op on an activation: ReLU(inplace=True), `x += y`
+        self.wrote = bool(real.written or real.copies)
         args, kwargs, out, leaves = real.args, real.kwargs, real.out, real.leaves
 
         def call() -> Any:
@@ -675,6 +679,176 @@ class _CostInterpreter(StandIns):
             sync()
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
+
+
+class _CountInterpreter(_CostInterpreter):
+    """Counting on fake tensors, each distinct call worked out once.
+
+    On fake tensors a node's FLOPs and bytes depend only on the call: the op
+    (a module's type, settings and parameter shapes), its arguments other than
+    tensors, and of each tensor its shape, strides, offset, dtype, device and
+    gradient flag, whether it is a parameter or shares a parameter's storage,
+    and which arguments share storage with each other.  A call equal in all
+    of these to one counted before (the same op in the next identical
+    transformer layer) takes that one's cost, and its outputs are stand-ins of
+    the same shapes, sharing storage with the same arguments, so later calls
+    see what they would have seen.  Calls that write in place, read tensors
+    with values (constants), or return what a stand-in cannot copy are always
+    run.  :data:`_REUSE` False runs every call (``tests/test_planner_speed.py``
+    checks both ways give equal costs).
+    """
+
+    def __init__(self, gm: fx.GraphModule, *, device: torch.device, progress: Progress | None,
+                 state: Callable[[str], Any]) -> None:
+        super().__init__(gm, measure=False, device=device, warmup=0, repeats=0, progress=progress, state=state)
+        self.counted: dict[Any, tuple[NodeCost, tuple[Any, ...], pytree.TreeSpec]] = {}
+        self.reused = 0  # calls that took an earlier call's cost
+
+    def _cost(self, n: fx.Node) -> tuple[Any, NodeCost]:
+        raw = self.fetch_args_kwargs_from_env(n)
+        key = self._call_key(n, raw) if _REUSE else None
+        if key is not None and key in self.counted:
+            cost, outputs, spec = self.counted[key]
+            self._parameters(n)  # registers the parameters' storages, as counting the call would
+            self.reused += 1
+            return _stand_ins(outputs, spec, pytree.tree_leaves(raw)), cost
+        result, cost = super()._cost(n)
+        if key is not None and not self.wrote:
+            described = self._outputs(result, raw)
+            if described is not None:
+                self.counted[key] = (cost, *described)
+        return result, cost
+
+    def _call_key(self, n: fx.Node, raw: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        """What the cost of calling ``n`` on ``raw`` depends on, hashable; None: not to be reused."""
+        target: Any = n.target
+        if n.op == "call_module":
+            target = _module_key(self.fetch_attr(str(n.target)))
+        elif n.op not in ("call_function", "call_method"):
+            return None
+        leaves, spec = pytree.tree_flatten(raw)
+        groups: dict[StorageWeakRef, int] = {}
+        parts: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if not isinstance(leaf, FakeTensor) or leaf.constant is not None:
+                    return None  # values that ops may read
+                storage = _storage(leaf)
+                parts.append((tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.device,
+                              leaf.requires_grad, isinstance(leaf, torch.nn.Parameter),
+                              storage in self.param_storages, groups.setdefault(storage, len(groups))))
+            else:
+                value = _hashable(leaf)
+                if value is _UNHASHABLE:
+                    return None
+                parts.append((type(leaf), value))
+        if target is None:
+            return None
+        return n.op, target, spec, tuple(parts)
+
+    def _outputs(self, result: Any, raw: Any) -> tuple[tuple[Any, ...], pytree.TreeSpec] | None:
+        """``result`` as stand-ins can remake it (per output, its metadata and the argument it views), or None."""
+        leaves, spec = pytree.tree_flatten(result)
+        arguments: dict[StorageWeakRef, int] = {}
+        for i, x in enumerate(pytree.tree_leaves(raw)):
+            if isinstance(x, torch.Tensor):
+                arguments.setdefault(_storage(x), i)
+        inputs = pytree.tree_leaves(raw)
+        fresh: set[StorageWeakRef] = set()
+        out: list[Any] = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                value = _hashable(leaf)
+                if value is _UNHASHABLE:
+                    return None
+                out.append(_Value(leaf))
+                continue
+            if isinstance(leaf, torch.nn.Parameter):
+                return None
+            storage = _storage(leaf)
+            source = arguments.get(storage)
+            if source is None:
+                # A new tensor: made afresh (at offset 0, sharing nothing: parameters, other outputs).
+                if leaf.storage_offset() != 0 or storage in self.param_storages or storage in fresh:
+                    return None
+                fresh.add(storage)
+            elif leaf.dtype != inputs[source].dtype:
+                return None
+            out.append(_Output(tuple(leaf.shape), leaf.stride(), int(leaf.storage_offset()), leaf.dtype, leaf.device,
+                               leaf.requires_grad, source))
+        return tuple(out), spec
+
+
+# Reuse the costs of equal calls when counting (see _CountInterpreter); tests switch it off to compare.
+_REUSE = True
+_UNHASHABLE = object()
+
+
+class _Value(NamedTuple):
+    """A non-tensor output, returned as it was."""
+
+    value: Any
+
+
+class _Output(NamedTuple):
+    """A tensor output: its metadata, and the flat argument whose storage it views (None: a new tensor)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    source: int | None
+
+
+def _stand_ins(outputs: tuple[Any, ...], spec: pytree.TreeSpec, inputs: list[Any]) -> Any:
+    """Outputs like those :meth:`_CountInterpreter._outputs` described, made under the fake mode."""
+    made: list[Any] = []
+    for o in outputs:
+        if isinstance(o, _Value):
+            made.append(o.value)
+            continue
+        if o.source is None:
+            t = torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=o.device)
+        else:
+            t = inputs[o.source].detach().as_strided(o.shape, o.stride, o.offset)
+        made.append(t.requires_grad_(o.requires_grad) if o.requires_grad else t)
+    return pytree.tree_unflatten(made, spec)
+
+
+def _hashable(value: Any) -> Any:
+    """``value`` as a dictionary key (slices as tuples), or :data:`_UNHASHABLE`."""
+    if isinstance(value, slice):
+        parts = tuple(_hashable(v) for v in (value.start, value.stop, value.step))
+        return _UNHASHABLE if _UNHASHABLE in parts else ("slice", *parts)
+    if isinstance(value, (list, tuple)):
+        parts = tuple(_hashable(v) for v in value)
+        return _UNHASHABLE if _UNHASHABLE in parts else (type(value).__name__, *parts)
+    try:
+        hash(value)
+    except TypeError:
+        return _UNHASHABLE
+    return value
+
+
+def _module_key(module: torch.nn.Module) -> Any:
+    """A module call's settings: per submodule its type, public plain attributes and parameter shapes (None: unknown)."""
+    parts: list[Any] = []
+    for name, sub in module.named_modules(remove_duplicate=False):
+        if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or any(True for _ in sub.buffers(recurse=False)):
+            return None  # hooks may do anything; buffers may be updated (running statistics)
+        settings: list[Any] = []
+        for attr, value in sorted(vars(sub).items()):
+            if attr.startswith("_") or isinstance(value, (torch.nn.Module, torch.Tensor)):
+                continue
+            kept = _hashable(value)
+            if kept is _UNHASHABLE:
+                return None
+            settings.append((attr, type(value), kept))
+        params = tuple((p, tuple(t.shape), t.dtype, t.requires_grad) for p, t in sub.named_parameters(recurse=False))
+        parts.append((name, type(sub), tuple(settings), params))
+    return tuple(parts)
 
 
 def _measure_by_layer(

@@ -21,6 +21,30 @@ one costed graph serves every precision.
 Optimizer state per parameter: Adam keeps two moments, SGD one momentum buffer
 (``torch.optim.SGD`` with ``momentum > 0``).
 
+Sharded replicas (a stage group's ``shard`` mode; Rajbhandari et al., SC 2020,
+section 5 and Figure 1: with ``d`` replicas, 16 bytes per parameter for DDP,
+``4 + 12/d`` with the optimizer state sharded, ``2 + 14/d`` with the gradients
+too, ``16/d`` with everything, :func:`zero_bytes_per_parameter`).  Adapted to
+these precisions (:func:`shard_state_bytes`, :func:`gathered_bytes`), with
+``W``, ``G`` and ``S`` the bytes of a parameter's weight, gradient and optimizer
+states as held today, ``C`` its weight in the compute dtype:
+
+* ``none`` (DDP): ``W + G + S``.
+* ``optimizer``: ``W + G + S/d``.  The gradients stay whole: a pipeline
+  accumulates them over every micro-batch of the step before the one
+  reduce-scatter (ZeRO-2's ``G/d`` does not apply under gradient accumulation).
+  bf16-mixed with Adam: ``8 + 8/d`` (our weights are the fp32 master copy, which
+  the paper counts in its 12 bytes of optimizer state).
+* ``full`` (FSDP2 ``fully_shard``): ``(W + G + S)/d`` held, plus, for the whole
+  step, the gathered weights in the compute dtype (``C``: FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bfloat16)``; torch's pipelining keeps a
+  stage gathered across micro-batches, ``set_reshard_after_backward(False)``
+  in ``torch/distributed/pipelining/stage.py``) and the unsharded gradients
+  accumulated between the reduce-scatters (``G``: ``set_requires_gradient_sync(False)``
+  accumulates them unsharded, in the reduce dtype).  bf16-mixed with Adam:
+  ``16/d + 2 + 4``.  With ``reshard_after_forward`` only one layer's weights are
+  gathered at a time (two with FSDP2's prefetch), which the caller adds.
+
 Example: a 1.3B-parameter model's static state with Adam::
 
     >>> [static_bytes_per_element(p, OPTIMIZERS["adam"]) for p in PRECISIONS]
@@ -46,10 +70,16 @@ __all__ = [
     "check_optimizer",
     "check_precision",
     "compute_dtype",
+    "gathered_bytes",
     "gradient_bytes",
     "gradient_bytes_per_element",
+    "shard_degree",
+    "shard_footprint",
+    "shard_state_bytes",
     "state_bytes",
     "static_bytes_per_element",
+    "weight_bytes",
+    "zero_bytes_per_parameter",
 ]
 
 Precision = Literal["fp32", "bf16-mixed", "bf16"]
@@ -176,3 +206,134 @@ def gradient_bytes(precision: str, *, elements: float, model_bytes: float) -> fl
     if check_precision(precision) == "fp32":
         return model_bytes
     return elements * gradient_bytes_per_element(precision)
+
+
+def weight_bytes(precision: str, *, elements: float, model_bytes: float, compute: bool = False) -> float:
+    """Bytes of those parameters' weights as held (the master copy); ``compute``: as FSDP2 gathers them.
+
+    The held weights are what the broadcast after a ZeRO-1 optimizer step moves
+    (shard "optimizer").  The runtime's ``full`` stages gather the held weights
+    too: bf16-mixed is autocast (each op casts its inputs), not an FSDP2
+    mixed-precision policy, so the gathered copy is the float32 master
+    (runtime/shard.py); ``compute`` names the use, the bytes are the same.
+
+    >>> weight_bytes("bf16-mixed", elements=10, model_bytes=40), weight_bytes("bf16-mixed", elements=10,
+    ...     model_bytes=40, compute=True), weight_bytes("bf16", elements=10, model_bytes=20, compute=True)
+    (40, 40, 20)
+    """
+    return gradient_bytes(precision, elements=elements, model_bytes=model_bytes)
+
+
+def shard_degree(shard: str, dp: int, gpus_per_node: int | None) -> int:
+    """Into how many shards a stage group of ``dp`` replicas splits its state under ``shard``.
+
+    A ``full`` group spanning whole nodes is HSDP: sharded inside a node, the
+    nodes replicas of each other (torchtitan's ``dp_replicate x dp_shard`` mesh;
+    runtime/shard.py builds the same); otherwise every replica holds one shard.
+    ``optimizer`` (ZeRO-1) shards over the whole group.
+
+    >>> shard_degree("full", 4, 8), shard_degree("full", 16, 8), shard_degree("optimizer", 16, 8)
+    (4, 8, 16)
+    """
+    if shard == "full" and gpus_per_node and dp > gpus_per_node and dp % gpus_per_node == 0:
+        return gpus_per_node
+    return dp
+
+
+def shard_state_bytes(
+    precision: str, optimizer_states: int, shard: str, replicas: int, *, elements: float, model_bytes: float
+) -> float:
+    """Bytes a replica holds for the whole step for those parameters when its group shards as ``shard``.
+
+    ``none``: :func:`state_bytes`; ``optimizer``: the optimizer states over
+    ``replicas``; ``full``: everything over ``replicas`` (the transient gathered
+    weights and unsharded gradients are :func:`gathered_bytes`).  See the module
+    docstring for the formulas and their sources.
+
+    bf16-mixed with Adam, 8 replicas, per parameter element::
+
+        >>> [shard_state_bytes("bf16-mixed", 2, m, 8, elements=1, model_bytes=4) for m in ("none", "optimizer", "full")]
+        [16, 9.0, 2.0]
+    """
+    held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=model_bytes)
+    if shard == "none" or replicas <= 1:
+        return held
+    grads = gradient_bytes(precision, elements=elements, model_bytes=model_bytes)
+    if shard == "optimizer":
+        states = held - 2 * grads  # weight and gradient whole, the optimizer states sharded
+        return 2 * grads + states / replicas
+    if shard == "full":
+        return held / replicas
+    raise ValueError(f"shard is {shard!r}, expected none, optimizer or full")
+
+
+def gathered_bytes(
+    precision: str, *, elements: float, model_bytes: float, reshard_after_forward: bool = False
+) -> float:
+    """A fully sharded stage's transient bytes for those parameters, held through the step.
+
+    The unsharded gradients accumulated over the micro-batches, plus (kept
+    gathered, ``reshard_after_forward`` False) the weights in the compute dtype.
+    With ``reshard_after_forward`` the gathered weights are one layer's at a time:
+    the caller adds the largest layer's (twice, for FSDP2's prefetch of the next).
+
+    >>> gathered_bytes("bf16-mixed", elements=1, model_bytes=4), gathered_bytes("fp32", elements=1, model_bytes=4)
+    (8, 8)
+    >>> gathered_bytes("bf16-mixed", elements=1, model_bytes=4, reshard_after_forward=True)
+    4
+    """
+    grads = gradient_bytes(precision, elements=elements, model_bytes=model_bytes)
+    if reshard_after_forward:
+        return grads
+    return grads + weight_bytes(precision, elements=elements, model_bytes=model_bytes, compute=True)
+
+
+# The ZeRO paper's stages (section 5.1): P_os, P_os+g, P_os+g+p.
+_ZERO_SHARDED = {"none": (), "optimizer": ("optimizer",), "optimizer+gradients": ("optimizer", "gradient"),
+                 "full": ("optimizer", "gradient", "weight")}
+
+
+def zero_bytes_per_parameter(
+    stage: str, replicas: int, *, weight: float = 2, gradient: float = 2, optimizer: float = 12
+) -> float:
+    """Bytes per parameter of a ZeRO stage as the paper counts them (no gradient accumulation).
+
+    Rajbhandari et al., SC 2020, section 5 and Figure 1: fp16 weights and
+    gradients (2 + 2) and K = 12 bytes of fp32 master weights and Adam moments;
+    ``stage`` is ``none`` (DDP), ``optimizer`` (P_os), ``optimizer+gradients``
+    (P_os+g) or ``full`` (P_os+g+p).  Figure 1's 7.5B parameters on 64 GPUs::
+
+        >>> [round(7.5e9 * zero_bytes_per_parameter(s, 64) / 1e9, 1)
+        ...  for s in ("none", "optimizer", "optimizer+gradients", "full")]  # GB
+        [120.0, 31.4, 16.6, 1.9]
+    """
+    if stage not in _ZERO_SHARDED:
+        raise ValueError(f"stage is {stage!r}, expected one of {', '.join(_ZERO_SHARDED)}")
+    sharded = _ZERO_SHARDED[stage]
+    parts = {"weight": weight, "gradient": gradient, "optimizer": optimizer}
+    return sum(v / replicas if k in sharded else v for k, v in parts.items())
+
+
+def shard_footprint(precision: str, optimizer_states: int, shard: str, replicas: int) -> tuple[float, float]:
+    """(bytes held through the step, bytes its collectives move) per parameter of a float32 model, kept gathered.
+
+    Every cost of a mode is one of these two times the parameter count (the
+    collectives' ring factor ``(D-1)/D`` and latency are the same for every
+    mode), so a mode no better in either than another is never worth solving.
+    DDP's all-reduce moves the gradients twice, a reduce-scatter and an
+    all-gather once each; ``optimizer`` (ZeRO-1 over DDP) all-reduces the
+    gradients and then broadcasts the updated weights (an all-gather's bytes).
+
+    >>> [shard_footprint("bf16-mixed", 2, m, 8) for m in ("none", "optimizer", "full")]
+    [(16, 8), (9.0, 12), (10.0, 8)]
+    >>> [shard_footprint("fp32", 2, m, 2) for m in ("none", "optimizer", "full")]
+    [(16, 8), (12.0, 12), (16.0, 8)]
+    """
+    grads = gradient_bytes(precision, elements=1, model_bytes=4)
+    if shard == "none" or replicas <= 1:
+        return state_bytes(precision, optimizer_states, elements=1, model_bytes=4), 2 * grads
+    held = shard_state_bytes(precision, optimizer_states, shard, replicas, elements=1, model_bytes=4)
+    if shard == "full":
+        return (held + gathered_bytes(precision, elements=1, model_bytes=4),
+                grads + weight_bytes(precision, elements=1, model_bytes=4, compute=True))
+    return held, 2 * grads + weight_bytes(precision, elements=1, model_bytes=4)

@@ -125,7 +125,12 @@ def _assumptions(plan: Plan) -> str:
             "its blocks' inputs per micro-batch in flight, holds one block's activations again during each "
             "backward, and runs each block's forward twice (Korthikanti et al. 2022, full recomputation). "
             "Ranks are laid out pipeline-rank-major (rank = pipeline rank x dp + replica), node = rank // GPUs "
-            "per node; links follow the ranks of the two stages.")
+            "per node; links follow the ranks of the two stages. A sharded stage group (ZeRO, Rajbhandari et al. "
+            "2020) holds its optimizer state (optimizer) or everything (full, FSDP2) over its replicas; under a "
+            "pipeline the gradients accumulate whole over the step, and a fully sharded stage keeps its weights "
+            "gathered across micro-batches (as torch's pipelining keeps FSDP2), so both are counted with it. Its "
+            "reduce-scatter and all-gather run once per step after the last backward, not overlapped; DDP's "
+            "bucketed all-reduce overlaps the last backward.")
     if any(s.predicted.weight_s for s in plan.stages) and plan.schedule in ("zb-h1", "zbv"):
         note += (" The backward is split: B (input gradients) and W (weight gradients, half the backward of "
                  "every node that reads parameters; Qi et al. 2024), W deferred to fill the pipeline's idle time.")
@@ -148,10 +153,12 @@ def _stage_table(plan: Plan) -> str:
             st.recompute,
             format_bytes(p.send_bytes) if st.outputs else "-",
             f"{format_ms(p.allreduce_s)} ({st.allreduce_link})" if plan.dp > 1 else "-",
+            st.shard if plan.dp > 1 else "-",
             format_bytes(_at(plan.predicted.peak_memory_bytes, st.rank, p.memory_bytes)),
         ))
     head = ("stage", "ranks", "modules", "compute nodes", "parameters", "forward / mb", "backward / mb",
-            "recompute", "sends / mb", "all-reduce", "peak memory (its GPU)" if plan.chunks > 1 else "peak memory")
+            "recompute", "sends / mb", "all-reduce (or shard collectives) / step", "shard",
+            "peak memory (its GPU)" if plan.chunks > 1 else "peak memory")
     return _table(head, rows)
 
 
@@ -165,7 +172,8 @@ def _simulation(plan: Plan, sim: Simulation) -> str:
         (f"Replaying the plan's own schedule action by action gives a step of **{format_ms(sim.step_s)}**, "
         f"against **{format_ms(closed)}** from the solver's closed form (`{_CLOSED_FORMS.get(plan.schedule, '?')}`), "
         f"a difference of {diff:+.1%}. The simulation overlaps transfers with compute where the schedule "
-        "allows, all-reduces gradients in DDP buckets during the last backward, and times forwards and "
+        "allows, all-reduces gradients in DDP buckets during the last backward (a sharded group's "
+        "reduce-scatter and all-gather run whole after it), and times forwards and "
         "backwards separately; the closed form charges transfers and the all-reduce in full and treats "
         "forward + backward as one block per stage."),
         "",
@@ -244,6 +252,7 @@ def _candidates(plan: Plan) -> str:
             f"**{shape}**" if chosen else shape,
             "-" if c.microbatches is None else str(c.microbatches),
             schedule_label(c.schedule, chunks),
+            getattr(c, "shard", None) or "-",
             "-" if c.recomputed_stages is None else f"{c.recomputed_stages} of {c.pp * (chunks or 1)}",
             "-" if c.step_s is None else format_ms(c.step_s),
             "-" if c.simulated_s is None else format_ms(c.simulated_s),
@@ -266,11 +275,12 @@ def _candidates(plan: Plan) -> str:
                "ones; the best few, and the best of each schedule, are then simulated and the simulation "
                "decides); the next best, "
                f"{runner.pp} x {runner.dp}, M = {runner.microbatches}, "
-               f"{schedule_label(runner.schedule, getattr(runner, 'chunks', None))}, predicts "
+               f"{schedule_label(runner.schedule, getattr(runner, 'chunks', None))}"
+               f"{_shard_words(getattr(runner, 'shard', None))}, predicts "
                f"{format_ms(runner_s)} ({how}, {runner_s / plan.predicted.step_s - 1:+.1%}).")
-    head = ("pp x dp", "M", "schedule", "recomputes", "closed form", "simulated", "bubble", "peak memory",
+    head = ("pp x dp", "M", "schedule", "shard", "recomputes", "closed form", "simulated", "bubble", "peak memory",
             "status", "why not chosen")
-    return ("## Combinations considered (pp x dp x micro-batches x schedule)\n\n"
+    return ("## Combinations considered (pp x dp x micro-batches x schedule x shard)\n\n"
             "Peak memory is per GPU; for a combination that does not fit, what its fastest split would need "
             "(with every stage recomputing where recomputation is allowed). `interleaved-1f1b xV` holds V "
             "stages per pipeline rank; zbv holds 2 in a V.\n\n"
@@ -278,7 +288,14 @@ def _candidates(plan: Plan) -> str:
 
 
 def _combination(plan: Plan) -> str:
-    return f"{plan.pp} x {plan.dp}, M = {plan.microbatches}, {schedule_label(plan.schedule, plan.chunks)}"
+    modes = list(dict.fromkeys(s.shard for s in plan.stages))
+    shard = _shard_words(modes[0]) if len(modes) == 1 else f", shard {'/'.join(modes)}"
+    return f"{plan.pp} x {plan.dp}, M = {plan.microbatches}, {schedule_label(plan.schedule, plan.chunks)}{shard}"
+
+
+def _shard_words(shard: str | None) -> str:
+    """", shard full" for a sharded combination ("" for DDP or an older plan's unrecorded mode)."""
+    return "" if shard in (None, "none") else f", shard {shard}"
 
 
 def _solver(plan: Plan) -> str:

@@ -80,17 +80,16 @@ class Reporter:
             self._end_line()
             self._phase, self._drawn = phase, self._start
         finished = done >= total
-        elapsed = now - self._start
+        # Called once per graph node: the line is only formatted when it is drawn.
+        if not finished and now - self._drawn < (_REDRAW_EVERY if self.tty else PLAIN_EVERY):
+            return
         count = f"{done}/{total}{' ' + unit if unit else ''}"
-        if finished:
-            text = f"{PREFIX}{phase}: {count} in {format_seconds(elapsed)}"
-        else:
-            text = f"{PREFIX}{phase}: {count}, {format_seconds(elapsed)}"
+        elapsed = format_seconds(now - self._start)
+        text = f"{PREFIX}{phase}: {count} in {elapsed}" if finished else f"{PREFIX}{phase}: {count}, {elapsed}"
         if self.tty:
-            if finished or now - self._drawn >= _REDRAW_EVERY:
-                self._write("\r" + text.ljust(self._width) + ("\n" if finished else ""))
-                self._width, self._drawn = (0, now) if finished else (len(text), now)
-        elif finished or now - self._drawn >= PLAIN_EVERY:
+            self._write("\r" + text.ljust(self._width) + ("\n" if finished else ""))
+            self._width, self._drawn = (0, now) if finished else (len(text), now)
+        else:
             self._write(text + "\n")
             self._drawn = now
         if finished:

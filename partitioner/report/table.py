@@ -33,6 +33,7 @@ __all__ = [
     "ranked_candidates",
     "recompute_summary",
     "schedule_label",
+    "shard_summary",
 ]  # the formatters live in partitioner.units
 
 WIDTH = 100  # columns every line of the text report fits in
@@ -116,6 +117,40 @@ def recompute_summary(plan: Plan) -> str:
     return f"full on stage{'s' if len(full) > 1 else ''} {_ranges(full)}"
 
 
+def shard_summary(plan: Plan) -> str:
+    """How the stage groups' replicas hold their state, with the bytes per parameter it comes to.
+
+    >>> from partitioner.plan import example_plan
+    >>> shard_summary(example_plan())
+    'none: one replica per stage'
+    """
+    from partitioner.cost.precision import gathered_bytes, shard_degree, shard_state_bytes
+
+    if plan.dp <= 1:
+        return "none: one replica per stage"
+    words = {"none": "none (DDP: whole on every replica, gradients all-reduced in buckets during the last backward)",
+             "optimizer": "optimizer (ZeRO-1: optimizer state sharded; gradients all-reduced and updated weights "
+                          "broadcast once per step, not overlapped)",
+             "full": "full (FSDP2: weights, gradients and optimizer state sharded; weights all-gathered as held "
+                     "and kept gathered across micro-batches, gradients reduce-scattered once per step, not "
+                     "overlapped)"}
+    states = plan.cost_model.optimizer_states
+    parts = []
+    for mode in dict.fromkeys(s.shard for s in plan.stages):
+        stages = [s.index for s in plan.stages if s.shard == mode]
+        shards = shard_degree(mode, plan.dp, plan.gpus_per_node)
+        per = shard_state_bytes(plan.precision, states, mode, shards, elements=1, model_bytes=4)
+        extra = gathered_bytes(plan.precision, elements=1, model_bytes=4) if mode == "full" else 0
+        where = "every stage" if len(stages) == len(plan.stages) else f"stage{'s' if len(stages) > 1 else ''} " \
+            f"{_ranges(stages)}"
+        over = f"{plan.dp} replicas" if shards == plan.dp else \
+            f"{shards} shards per node ({plan.dp // shards} nodes replicate them: HSDP)"
+        held = f"{per:.3g} bytes per parameter over {over}" + (
+            f" + {extra:.3g} gathered during the step" if extra else "")
+        parts.append(f"{words.get(mode, mode)} on {where}: {held}")
+    return "; ".join(parts)
+
+
 def crossing_links(plan: Plan) -> tuple[list[str], list[int]]:
     """(boundaries "a->b" whose messages cross nodes, stages whose all-reduce crosses nodes).
 
@@ -166,6 +201,7 @@ def assumptions(plan: Plan) -> list[tuple[str, str]]:
         ("optimizer", (f"{plan.optimizer}, {cm.optimizer_states} {states} per parameter: "
                        f"{per_parameter} bytes per parameter with weights and gradients")),
         ("recomputation", recompute_summary(plan)),
+        ("sharding", shard_summary(plan)),
         ("links", f"{nodes}; {intra}{inter}"),
         ("across nodes", carried),
         ("MFU", peak),
@@ -230,7 +266,7 @@ def _stage_table(plan: Plan) -> list[str]:
     right = {0, 3, 4, 5, 6, 8}
     replicated = plan.dp > 1
     if replicated:
-        headers.append("allreduce ms")
+        headers += ["shard", "allreduce ms"]
         right.add(len(headers) - 1)
     rows = []
     for stage in plan.stages:
@@ -247,11 +283,13 @@ def _stage_table(plan: Plan) -> list[str]:
             format_bytes(p.send_bytes) if p.send_bytes else "-",
         ]
         if replicated:
-            row.append(_ms(p.allreduce_s) + ("*" if stage.allreduce_link == "inter" else ""))
+            row += [stage.shard, _ms(p.allreduce_s) + ("*" if stage.allreduce_link == "inter" else "")]
         rows.append(row)
     table = _render(headers, rows, right, shrink=2, indent=0)
     where = "per GPU" if plan.chunks == 1 else "the stage's own share of its GPU (per GPU: below)"
     notes = f"fwd/bwd ms and sends: per micro-batch (bwd with recomputation); peak memory: {where}, whole step"
+    if replicated and any(s.shard != "none" for s in plan.stages):
+        notes += "; allreduce ms: a sharded group's reduce-scatter and all-gather per step"
     if any(s.allreduce_link == "inter" for s in plan.stages) and replicated:
         notes += "; *: across nodes"
     return table + _wrap(notes + ".")
@@ -287,6 +325,7 @@ def _candidates(plan: Plan) -> list[str]:
             shown.append(c)
             shapes.add((c.pp, c.dp))
     shown = shown[:SHOWN_CANDIDATES]
+    sharded = any(getattr(c, "shard", None) not in (None, "none") for c in plan.candidates)
     rows = []
     for c in shown:
         rows.append([
@@ -300,9 +339,17 @@ def _candidates(plan: Plan) -> list[str]:
             format_seconds(c.simulated_s) if c.simulated_s is not None else "-",
             c.note or c.status,
         ])
-    body = _render(["", "pp", "dp", "M", "sched", "recomp", "closed form", "simulated", "why not chosen"],
-                   rows, {1, 2, 3, 6, 7}, shrink=8, indent=2, keep_head=True)
-    title = "candidates: pp x dp x M x schedule (* = chosen; simulated: the best, and the best of each schedule)"
+        if sharded:
+            rows[-1].insert(5, getattr(c, "shard", None) or "-")
+    headers = ["", "pp", "dp", "M", "sched", "recomp", "closed form", "simulated", "why not chosen"]
+    right = {1, 2, 3, 6, 7}
+    if sharded:
+        headers.insert(5, "shard")
+        right = {1, 2, 3, 7, 8}
+    body = _render(headers, rows, right, shrink=len(headers) - 1, indent=2, keep_head=True)
+    what = " x shard" if sharded else ""
+    title = (f"candidates: pp x dp x M x schedule{what} (* = chosen; simulated: the best, and the best of each "
+             "schedule)")
     lines = _wrap(title) + ["  " + line for line in body]
     hidden = len(plan.candidates) - len(shown)
     if hidden > 0:

@@ -57,6 +57,7 @@ for a later message anyway)::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import networkx as nx
 
@@ -130,6 +131,26 @@ def lower(
     peers send far apart, and moving it up could make ranks wait on each
     other; the receives then stay where their compute needs them.
     """
+    # The planner lowers one (order, topology) many times over (drafts, refinement, the chosen plan):
+    # each is worked out once (:data:`_CACHE_SIZE` kept); a Schedule is immutable, so it is shared.
+    key = (tuple(tuple(row) for row in order), _tupled(sends_to), _tupled(receives_from),
+           None if stage_rank is None else tuple(stage_rank), kind)
+    found = _LOWERED.get(key)
+    if found is None:
+        found = _lower(order, sends_to=sends_to, receives_from=receives_from, stage_rank=stage_rank, kind=kind)
+        _remember(_LOWERED, key, found)
+    return found
+
+
+def _lower(
+    order: Sequence[Sequence[Action]],
+    *,
+    sends_to: Sequence[Sequence[int]],
+    receives_from: Sequence[Sequence[int]],
+    stage_rank: Sequence[int] | None,
+    kind: str,
+) -> Schedule:
+    """:func:`lower`, worked out."""
     where = _placement(stage_rank, len(sends_to), len(order))
     topology = _Topology(where, sends_to, receives_from)
     rows: list[list[Action]] = []
@@ -151,7 +172,8 @@ def lower(
                 lowered.append(a)
         rows.append(lowered)
     plain = Schedule(kind, microbatches, tuple(tuple(row) for row in rows))
-    moved = Schedule(kind, microbatches, tuple(_receive_in_send_order(row, rows, topology) for row in rows))
+    send_order = _send_order(rows, topology)
+    moved = Schedule(kind, microbatches, tuple(_receive_in_send_order(row, rows, topology, send_order) for row in rows))
     return moved if moved == plain or _deadlock(moved, topology) is None else plain
 
 
@@ -162,7 +184,13 @@ def validate(
     receives_from: Sequence[Sequence[int]],
     stage_rank: Sequence[int] | None = None,
 ) -> None:
-    """Raise :class:`ScheduleError` unless every rank's list is complete, ordered and deadlock-free."""
+    """Raise :class:`ScheduleError` unless every rank's list is complete, ordered and deadlock-free.
+
+    A schedule object validated once for a topology is not checked again (it is immutable).
+    """
+    key = (id(schedule), _tupled(sends_to), _tupled(receives_from), None if stage_rank is None else tuple(stage_rank))
+    if key in _VALID and _VALID[key] is schedule:
+        return
     if len(sends_to) != len(receives_from):
         raise ScheduleError(f"sends_to has {len(sends_to)} stages but receives_from has {len(receives_from)}.")
     where = _placement(stage_rank, len(sends_to), schedule.ranks)
@@ -171,9 +199,26 @@ def validate(
     for r, row in enumerate(schedule.actions):
         _check_row(r, row, schedule.microbatches, topology, split)
     _dry_run(schedule, topology)
+    _remember(_VALID, key, schedule)  # the schedule is held, so its id names it while it is kept
 
 
 # ------------------------------------------------------------------ internals
+
+
+_CACHE_SIZE = 16  # lowered schedules kept (one is a few MB at 128 ranks x 128 micro-batches)
+_LOWERED: dict[Any, Schedule] = {}
+_VALID: dict[Any, Schedule] = {}
+
+
+def _tupled(rows: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(row) for row in rows)
+
+
+def _remember(cache: dict[Any, Schedule], key: Any, value: Schedule) -> None:
+    """Keep ``value`` under ``key``, dropping the oldest entry beyond :data:`_CACHE_SIZE`."""
+    if len(cache) >= _CACHE_SIZE:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def _placement(stage_rank: Sequence[int] | None, stages: int, ranks: int) -> tuple[int, ...]:
@@ -215,27 +260,54 @@ class _Topology:
         return []
 
 
-def _receive_in_send_order(row: list[Action], rows: list[list[Action]], topo: _Topology) -> tuple[Action, ...]:
-    """``row`` with each receive moved up, if needed, behind the receives of the messages its peer sends first."""
+# Per (sending rank, receiving rank), the messages in the order the sender posts them; and each
+# message's place in its pair's order.
+_SendOrder = tuple[dict[tuple[int, int], list[_Message]], dict[_Message, int]]
+
+
+def _send_order(rows: list[list[Action]], topo: _Topology) -> _SendOrder:
+    """Every rank's messages in the order it posts them (:data:`_SendOrder`)."""
     sent: dict[tuple[int, int], list[_Message]] = {}
     for other in rows:
         for a in other:
             if a.kind in ("SF", "SB"):
                 for pair, message in topo.messages(a):
                     sent.setdefault(pair, []).append(message)
-    holder = {message: a for a in row if a.kind in ("RF", "RB") for _, message in topo.messages(a)}
     position = {message: k for messages in sent.values() for k, message in enumerate(messages)}
+    return sent, position
+
+
+def _receive_in_send_order(
+    row: list[Action], rows: list[list[Action]], topo: _Topology, order: _SendOrder | None = None,
+) -> tuple[Action, ...]:
+    """``row`` with each receive moved up, if needed, behind the receives of the messages its peer sends first.
+
+    ``order``: :func:`_send_order` of ``rows``, when the caller has it for every row.
+    """
+    sent, position = order if order is not None else _send_order(rows, topo)
+    holder = {message: a for a in row if a.kind in ("RF", "RB") for _, message in topo.messages(a)}
     out: list[Action] = []
     placed: set[Action] = set()
+    # Per peer pair, how many of its first messages are settled: not received in this row, or received
+    # by an action already placed.  place() on those does nothing, so the scans below start after them
+    # (without this, each receive rescanned every earlier message: quadratic in the micro-batches).
+    settled: dict[tuple[int, int], int] = {}
 
     def place(a: Action, pending: set[Action]) -> None:
         if a in placed or a in pending:  # a cycle of orders: validate names it
             return
         pending.add(a)
         for pair, message in topo.messages(a):
-            for earlier in sent.get(pair, [])[:position.get(message, 0)]:
+            queue = sent.get(pair, [])
+            stop = position.get(message, 0)
+            for k in range(settled.get(pair, 0), stop):
+                earlier = queue[k]
                 if earlier in holder:
                     place(holder[earlier], pending)
+            k = settled.get(pair, 0)
+            while k < stop and (queue[k] not in holder or holder[queue[k]] in placed):
+                k += 1
+            settled[pair] = k
         pending.discard(a)
         out.append(a)
         placed.add(a)

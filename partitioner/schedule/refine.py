@@ -60,7 +60,6 @@ from partitioner.cost.comm import bucket_count, p2p_crosses_nodes
 from partitioner.defaults import splits_backward
 from partitioner.orders import Schedule
 from partitioner.schedule.lower import compute_order, lower
-from partitioner.schedule.simulate import allreduce_buckets
 from partitioner.solve.problem import (
     PartitionProblem,
     ScheduleKind,
@@ -328,10 +327,30 @@ class SplitSimulator:
         return self._rows[key]
 
 
-_F, _B, _BI, _W, _R, _SF, _SB = range(7)  # _B: a whole backward; _BI: the input-gradient part (W follows)
-# Per rank, each action as (code, stage, payload): a receive's payload is the arrival keys it waits
-# for; a send's is (link, arrival key, src stage, dst stage) per message (seconds[src][dst]).
-_Rows = list[list[tuple[int, int, tuple[Any, ...]]]]
+_F, _B, _BI, _W = range(4)  # compute codes; _B: a whole backward; _BI: the input-gradient part (W follows)
+_NONE = -1  # an entry without compute (a receive or a send on its own)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Per rank, its actions in the form :func:`_replay` runs, worked out once per topology.
+
+    An entry fuses what a rank does back to back around one compute: ``(receive,
+    code, stage, sends)``: the numbers of the messages a receive waits for (None:
+    no receive), the compute (:data:`_NONE`: none), and per message sent after it
+    ``(link, message, src stage, dst stage)`` (None: no send; ``seconds[src][dst]``,
+    ``link = src rank x ranks + dst rank``).  ``RF F SF`` is one entry.  Messages
+    are numbered densely so that arrivals and link clocks are lists.
+    """
+
+    rows: tuple[tuple[tuple[Any, ...], ...], ...]
+    messages: int
+    links: int
+    stages_per_rank: int  # most stages any rank holds
+    # Every entry (as :func:`_run_order` gives it), in an order that runs each only after the sends it waits
+    # for (the same for any seconds: who waits for whom is fixed); None: the rows deadlock.
+    order: tuple[tuple[Any, ...], ...] | None = None
+    fan: int = 0  # most messages one receive or send moves
 
 
 class _Deadlock(RuntimeError):
@@ -344,38 +363,98 @@ def compile_rows(
     sends_to: Sequence[Sequence[int]],
     receives_from: Sequence[Sequence[int]],
 ) -> _Rows:
-    """``schedule``'s rows in the form :func:`_replay` runs: the messages' keys worked out once per topology.
+    """``schedule``'s rows in the form :func:`_replay` runs: the messages worked out once per topology.
 
-    Arrival keys: ``((mb x 2 + backward?) x n + src stage) x n + dst stage``; links:
-    ``src rank x ranks + dst rank``.  Only peers on other ranks take messages.
+    A message is (micro-batch, direction, src stage, dst stage), numbered in the
+    order first met; only peers on other ranks take messages.
     """
     n, ranks = len(where), schedule.ranks
     split = schedule.splits_backward
     out_ = [[t for t in sends_to[s] if where[t] != where[s]] for s in range(n)]
     in_ = [[q for q in receives_from[s] if where[q] != where[s]] for s in range(n)]
-    rows: _Rows = []
+    numbers: dict[tuple[int, int, int, int], int] = {}
+
+    def number(message: tuple[int, int, int, int]) -> int:
+        return numbers.setdefault(message, len(numbers))
+
+    codes = {"F": _F, "B": _BI if split else _B, "W": _W}
+    rows: list[tuple[tuple[Any, ...], ...]] = []
     for row in schedule.actions:
-        compiled: list[tuple[int, int, tuple[Any, ...]]] = []
+        entries: list[tuple[Any, ...]] = []
+        # The entry being built: [receive, code, stage, sends]; a new one starts where the order would break.
+        current: list[Any] | None = None
         for a in row:
             s, i = a.stage, a.microbatch
-            if a.kind == "F":
-                compiled.append((_F, s, ()))
-            elif a.kind == "B":
-                compiled.append((_BI if split else _B, s, ()))
-            elif a.kind == "W":
-                compiled.append((_W, s, ()))
-            elif a.kind == "RF":
-                compiled.append((_R, s, tuple(((2 * i) * n + q) * n + s for q in in_[s])))
-            elif a.kind == "RB":
-                compiled.append((_R, s, tuple(((2 * i + 1) * n + t) * n + s for t in out_[s])))
-            elif a.kind == "SF":
-                compiled.append((_SF, s, tuple(
-                    (where[s] * ranks + where[t], ((2 * i) * n + s) * n + t, s, t) for t in out_[s])))
-            else:  # SB: the gradient back to each producer, priced as its forward message
-                compiled.append((_SB, s, tuple(
-                    (where[s] * ranks + where[q], ((2 * i + 1) * n + s) * n + q, q, s) for q in in_[s])))
-        rows.append(compiled)
-    return rows
+            if a.kind in ("RF", "RB"):
+                keys = tuple(number((i, 0, q, s)) for q in in_[s]) if a.kind == "RF" else \
+                    tuple(number((i, 1, t, s)) for t in out_[s])
+                if current is not None:
+                    entries.append(tuple(current))
+                current = [keys, _NONE, s, None]
+            elif a.kind in codes:
+                if current is None or current[1] != _NONE or current[3] is not None:
+                    if current is not None:
+                        entries.append(tuple(current))
+                    current = [None, _NONE, s, None]
+                current[1], current[2] = codes[a.kind], s
+            else:  # SF / SB (the gradient back to each producer, priced as its forward message)
+                sends = tuple((where[s] * ranks + where[t], number((i, 0, s, t)), s, t) for t in out_[s]) \
+                    if a.kind == "SF" else \
+                    tuple((where[s] * ranks + where[q], number((i, 1, s, q)), q, s) for q in in_[s])
+                if current is None or current[3] is not None:
+                    if current is not None:
+                        entries.append(tuple(current))
+                    current = [None, _NONE, s, None]
+                current[3] = sends
+        if current is not None:
+            entries.append(tuple(current))
+        rows.append(tuple(entries))
+    held = [0] * ranks
+    for r in where:
+        held[r] += 1
+    fan = max((len(e[k] or ()) for row in rows for e in row for k in (0, 3)), default=0)
+    return _Rows(tuple(rows), len(numbers), ranks * ranks, max(held, default=1),
+                 _run_order(rows, len(numbers), n), fan)
+
+
+def _run_order(rows: Sequence[Sequence[tuple[Any, ...]]], messages: int, stages: int) -> tuple[tuple[Any, ...], ...] | None:
+    """Every entry of ``rows`` once, each rank's in its order, each receive after the sends it waits for.
+
+    The ranks are swept in turn, each running until a receive waits for a message
+    not yet sent; None when a sweep moves no rank (the rows deadlock).  Entries
+    come out as :func:`_replay` reads them: ``(rank, receive, its message count,
+    compute code, stage, last, sends, their count)``, ``last`` marking a stage's
+    last B (or W where split), whose span its all-reduce overlaps, and each send
+    as ``(link, message, src x stages + dst)``.
+    """
+    final: dict[int, tuple[int, int]] = {}  # stage -> (rank, entry) of its last B or W
+    for r, row in enumerate(rows):
+        for c, (_, code, stage, _) in enumerate(row):
+            if code in (_B, _W):
+                final[stage] = (r, c)
+    sent = [False] * messages
+    cursor = [0] * len(rows)
+    order: list[tuple[Any, ...]] = []
+    remaining = sum(len(row) for row in rows)
+    while remaining:
+        before = remaining
+        for r, row in enumerate(rows):
+            c = cursor[r]
+            while c < len(row):
+                receive, code, stage, sends = row[c]
+                if receive is not None and not all(sent[k] for k in receive):
+                    break
+                flat = None if sends is None else tuple((link, key, a * stages + b) for link, key, a, b in sends)
+                for _, key, _ in flat or ():
+                    sent[key] = True
+                order.append((r, receive, len(receive or ()), code, stage, final.get(stage) == (r, c),
+                              flat, len(flat or ())))
+                c += 1
+            remaining -= c - cursor[r]
+            cursor[r] = c
+        if remaining == before:
+            return None
+    return tuple(order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,81 +471,101 @@ class _Stages:
     message_host_s: float = 0.0  # the rank's own seconds per message sent or received
 
 
-def _replay(rows: _Rows, st: _Stages, *, limit: float = math.inf) -> float:
+def _replay(compiled: _Rows, st: _Stages, *, limit: float = math.inf) -> float:
     """The step time :func:`~partitioner.schedule.simulate.simulate_schedule` would give, by its rules, without events.
 
-    ``rows``: per pipeline rank, from :func:`compile_rows`.  ``inf`` as soon as a
-    rank's clock reaches ``limit`` (the step can only be later still).
+    ``compiled``: from :func:`compile_rows`.  ``inf`` as soon as a rank's clock
+    reaches ``limit`` (the step can only be later still).
+
+    The entries run in :attr:`_Rows.order`: every receive finds its messages
+    sent.  Each rank's clock and each link's queue take their times in the same
+    order as ranks running their rows in turn would, so the step is the same
+    to the last bit (a link carries one rank's sends, in that rank's order).
     """
-    ranks, n = len(rows), len(st.where)
+    order = compiled.order
+    if order is None:
+        raise _Deadlock("the schedule deadlocks in simulation")
+    ranks, n = len(compiled.rows), len(st.where)
     where, forward, weight, seconds, host = st.where, st.forward, st.weight, st.seconds, st.message_host_s
     partial = [b - w for b, w in zip(st.backward, weight, strict=True)]
     whole = st.backward
     clock = [0.0] * ranks
-    cursor = [0] * ranks
-    arrival: dict[int, float] = {}
-    link_free: dict[int, float] = {}
+    arrival = [0.0] * compiled.messages
+    link_free = [0.0] * compiled.links
     last_backward: list[tuple[float, float] | None] = [None] * n  # last B, or W where split
-    remaining = sum(len(r) for r in rows)
-    while remaining:
-        progressed = False
-        for r in range(ranks):
-            row, c, now = rows[r], cursor[r], clock[r]
-            size = len(row)
-            while c < size:
-                kind, s, payload = row[c]
-                if kind == _F:
-                    now += forward[s]
-                elif kind == _B:
-                    took = now + whole[s]
-                    last_backward[s] = (now, took)
-                    now = took
-                elif kind == _BI:
-                    now += partial[s]
-                elif kind == _W:
-                    took = now + weight[s]
-                    last_backward[s] = (now, took)
-                    now = took
-                elif kind == _R:
-                    end = now
-                    for key in payload:
-                        t = arrival.get(key)
-                        if t is None:
-                            break
-                        end = max(end, t)
-                    else:
-                        now = end + host * len(payload)
-                        c += 1
-                        continue
-                    break
-                else:  # a send: posted now, queued behind the link's earlier messages
-                    for link, key, a, b in payload:
-                        free = link_free.get(link, 0.0)
-                        free = max(free, now) + seconds[a][b]
-                        link_free[link] = free
-                        arrival[key] = free
-                    now += host * len(payload)
-                c += 1
-            if c != cursor[r]:
-                if now >= limit:
-                    return math.inf
-                progressed = True
-                remaining -= c - cursor[r]
-                cursor[r], clock[r] = c, now
-        if not progressed:
-            raise _Deadlock("the schedule deadlocks in simulation")
+    seconds_of = (forward, whole, partial, weight)  # by compute code: _F, _B, _BI, _W
+    transfer = [x for row in seconds for x in row]  # [src x stages + dst]
+    hosted = [host * k for k in range(compiled.fan + 1)]  # a rank's own seconds for k messages
+    for r, receive, received, kind, s, last, sends, sent in order:
+        now = clock[r]
+        if receive is not None:
+            for key in receive:
+                t = arrival[key]
+                if t > now:  # noqa: PLR1730 - not max(): a builtin call per message costs a tenth of the replay
+                    now = t
+            now += hosted[received]
+        if kind != _NONE:
+            if last:
+                took = now + seconds_of[kind][s]
+                last_backward[s] = (now, took)
+                now = took
+            else:
+                now += seconds_of[kind][s]
+        if sends is not None:  # posted now, each queued behind its link's earlier messages
+            for link, key, pair in sends:
+                free = link_free[link]
+                if now > free:  # noqa: PLR1730 - as above
+                    free = now
+                free += transfer[pair]
+                link_free[link] = free
+                arrival[key] = free
+            now += hosted[sent]
+        if now >= limit:
+            return math.inf
+        clock[r] = now
     end = max(clock)
     if end >= limit:
         return math.inf  # the all-reduces only add
     spans = [last_backward[s] or (clock[where[s]], clock[where[s]]) for s in range(n)]
     reducing = [-math.inf] * ranks  # a rank's stages all-reduce one after another on its link
+    alone = compiled.stages_per_rank == 1
     for s in sorted(range(n), key=lambda s: (spans[s][1], s)):
-        buckets = allreduce_buckets(*spans[s], allreduce_s=st.allreduce[s], buckets=st.buckets[s],
-                                    after=reducing[where[s]])
-        if buckets:
-            reducing[where[s]] = max(reducing[where[s]], buckets[-1][1])
-            end = max(end, buckets[-1][1])
+        start, stop = spans[s]
+        seconds_s, after = st.allreduce[s], reducing[where[s]]
+        if seconds_s <= 0:
+            continue  # no buckets
+        # The last bucket ends by max(stop, after) + seconds_s, up to rounding: when that cannot move
+        # the step and no later stage of this rank queues behind it, its buckets need no replay.
+        if alone and (max(stop, after) + seconds_s) * (1 + _SLACK * (max(1, st.buckets[s]) + 8)) < end:
+            continue
+        last = _last_bucket_end(start, stop, allreduce_s=seconds_s, buckets=st.buckets[s], after=after)
+        if last > after:
+            reducing[where[s]] = last
+        end = max(end, last)
     return end
+
+
+# Relative rounding _last_bucket_end may add to its exact value, per bucket: each step adds at most
+# one unit in the last place (1.1e-16), and a few more come from each bucket's share and start.
+_SLACK = 1e-15
+
+
+def _last_bucket_end(start: float, stop: float, *, allreduce_s: float, buckets: int, after: float) -> float:
+    """When the last bucket of :func:`~partitioner.schedule.simulate.allreduce_buckets` ends (``allreduce_s > 0``).
+
+    The same arithmetic, in the same order, without building the list.
+
+    >>> _last_bucket_end(0.0, 4.0, allreduce_s=2.0, buckets=2, after=3.5)
+    5.5
+    """
+    count = max(1, buckets)
+    length = stop - start
+    each = allreduce_s / count
+    free = after
+    for k in range(1, count + 1):
+        ready = start + length * k / count
+        free = max(ready, free) + each
+    return free
 
 
 def layer_starts(block_layer: Sequence[int | None], stages: int) -> list[tuple[int, ...]]:

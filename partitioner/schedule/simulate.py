@@ -80,7 +80,13 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from partitioner.cost.comm import Link, bucket_count, message_seconds, p2p_crosses_nodes
-from partitioner.cost.precision import activation_scale, state_bytes
+from partitioner.cost.precision import (
+    activation_scale,
+    gathered_bytes,
+    shard_degree,
+    shard_state_bytes,
+    state_bytes,
+)
 from partitioner.errors import ScheduleError
 from partitioner.orders import Action, Schedule
 from partitioner.plan import Plan
@@ -320,11 +326,15 @@ def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simul
     static memory is :func:`stage_static_bytes`, summed per rank; a
     recomputing stage holds its largest block's activations during each
     backward; buckets default to DDP's ``bucket_cap_mb`` split of each stage's
-    parameters.
+    parameters, and to one for a sharded stage group (its collectives run whole
+    after its last backward, :mod:`partitioner.cost.comm`).
     """
     stages = plan.stages
     if buckets is None:
-        buckets = [bucket_count(st.predicted.parameter_bytes, bucket_cap_mb=plan.bucket_cap_mb) for st in stages]
+        # A sharded group reduce-scatters once after its last backward (torch's pipelining runs FSDP's
+        # post-backward then) and all-gathers with no compute beside it: one exposed piece (cost/comm.py).
+        buckets = [1 if _sharded(plan, st.shard) else
+                   bucket_count(st.predicted.parameter_bytes, bucket_cap_mb=plan.bucket_cap_mb) for st in stages]
     return simulate_schedule(
         plan.schedule_data(),
         forward_s=[st.predicted.forward_s for st in stages],
@@ -391,7 +401,12 @@ def stage_static_bytes(plan: Plan) -> list[float]:
 
     At the plan's precision (:func:`partitioner.cost.precision.state_bytes`); a
     stage's parameter elements are its parameter bytes over the model's bytes
-    per element.
+    per element.  A sharded stage group (``StagePlan.shard``, over ``plan.dp``
+    replicas) holds :func:`~partitioner.cost.precision.shard_state_bytes`, and a
+    fully sharded one its gathered weights and unsharded gradients on top
+    (:func:`~partitioner.cost.precision.gathered_bytes`; with ``reshard_after_forward``,
+    which the planner never chooses, one layer's gathered weights are not counted: the
+    plan does not record its largest layer).
 
     >>> from partitioner.plan import example_plan
     >>> stage_static_bytes(example_plan())  # 64 bytes of fp32 weights, Adam: x 4
@@ -401,11 +416,25 @@ def stage_static_bytes(plan: Plan) -> list[float]:
     states = plan.cost_model.optimizer_states
     m = plan.model
     per_element = m.parameter_bytes / m.parameters if m.parameters else 4.0
-    return [
-        float(state_bytes(precision, states, elements=st.predicted.parameter_bytes / per_element,
-                          model_bytes=st.predicted.parameter_bytes))
-        for st in plan.stages
-    ]
+    out = []
+    for st in plan.stages:
+        nbytes = st.predicted.parameter_bytes
+        elements = nbytes / per_element
+        if not _sharded(plan, st.shard):
+            out.append(float(state_bytes(precision, states, elements=elements, model_bytes=nbytes)))
+            continue
+        shards = shard_degree(st.shard, plan.dp, plan.gpus_per_node)
+        held = shard_state_bytes(precision, states, st.shard, shards, elements=elements, model_bytes=nbytes)
+        if st.shard == "full":
+            held += gathered_bytes(precision, elements=elements, model_bytes=nbytes,
+                                   reshard_after_forward=st.reshard_after_forward)
+        out.append(float(held))
+    return out
+
+
+def _sharded(plan: Plan, shard: str) -> bool:
+    """Does a stage group shard its state (a mode other than "none", over more than one replica)?"""
+    return shard != "none" and plan.dp > 1
 
 
 # ------------------------------------------------------------------ internals

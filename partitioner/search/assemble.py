@@ -62,6 +62,7 @@ from partitioner.solve.problem import (
     stage_costs,
     stage_memory,
     stage_rank_of,
+    within_limit,
 )
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
 
@@ -174,8 +175,26 @@ def _stages(
     )
     recompute = partition.recompute or choose_recompute(problem, partition.stage_of, count, microbatches=m, schedule=kind)
     _, allreduce = stage_costs(problem, partition.stage_of, count, recompute=recompute)
-    latency = allreduce_latencies(problem, count)
+    latency = list(allreduce_latencies(problem, count))
     memory = stage_memory(problem, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute)
+    shard = [solved.shard if dp > 1 else "none"] * count
+    if solved.whole is not None and dp > 1:
+        # Per stage group, DDP where it fits whole with the same recomputation (its bucketed all-reduce
+        # overlaps the last backward); the combination's shard mode elsewhere.
+        whole = solved.whole
+        kept = stage_memory(whole, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute)
+        _, reduce = stage_costs(whole, partition.stage_of, count, recompute=recompute)
+        wait = allreduce_latencies(whole, count)
+        # Every stage holding a tied parameter keeps the combination's mode: the runtime sums a tied
+        # parameter's copies shard for shard, or whole, never one of each (runtime/shard.py).
+        holders: dict[str, set[int]] = {name: set() for name in captured.tied_parameters()}
+        for b, read in enumerate(graph.block_parameters):
+            for name in holders.keys() & set(read):
+                holders[name].add(partition.stage_of[b])
+        pinned = {s for stages in holders.values() if len(stages) > 1 for s in stages}
+        for s in range(count):
+            if s not in pinned and within_limit(kept[s], whole.memory_limit):
+                shard[s], memory[s], allreduce[s], latency[s] = "none", kept[s], reduce[s], wait[s]
     layout = stage_layout(solved.pp, dp)
     # W per stage, and the host seconds a split backward adds to it (problem.split_backward).
     block_forward = [sum(graph.node_forward_s[n] for n in members) / dp for members in graph.blocks]
@@ -231,6 +250,10 @@ def _stages(
             ),
             recompute="full" if recompute[s] else "none",
             allreduce_link="inter" if allreduce_crosses_nodes(rank[s], dp=dp, gpus_per_node=per_node) else "intra",
+            # The problem was priced for the group's shard mode (formulate); one replica shards nothing.
+            # Kept gathered across micro-batches, as torch's pipelining keeps FSDP2 (cost/precision.py).
+            shard=shard[s],
+            reshard_after_forward=False,
         ))
     return tuple(stages)
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from partitioner.cost.precision import static_bytes_per_element
-from partitioner.defaults import SCHEDULES, schedule_chunks, splits_backward
+from partitioner.defaults import SCHEDULES, SHARD_MODES, schedule_chunks, splits_backward
 from partitioner.errors import AutopartitionError, InfeasibleError
 from partitioner.orders import rank_orders, stage_ranks
 from partitioner.plan import Candidate, Plan
@@ -108,6 +108,10 @@ class Solved:
     microbatches: int
     schedule: ScheduleKind
     chunks: int = 1
+    shard: str = "none"  # how the stage groups' replicas hold their state (the problem is priced for it)
+    # Sharded, one stage per rank: the same combination's DDP problem; a stage group that fits whole under it
+    # stays DDP (search.assemble), as a stage keeps its activations where they fit.
+    whole: PartitionProblem | None = None
 
     @property
     def stages(self) -> int:
@@ -115,13 +119,13 @@ class Solved:
 
 
 
-# A combination: (pp, dp, micro-batches, schedule, stages per rank).
-CombinationKey = tuple[int, int, int | None, str | None, int]
+# A combination: (pp, dp, micro-batches, schedule, stages per rank, shard mode).
+CombinationKey = tuple[int, int, int | None, str | None, int, str]
 
 
 
 def combination_key(solved: Solved) -> CombinationKey:
-    return (solved.pp, solved.dp, solved.microbatches, solved.schedule, solved.chunks)
+    return (solved.pp, solved.dp, solved.microbatches, solved.schedule, solved.chunks, solved.shard)
 
 
 
@@ -179,10 +183,12 @@ class Trial:
     bubble: float | None = None  # closed form
     simulated_bubble: float | None = None
     chunks: int = 1  # stages per pipeline rank
+    shard: str = "none"  # the stage groups' shard mode its problem is priced for
+    whole: PartitionProblem | None = None  # sharded: the DDP problem its stages fall back to where they fit
 
     @property
     def key(self) -> CombinationKey:
-        return (self.pp, self.dp, self.microbatches, self.schedule, self.chunks)
+        return (self.pp, self.dp, self.microbatches, self.schedule, self.chunks, self.shard)
 
     @property
     def stages(self) -> int:
@@ -191,7 +197,8 @@ class Trial:
     def solved(self) -> Solved:
         assert self.problem is not None and self.partition is not None
         assert self.microbatches is not None and self.schedule is not None
-        return Solved(self.pp, self.dp, self.problem, self.partition, self.microbatches, self.schedule, self.chunks)
+        return Solved(self.pp, self.dp, self.problem, self.partition, self.microbatches, self.schedule, self.chunks,
+                      self.shard, self.whole)
 
     def simulated(self, draft: Plan) -> None:
         """Record the simulation of its draft plan."""
@@ -201,10 +208,16 @@ class Trial:
 
 
 
+# zbv puts the first and the last stage on one rank; the runtime cannot make a tied parameter two FSDP units there.
+_TIED_IN_A_V = ("zbv holds the first and last stages on one rank, and a tied parameter held by two fully sharded "
+                "stages of one rank cannot be two FSDP units (runtime/shard.py)")
+
+
 def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[list[Trial], list[Solved]]:
     """Every allowed combination as a trial (bounded, screened, refined: see the module docstring)."""
     gpus, batch, limit = options.gpus, options.batch, options.memory_limit
     blocks = len(scaled.blocks)
+    tied = bool(scaled.captured.tied_parameters())
     trials: list[Trial] = []
     pending: list[Trial] = []
     for d in sorted(k for k in range(1, gpus + 1) if gpus % k == 0):
@@ -220,32 +233,55 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
         if p > blocks:
             trials.append(Trial(p, d, options.microbatches, single, "skipped", f"only {blocks} blocks to place"))
             continue
-        state = _state_bound(scaled.problem(d, choices[0]), p)
-        if limit is not None and state > limit:
-            trials.append(Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state))
+        shapes = options.schedule_variants(p, blocks)
+        # Each shard mode's state bound: a mode whose weights, gradients and optimizer state alone cannot
+        # fit takes no part; the shape is infeasible when none fits.
+        modes = list(dict.fromkeys(mode for k, _ in shapes for mode in options.shard_modes(k, d))) or ["none"]
+        whole = _state_bound(scaled.problem(d, choices[0]), p)
+        # Sharding only shrinks the state (cost/precision.py): where DDP's fits, every mode's does.
+        state = {mode: whole if mode == "none" or limit is None or whole <= limit else
+                 _state_bound(scaled.problem(d, choices[0], mode), p) for mode in modes}
+        fitting = [mode for mode in modes if limit is None or state[mode] <= limit]
+        if not fitting:
+            least = min(modes, key=lambda mode: state[mode])
+            trials.append(Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state[least],
+                                shard=least))
             continue
+        trials += [Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state[mode], shard=mode)
+                   for mode in modes if mode not in fitting]  # one row each: what that mode's state needs
         variants = []
-        for k, v in options.schedule_variants(p, blocks):
+        for k, v in shapes:
             if p * v > blocks:  # whatever the micro-batches: one row for the shape
                 trials.append(Trial(p, d, options.microbatches, k, "skipped", f"only {blocks} blocks for {p} x {v} stages",
                                     chunks=v))
             else:
                 variants.append((k, v))
         for m in choices:
-            problem = scaled.problem(d, m)
-            for k, v in variants:
-                why = _cannot_run(k, p, m, v, blocks)
-                if why:
-                    trials.append(Trial(p, d, m, k, "skipped", why, chunks=v))
-                    continue
-                bound = _time_bound(problem, p, m, schedule=k, chunks=v)
-                pending.append(Trial(p, d, m, k, bound=bound, problem=schedule_problem(problem, k, p, v), chunks=v))
+            problem = scaled.problem(d, m)  # DDP's: the bound (compute alone) is every mode's
+            for mode in fitting:
+                for k, v in variants:
+                    if mode not in options.shard_modes(k, d):
+                        continue
+                    if mode == "full" and k == "zbv" and tied:
+                        trials.append(Trial(p, d, m, k, "skipped", _TIED_IN_A_V, chunks=v, shard=mode))
+                        continue
+                    why = _cannot_run(k, p, m, v, blocks)
+                    if why:
+                        trials.append(Trial(p, d, m, k, "skipped", why, chunks=v, shard=mode))
+                        continue
+                    bound = _time_bound(problem, p, m, schedule=k, chunks=v)
+                    # A sharded trial's problem is formulated when it is screened (most are not needed).
+                    own = schedule_problem(problem, k, p, v) if mode == "none" else None
+                    pending.append(Trial(p, d, m, k, bound=bound, problem=own, chunks=v, shard=mode))
     trials += pending
     if not trials:
         raise AutopartitionError(
             f"No pp x dp shape fits --gpus {gpus} with the given --pp/--dp; check the numbers."
         )
-    _screen(pending, options, say=say)
+    _screen(pending, options, scaled, say=say)
+    # A sharded twin of a DDP combination that fits without recomputation is not needed (_needs_shard).
+    trials = [t for t in trials if t.status != _UNNEEDED]
+    pending = [t for t in pending if t.status != _UNNEEDED]
     _refine(pending, options)
     for t in pending:
         _describe(t, options)
@@ -292,14 +328,54 @@ def _time_bound(
 
 
 
-def _screen(pending: list[Trial], options: PlanOptions, *, say: Status) -> None:
-    """Solve each trial with the interval DP, cheapest bound first, until bounds lose to the best found."""
+# A sharded trial left out: its DDP twin fits without recomputation (dropped from the rows).
+_UNNEEDED = "unneeded"
+
+
+
+def _needs_shard(t: Trial, by_key: dict[CombinationKey, Trial]) -> bool:
+    """Is sharding worth solving for ``t``: its DDP twin does not fit, or fits only by recomputing?
+
+    The rule :func:`~partitioner.solve.problem.choose_recompute` applies to
+    activations, applied to the replicas' state: keep it whole (DDP, whose
+    bucketed all-reduce overlaps the last backward) where that fits, shard
+    where it does not (or where only recomputation made it fit).  A
+    ``--shard`` given explicitly is always solved (its trials have no twin).
+    """
+    if t.shard == "none":
+        return True
+    twin = by_key.get((t.pp, t.dp, t.microbatches, t.schedule, t.chunks, "none"))
+    if twin is not None and twin.status == "pruned":
+        return False  # the same bound: pruned alike, one row says so
+    if twin is None or twin.partition is None:
+        return True  # no DDP trial (its state alone does not fit, or --shard), or it did not fit
+    return any(_recompute_of(twin))
+
+
+
+def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, say: Status) -> None:
+    """Solve each trial with the interval DP, cheapest bound first, until bounds lose to the best found.
+
+    A trial's DDP twin is screened before its sharded ones (equal bounds; "none"
+    first), which are solved only where it needs them (:func:`_needs_shard`).
+    """
     found: list[float] = []  # closed forms so far, ascending
     announced: set[tuple[int, int]] = set()
-    for t in sorted(pending, key=lambda t: t.bound):
+    by_key = {t.key: t for t in pending}
+    order: dict[str, int] = {mode: i for i, mode in enumerate(SHARD_MODES)}
+    for t in sorted(pending, key=lambda t: (t.bound, order.get(t.shard, 0))):
+        if not _needs_shard(t, by_key):
+            t.status = _UNNEEDED
+            continue
         if len(found) >= REFINED_CANDIDATES and t.bound >= found[REFINED_CANDIDATES - 1]:
             t.status = "pruned"
             continue
+        if t.problem is None:
+            assert t.microbatches is not None and t.schedule is not None
+            t.problem = schedule_problem(scaled.problem(t.dp, t.microbatches, t.shard), t.schedule, t.pp, t.chunks)
+            # --shard auto, one stage per rank (several share its memory: one mode for them all).
+            if options.shard == "auto" and t.chunks == 1:
+                t.whole = schedule_problem(scaled.problem(t.dp, t.microbatches), t.schedule, t.pp, t.chunks)
         if (t.pp, t.dp) not in announced:
             announced.add((t.pp, t.dp))
             say(f"solving {plural(t.pp, 'stage')} x {plural(t.dp, 'replica')}")
@@ -358,11 +434,18 @@ def _solve_larger_caps(t: Trial, options: PlanOptions) -> Partition | None:
 
 
 def _refine(pending: list[Trial], options: PlanOptions) -> None:
-    """Solve the best few screened trials again with the full solver (down-set DP or ILP)."""
+    """Solve the best few screened trials again with the full solver (down-set DP or ILP).
+
+    Sharded trials keep the interval DP's split: their per-stage collectives make the ILP of a
+    large model run into its time limit (10 s each at 70B, and a result that then depends on
+    how busy the machine is); the simulation-guided refinement still moves their cuts.
+    """
     screened = sorted((t for t in pending if t.partition is not None), key=lambda t: _objective(t))
     for t in screened[:REFINED_CANDIDATES]:
         assert t.problem is not None and t.partition is not None and t.microbatches and t.schedule
         if t.partition.status == "optimal" or t.schedule not in _CLASSIC:  # the ILP knows the GPipe form only
+            continue
+        if t.shard != "none":
             continue
         part = solve(t.problem, stages=t.pp, microbatches=t.microbatches, schedule=t.schedule,
                      time_limit=options.time_limit)
@@ -451,7 +534,8 @@ def best_candidates(trials: list[Trial]) -> list[Solved]:
     kept: list[Trial] = []
     ordered = sorted((t for t in trials if t.partition is not None), key=lambda t: (_objective(t), t.memory or 0.0))
     for t in ordered:
-        if t.pp == 1 and any(k.pp == 1 and (k.dp, k.microbatches) == (t.dp, t.microbatches) for k in kept):
+        if t.pp == 1 and any(k.pp == 1 and (k.dp, k.microbatches, k.shard) == (t.dp, t.microbatches, t.shard)
+                             for k in kept):
             continue
         kept.append(t)
     kept = kept[:SIMULATED_CANDIDATES]
@@ -468,7 +552,9 @@ def candidate_rows(trials: list[Trial], chosen: Trial, options: PlanOptions) -> 
     """Every trial as a report row, with why it lost to ``chosen`` (or ``chosen``)."""
     rows = []
     order: dict[str | None, int] = {k: i for i, k in enumerate(SCHEDULES)}
-    for t in sorted(trials, key=lambda t: (t.dp, t.microbatches or 0, order.get(t.schedule, -1), t.chunks)):
+    modes: dict[str, int] = {mode: i for i, mode in enumerate(SHARD_MODES)}
+    for t in sorted(trials, key=lambda t: (t.dp, t.microbatches or 0, order.get(t.schedule, -1), t.chunks,
+                                           modes.get(t.shard, -1))):
         recomputed = sum(_recompute_of(t)) if t.partition is not None else None
         fields: dict[str, Any] = {
             "pp": t.pp, "dp": t.dp, "step_s": None if t.partition is None else t.partition.objective,
@@ -476,7 +562,7 @@ def candidate_rows(trials: list[Trial], chosen: Trial, options: PlanOptions) -> 
             "microbatches": t.microbatches, "schedule": t.schedule, "recomputed_stages": recomputed,
             "memory_bytes": t.memory,
             "bubble_fraction": t.bubble if t.simulated_bubble is None else t.simulated_bubble,
-            "chunks": t.chunks,
+            "chunks": t.chunks, "shard": t.shard,
         }
         rows.append(Candidate(**{k: v for k, v in fields.items() if k in _CANDIDATE_FIELDS}))
     return tuple(rows)
@@ -505,7 +591,7 @@ def _verdict(t: Trial, chosen: Trial, options: PlanOptions) -> str:
                    f"{format_bytes(t.memory)}){why}"
         return f"does not fit: needs {format_bytes(t.memory)} > {format_bytes(limit)}{why}"
     best = _objective(chosen)
-    if t.pp == chosen.pp == 1 and (t.dp, t.microbatches) == (chosen.dp, chosen.microbatches) \
+    if t.pp == chosen.pp == 1 and (t.dp, t.microbatches, t.shard) == (chosen.dp, chosen.microbatches, chosen.shard) \
             and _objective(t) == best:
         return "same step: one stage runs either schedule alike"
     if t.status == "pruned":
@@ -587,6 +673,9 @@ def infeasible_error(scaled: ScaledCosts, options: PlanOptions, trials: list[Tri
     precision_fix = next((p for p in cheaper if fits(p, may)), None)
     if precision_fix:
         hints.append(f"--precision {precision_fix} it would fit on {gpus} GPUs")
+    if options.shard == "none" and gpus > 1:
+        hints.append("--shard auto (optimizer state or everything sharded across a stage's replicas) the "
+                     "replicas' state may fit")
     if options.recompute == "none" and fits(options.precision, "auto"):
         hints.append(f"--recompute auto (or full) it would fit on {gpus} GPUs")
     elif options.recompute == "none" and not precision_fix:

@@ -22,8 +22,21 @@ import torch
 
 from partitioner.cost.calibration import Calibration
 from partitioner.cost.devices import DEVICES, DeviceSpec, device_spec
-from partitioner.cost.precision import OPTIMIZERS, Precision, check_optimizer, check_precision
-from partitioner.defaults import SCHEDULES, schedule_chunks, splits_backward
+from partitioner.cost.precision import (
+    OPTIMIZERS,
+    Precision,
+    check_optimizer,
+    check_precision,
+    shard_degree,
+    shard_footprint,
+)
+from partitioner.defaults import (
+    SCHEDULES,
+    SHARD_MODES,
+    schedule_chunks,
+    shard_refusal,
+    splits_backward,
+)
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import CaptureMethod
 from partitioner.schedule.refine import REFINE_SIMULATIONS
@@ -94,6 +107,39 @@ class PlanOptions:
     refine_simulations: int = REFINE_SIMULATIONS  # simulated steps of local search per candidate (0: none)
     chunks: int | None = None  # stages per pipeline rank for interleaved-1f1b; None: CHUNK_CHOICES
     calibration: Calibration = dataclasses.field(default_factory=Calibration)  # from a traced run (partitioner.cost.calibration); default: none
+    costed_size: int | None = None  # samples per micro-batch the costs were counted at, where compile chose (else the rule below)
+    shard: str = AUTO  # how stage groups' replicas hold their state: auto (searched) or one of SHARD_MODES
+
+    def shard_modes(self, schedule: str, dp: int) -> tuple[str, ...]:
+        """The shard modes tried for stage groups of ``dp`` replicas under ``schedule``.
+
+        One replica shards nothing ("none"); ``auto`` tries every mode the
+        runtime runs under the schedule (:func:`~partitioner.defaults.shard_refusal`),
+        a fixed ``--shard`` only itself (:func:`check_options` refused the pairs
+        it cannot run).
+
+        >>> o = PlanOptions(gpus=8, batch=8, microbatches=None, schedules=SCHEDULES, spec=DEVICES["h100"],
+        ...     measure=False, local=torch.device("cpu"), memory_limit=None, pp=None, dp=None,
+        ...     capture_method="auto", max_blocks=256, precision="fp32", optimizer="adam",
+        ...     optimizer_states=2, recompute="auto", gpus_per_node=8, bucket_cap_mb=25.0, time_limit=1.0)
+        >>> o.shard_modes("1f1b", 4), o.shard_modes("1f1b", 1)  # optimizer holds less, full moves less
+        (('none', 'optimizer', 'full'), ('none',))
+        >>> dataclasses.replace(o, shard="optimizer").shard_modes("zbv", 8)
+        ('optimizer',)
+        """
+        if dp <= 1:
+            return ("none",)
+        if self.shard != AUTO:
+            return (self.shard,) if shard_refusal(schedule, self.shard) is None else ()
+        modes = [m for m in SHARD_MODES if shard_refusal(schedule, m) is None]
+        # A sharded mode that holds and moves no fewer bytes per parameter than another is never worth
+        # solving (every cost it adds is one of the two times the parameters: shard_footprint).  DDP stays:
+        # its all-reduce overlaps the last backward.
+        cost = {m: shard_footprint(self.precision, self.optimizer_states, m, shard_degree(m, dp, self.gpus_per_node))
+                for m in modes}
+        return tuple(m for m in modes if m == "none" or not any(
+            o != m and o != "none" and cost[o][0] <= cost[m][0] and cost[o][1] <= cost[m][1] for o in modes
+            if SHARD_MODES.index(o) < SHARD_MODES.index(m) or cost[o] != cost[m]))
 
     def schedule_variants(self, pp: int, blocks: int) -> list[tuple[ScheduleKind, int]]:
         """The (schedule, stages per rank) pairs tried with ``pp`` pipeline ranks and ``blocks`` blocks.
@@ -143,6 +189,8 @@ class PlanOptions:
     @property
     def reference_microbatches(self) -> int:
         """M of the micro-batch that is captured and costed (other sizes are scaled from it)."""
+        if self.costed_size is not None:
+            return self.batch // self.costed_size
         if self.microbatches is not None:
             return self.microbatches
         # The smallest micro-batch of two samples or more: small micro-batches are where large
@@ -218,6 +266,7 @@ def check_options(
     recompute: str,
     gpus_per_node: int | None,
     chunks: int | None = None,
+    shard: str = AUTO,
     **resolved: Any,
 ) -> PlanOptions:
     """Check every option (an :class:`AutopartitionError` on the first bad one) and resolve the defaults."""
@@ -255,6 +304,7 @@ def check_options(
                 "or a schedule that recomputes (gpipe, 1f1b, interleaved-1f1b)."
             )
         kinds = tuple(k for k in kinds if not splits_backward(k))  # --recompute full: they cannot take part
+    kinds = _check_shard(kinds, shard, fixed=schedule != AUTO)
     if "interleaved-1f1b" in kinds and micro is not None and pp is not None and micro % pp:
         per_replica = batch // (dp or gpus // pp)
         works = [m for m in range(pp, per_replica + 1, pp) if per_replica % m == 0]
@@ -286,8 +336,37 @@ def check_options(
         precision=check_precision(precision), optimizer=check_optimizer(optimizer),
         optimizer_states=OPTIMIZERS[optimizer] if optimizer_states is None else optimizer_states,
         recompute=next(m for m in RECOMPUTE_MODES if m == recompute),  # narrows str to RecomputeMode
-        gpus_per_node=gpus_per_node or default_gpus_per_node(gpus),
+        gpus_per_node=gpus_per_node or default_gpus_per_node(gpus), shard=shard,
         **resolved,
+    )
+
+
+
+def _check_shard(kinds: tuple[ScheduleKind, ...], shard: str, *, fixed: bool) -> tuple[ScheduleKind, ...]:
+    """The schedules a fixed ``--shard`` mode runs under; an error naming why and what works where none does.
+
+    >>> _check_shard(("gpipe", "1f1b"), "full", fixed=False), _check_shard(SCHEDULES, "auto", fixed=False) == SCHEDULES
+    (('gpipe', '1f1b'), True)
+    """
+    if shard != AUTO and shard not in SHARD_MODES:
+        raise AutopartitionError(
+            f"Unknown --shard {shard!r}; choose auto (the planner picks per stage group), none (every replica "
+            "holds its stage whole: DDP), optimizer (optimizer state sharded across the replicas) or full "
+            "(weights, gradients and optimizer state sharded: FSDP2)."
+        )
+    if shard == AUTO:
+        return kinds
+    allowed = tuple(k for k in kinds if shard_refusal(k, shard) is None)
+    if allowed:
+        return allowed  # under --schedule auto the refused schedules take no part
+    kind = kinds[0]
+    works = [k for k in SCHEDULES if shard_refusal(k, shard) is None]
+    modes = [m for m in SHARD_MODES if shard_refusal(kind, m) is None]
+    where = f"--schedule {kind}" if fixed else "any schedule allowed here"
+    raise AutopartitionError(
+        f"--shard {shard} cannot run with {where}: {shard_refusal(kind, shard)}. "
+        f"--shard {shard} runs with --schedule {' or '.join(works) or '(none yet)'}; "
+        f"--schedule {kind} runs with --shard {' or '.join(modes)} (or --shard auto, which keeps to those)."
     )
 
 

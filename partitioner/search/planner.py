@@ -153,6 +153,7 @@ def compile(
     recompute: str = "auto",
     gpus_per_node: int | None = None,
     chunks: int | None = None,
+    shard: str = "auto",
     calibration: Calibration | str | Path | None = None,
     remeasure: bool = False,
 ) -> Plan:
@@ -164,7 +165,8 @@ def compile(
     optimizer's count); ``recompute`` ("auto", "none", "full") whether stages may
     recompute activations; ``gpus_per_node`` (default: up to 8) the node layout
     that picks each link; ``chunks`` the stages per pipeline rank of
-    ``interleaved-1f1b`` (default: 2 and 4 are tried).  With ``loss_fn`` and ``target`` (one mini-batch of
+    ``interleaved-1f1b`` (default: 2 and 4 are tried); ``shard`` ("auto", "none", "optimizer",
+    "full") how each stage group's replicas hold their state (auto: searched with the rest).  With ``loss_fn`` and ``target`` (one mini-batch of
     targets) the loss's cost is charged to the last stage, which computes it.
     ``calibration`` (a :class:`~partitioner.cost.calibration.Calibration` or its
     file, from ``autopartition calibrate``) scales every node time and charges
@@ -180,7 +182,7 @@ def compile(
     options = check_options(
         gpus=gpus, batch=batch, microbatches=microbatches, schedule=schedule, pp=pp, dp=dp,
         precision=precision, optimizer=optimizer, optimizer_states=optimizer_states, recompute=recompute,
-        gpus_per_node=gpus_per_node, chunks=chunks, spec=spec, measure=measure, local=local,
+        gpus_per_node=gpus_per_node, chunks=chunks, shard=shard, spec=spec, measure=measure, local=local,
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
         refine_simulations=refine_simulations,
@@ -191,13 +193,15 @@ def compile(
     micro = microbatch_inputs(example_inputs, batch // reference)
     say(f"capturing {type(model).__name__} ({capture_method})")
     try:
-        captured = capture(model, micro, method=capture_method, call=call)
-        propagate_values(captured.graph_module, micro)
+        captured, micro = _capture(model, example_inputs, micro, call, options)
     except CaptureError as exc:  # the model may fail on its own inputs: then no capture advice applies
         failure = forward_failure(model, micro, call=call)
         if failure is None:
             raise
         raise failure from exc
+    if batch_size_of(micro) != batch // reference:  # costed at one sample: every size scales from it
+        options = dataclasses.replace(options, costed_size=batch_size_of(micro))
+        reference = options.reference_microbatches
     nodes = len(compute_nodes(captured.graph_module))
     say(f"captured {nodes} compute nodes with {captured.method}")
 
@@ -251,6 +255,53 @@ def compile(
         stage_code=stage_codes(captured, plan),
         block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
     )
+
+
+
+def _capture(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    micro: tuple[torch.Tensor, ...],
+    call: CallSpec,
+    options: PlanOptions,
+) -> tuple[CapturedModel, tuple[torch.Tensor, ...]]:
+    """The graph costs are counted on, its values propagated, and the inputs it was captured at.
+
+    An exported graph is specialised to its micro-batch size, and a plan for
+    another size needs that size's graph: a second export, as long as the first
+    (20 s for Llama 3 405B here).  Models built on ``meta`` (too large to run
+    here, planned for many GPUs) end up at one sample per micro-batch, so where
+    those are among the candidates (``microbatches="auto"``) and costs are counted
+    (FLOPs and bytes, linear in the samples), such a model that only export
+    captures is exported at one sample and costed there: the likely winner's
+    graph is the costed one, its costs exact, and other sizes scale from it.
+    (Measured costs stay at two samples or more: one sample's times are mostly
+    per-op overhead, which does not scale; and a model with real weights is
+    small enough to export again.)  A model that cannot be exported at one
+    sample is captured at ``micro`` as before.
+    """
+    large = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if large and options.microbatches is None and not options.measure \
+            and options.capture_method != "symbolic_trace" and batch_size_of(micro) > 1:
+        traced: CapturedModel | None = None
+        if options.capture_method == "auto":  # the route auto takes first, shape-generic: keep it where it works
+            try:
+                traced = capture(model, micro, method="symbolic_trace", call=call)
+            except CaptureError:
+                traced = None
+        if traced is not None:
+            propagate_values(traced.graph_module, micro)
+            return traced, micro
+        one = microbatch_inputs(example_inputs, 1)
+        try:
+            captured = capture(model, one, method="export", call=call)
+            propagate_values(captured.graph_module, one)
+            return captured, one
+        except AutopartitionError:
+            pass  # e.g. a BatchNorm that needs two samples to train: at ``micro`` below, as before
+    captured = capture(model, micro, method=options.capture_method, call=call)
+    propagate_values(captured.graph_module, micro)
+    return captured, micro
 
 
 
@@ -374,7 +425,7 @@ def _refine_in_simulation(
                       time_limit=options.time_limit, use_ilp=False)
         starts = [*([] if other is None else [other.stage_of]), *layer_starts(_block_layers(captured, graph), c.stages)]
         found = refine_split(c.problem, c.partition.stage_of, c.stages, microbatches=c.microbatches,
-                             schedule=c.schedule, model=_step_model(graph, c.problem, c.dp, options),
+                             schedule=c.schedule, model=_step_model(graph, c.problem, c.dp, options, shard=c.shard),
                              budget=options.refine_simulations, alternatives=starts)
         before = drafts[key].predicted.step_s
         after, moves = before, 0
@@ -417,8 +468,12 @@ def _block_layers(captured: CapturedModel, graph: GraphCosts) -> list[int | None
 
 
 
-def _step_model(graph: GraphCosts, problem: PartitionProblem, dp: int, options: PlanOptions) -> StepModel:
-    """Per-block forward seconds and parameter bytes (for DDP buckets), as :func:`partitioner.search.assemble._stages` prices a stage."""
+def _step_model(graph: GraphCosts, problem: PartitionProblem, dp: int, options: PlanOptions, *,
+                shard: str = "none") -> StepModel:
+    """Per-block forward seconds and parameter bytes (for DDP buckets), as :func:`partitioner.search.assemble._stages` prices a stage.
+
+    A sharded group's collectives are one piece after its last backward (no buckets: cost/comm.py).
+    """
     last = len(graph.blocks) - 1
     forward = tuple(
         (sum(graph.node_forward_s[n] for n in members) + (graph.loss_s[0] if b == last else 0.0)) / dp
@@ -429,7 +484,7 @@ def _step_model(graph: GraphCosts, problem: PartitionProblem, dp: int, options: 
         for name in names:
             readers.setdefault(name, []).append(b)
     parameters = tuple((float(graph.parameter_bytes[name]), tuple(blocks)) for name, blocks in readers.items())
-    return StepModel(forward, parameters, options.bucket_cap_mb)
+    return StepModel(forward, parameters, options.bucket_cap_mb if shard == "none" or dp <= 1 else 0.0)
 
 
 
@@ -462,7 +517,7 @@ def _choose(
         except AutopartitionError as exc:
             why = f"cannot be planned at {plural(size, 'sample')} per micro-batch: {exc}"
             say(f"skipping every combination of {plural(size, 'sample')} per micro-batch: {exc}")
-            for (_, dp, microbatches, _, _), trial in trials.items():
+            for (_, dp, microbatches, *_), trial in trials.items():
                 if microbatches is not None and options.batch // (dp * microbatches) == size \
                         and trial.status not in ("skipped", "infeasible", "pruned"):
                     trial.status, trial.reason, trial.partition = "skipped", why, None

@@ -45,15 +45,19 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from partitioner.cost.comm import Link, bucket_share, link
+from partitioner.cost.comm import Link, bucket_share, link, shard_step_seconds
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.nodecost import NodeCost, predicted_times
 from partitioner.cost.precision import (
     activation_scale,
     check_precision,
     compute_dtype,
+    gathered_bytes,
     gradient_bytes,
+    shard_degree,
+    shard_state_bytes,
     state_bytes,
+    weight_bytes,
 )
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
 from partitioner.graph.ir import KIND_KEY, VALUE_KEY, ValueInfo, node_parameters
@@ -336,6 +340,7 @@ def formulate(
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     gpus_per_node: int | None = None,
     recompute: str = "none",
+    shard: str = "none",
 ) -> PartitionProblem:
     """The solver's problem for ``dp`` replicas per stage (any number of stages).
 
@@ -343,8 +348,18 @@ def formulate(
     bytes are scaled to it here.  ``gpus_per_node`` (``None``: one node) and
     ``recompute`` ("none", "full" or "auto") are carried to the solver, which
     picks the intra- or inter-node prices and the recomputation per stage.
+    ``shard``: how every stage group's replicas hold their state ("none": DDP;
+    "optimizer"; "full", kept gathered across micro-batches): static bytes per
+    :func:`~partitioner.cost.precision.shard_state_bytes` (plus, "full", the
+    gathered weights and unsharded gradients, :func:`~partitioner.cost.precision.gathered_bytes`),
+    and ``allreduce_s`` the mode's collectives per step
+    (:func:`~partitioner.cost.comm.shard_step_seconds`: no buckets, the latency
+    in the stage's fixed term, as a ring all-reduce's ``2 (D-1)``).
     """
     check_precision(precision)
+    if shard not in ("none", "optimizer", "full"):
+        raise ValueError(f"shard is {shard!r}, expected none, optimizer or full")
+    sharded = shard != "none" and dp > 1
     scale = 1.0 / dp
     intra, inter = link(spec), link(spec, inter_node=True)
     readers: dict[str, list[int]] = {}
@@ -360,7 +375,17 @@ def formulate(
         elements = graph.parameter_elements.get(p, nbytes / 4)
         held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=nbytes)
         grads = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
-        fast, slow = (_allreduce(grads, dp, on, bucket_cap_mb) for on in (intra, inter))
+        if sharded:
+            shards = shard_degree(shard, dp, gpus_per_node)  # HSDP across nodes: the collectives priced over dp
+            held = shard_state_bytes(precision, optimizer_states, shard, shards, elements=elements, model_bytes=nbytes)
+            if shard == "full":
+                held += gathered_bytes(precision, elements=elements, model_bytes=nbytes)
+            held_weights = weight_bytes(precision, elements=elements, model_bytes=nbytes)
+            gathered = weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True)
+            fast, slow = (shard_step_seconds(shard, dp, on, gradient_bytes=grads, weight_bytes=held_weights,
+                                             gathered_bytes=gathered) for on in (intra, inter))
+        else:
+            fast, slow = (_allreduce(grads, dp, on, bucket_cap_mb) for on in (intra, inter))
         if len(blocks) == 1:
             static[blocks[0]] += held
             allreduce[blocks[0]] += fast

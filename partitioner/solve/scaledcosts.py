@@ -71,7 +71,7 @@ class ScaledCosts:
         self.split = split or SplitOverhead(0.0, 0.0)  # what a split backward adds per parameter-reading node
         self.calibration = calibration or Calibration()  # node times x scale, + action_s per compute action
         self._graphs: dict[int, GraphCosts] = {}
-        self._problems: dict[tuple[int, int], PartitionProblem] = {}  # formulated once per (dp, M)
+        self._problems: dict[tuple[int, int, str], PartitionProblem] = {}  # once per (dp, M, shard)
 
     def at(self, microbatches: int) -> GraphCosts:
         """Costs of one micro-batch when the mini-batch is split into ``microbatches`` (at dp = 1)."""
@@ -96,22 +96,23 @@ class ScaledCosts:
             self._graphs[microbatches] = graph
         return self._graphs[microbatches]
 
-    def problem(self, dp: int, microbatches: int, **changes: Any) -> PartitionProblem:
+    def problem(self, dp: int, microbatches: int, shard: str = "none", **changes: Any) -> PartitionProblem:
         """The solver's problem for ``dp`` replicas and ``microbatches``, with the options' settings.
 
         ``changes`` override formulate's keywords (``precision``, ``recompute``, ``memory_limit``...).
+        ``shard``: how the stage groups' replicas hold their state (``formulate``'s).
         """
-        if not changes and (dp, microbatches) in self._problems:
-            return self._problems[dp, microbatches]
+        if not changes and (dp, microbatches, shard) in self._problems:
+            return self._problems[dp, microbatches, shard]
         o = self.options
         kwargs: dict[str, Any] = {
             "spec": o.spec, "memory_limit": o.memory_limit, "precision": o.precision,
             "optimizer_states": o.optimizer_states, "bucket_cap_mb": o.bucket_cap_mb,
-            "gpus_per_node": o.gpus_per_node, "recompute": o.recompute, **changes,
+            "gpus_per_node": o.gpus_per_node, "recompute": o.recompute, "shard": shard, **changes,
         }
         problem = formulate(self.at(microbatches), dp=dp, **kwargs)
         if not changes:
-            self._problems[dp, microbatches] = problem
+            self._problems[dp, microbatches, shard] = problem
         return problem
 
 

@@ -155,9 +155,10 @@ def run_crash_job(
     ``marker``: a file the victim writes when it is mid-save; the test then sends it SIGKILL.
     Returns the exit codes (negative: killed by that signal; None: still running at ``limit_s``).
     """
-    import torch.multiprocessing as mp
+    from runtime.verify import start_ranks
 
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    context = start_ranks(fn, args, nprocs, join=False)
+    assert context is not None
     processes = context.processes
     deadline = time.monotonic() + limit_s
     killed_at: float | None = None

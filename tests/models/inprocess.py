@@ -2,6 +2,8 @@
 
 Inputs take the planned structure (tuple, dict of keywords or ``(args, kwargs)``) and are
 flattened by the plan's call spec exactly as :meth:`runtime.Pipeline.step` does.
+:func:`whole_model_step` is the reference: the unpartitioned model over the same
+micro-batches; :func:`assert_matches_whole_model` compares a run with it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from partitioner.graph.capture import CallSpec, model_loss
 from partitioner.graph.ir import dtype_from_name
 from partitioner.plan import Plan
 from runtime.comm import RecvSpec, Work
@@ -24,7 +28,7 @@ from runtime.execute import StepRunner
 from runtime.replicate import share_tied_parameters
 from runtime.stage import build_local_stages, call_spec
 
-__all__ = ["run_stages"]
+__all__ = ["assert_matches_whole_model", "run_stages", "whole_model_step"]
 
 _TIMEOUT = 30.0
 _Key = tuple[int, int, int]
@@ -136,3 +140,45 @@ def run_stages(
     loss = results[last]
     assert loss is not None
     return loss, grads
+
+
+def whole_model_step(
+    build: Callable[[], nn.Module], inputs: Any, target: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, microbatches: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The unpartitioned model over the plan's micro-batches (dp = 1): the loss and gradients a pipeline step gives.
+
+    Each micro-batch's loss is divided by ``microbatches`` before its backward and the
+    losses are summed, as ``StepRunner`` does; batch statistics are therefore per micro-batch.
+    Without ``loss_fn`` the model's output carries the loss.  Gradients by parameter name
+    (the parameters that got one).
+    """
+    call, flat = CallSpec.of(inputs)
+    torch.manual_seed(0)
+    whole, size, total = build(), flat[0].shape[0] // microbatches, torch.zeros(())
+    for mb in range(microbatches):
+        part = slice(mb * size, (mb + 1) * size)
+        args, kwargs = call.rebuild([x[part] for x in flat])
+        outputs = whole(*args, **kwargs)
+        if loss_fn is None:
+            loss = model_loss(outputs)
+        else:
+            loss = loss_fn(outputs, pytree.tree_map(lambda t, part=part: t[part] if isinstance(t, torch.Tensor) else t, target))
+        assert loss is not None, "the model's output carries no loss"
+        (loss / microbatches).backward()
+        total += loss.detach() / microbatches
+    return total, {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
+
+
+def assert_matches_whole_model(
+    plan: Plan, build: Callable[[], nn.Module], inputs: Any, target: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None, got: tuple[torch.Tensor, dict[str, torch.Tensor]], *,
+    tolerance: float, label: str = "",
+) -> None:
+    """``got`` (loss, gradients of one step, e.g. :func:`run_stages`') equals :func:`whole_model_step`, to ``tolerance``."""
+    loss, grads = got
+    want, expected = whole_model_step(build, inputs, target, loss_fn, microbatches=plan.microbatches)
+    torch.testing.assert_close(loss, want, rtol=0, atol=tolerance, msg=label or None)
+    assert grads.keys() == expected.keys(), (label, sorted(grads.keys() ^ expected.keys()))
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=tolerance, msg=f"{label}: {name}")

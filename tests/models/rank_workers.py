@@ -28,9 +28,10 @@ def spawn_and_wait(fn: Any, nprocs: int, args: tuple[Any, ...], *, limit_s: floa
     Returns every rank's exit code (None for a rank still running at the limit; such
     ranks are then killed).
     """
-    import torch.multiprocessing as mp
+    from runtime.verify import start_ranks
 
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    context = start_ranks(fn, args, nprocs, join=False)
+    assert context is not None
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline and any(p.is_alive() for p in context.processes):
         time.sleep(0.05)
@@ -180,3 +181,8 @@ def api_worker(
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def environment_worker(rank: int, variable: str, out_dir: str) -> None:
+    """Write ``variable``'s value in this rank's environment and the rank's process id to ``rank{R}.txt``."""
+    (Path(out_dir) / f"rank{rank}.txt").write_text(f"{os.environ.get(variable)} {os.getpid()}")

@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
 from runtime.stage import call_spec
-from runtime.verify import free_port, reference_microbatches
+from runtime.verify import free_port, reference_microbatches, start_ranks
 
 __all__ = ["Differences", "compare_with_reference", "train_plans"]
 
@@ -44,6 +43,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]], steps
     for k, (plan_dir, spec) in enumerate(jobs):
         plan = Plan.load(plan_dir)
         model_file = load_model_file(spec)
+        assert model_file.example_target is not None, spec
         torch.manual_seed(0)
         pipe = Pipeline(plan, model_file.build(), model_file.loss_fn, device=torch.device("cpu"), timeout=60.0)
         inputs, target = model_file.example_inputs(plan.batch_size), model_file.example_target(plan.batch_size)
@@ -72,8 +72,7 @@ def train_plans(jobs: Sequence[tuple[Path, str]], *, steps: int) -> list[list[di
     assert len(worlds) == 1, f"plans for different rank counts in one spawn: {worlds}"
     world = worlds.pop()
     with tempfile.TemporaryDirectory(prefix="schedules-") as out:
-        mp.start_processes(_worker, args=(world, free_port(), [(str(d), s) for d, s in jobs], steps, out),
-                           nprocs=world, start_method="spawn")
+        start_ranks(_worker, (world, free_port(), [(str(d), s) for d, s in jobs], steps, out), world)
         return [[torch.load(Path(out) / f"job{k}_rank{r}.pt", weights_only=True) for r in range(world)]
                 for k in range(len(jobs))]
 
@@ -95,6 +94,7 @@ class Differences:
 def compare_with_reference(plan: Plan, spec: str, ranks: list[dict[str, Any]]) -> Differences:
     """Replay the recorded steps with the whole model (micro-batched like the plan) and compare."""
     model_file = load_model_file(spec)
+    assert model_file.example_target is not None and model_file.loss_fn is not None, spec
     torch.manual_seed(0)
     model = model_file.build()
     params = dict(model.named_parameters(remove_duplicate=False))

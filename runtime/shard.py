@@ -1,0 +1,313 @@
+"""Sharded replicas: a stage group's state split over its replicas, by torch's own engines.
+
+The plan gives every stage a shard mode (``StagePlan.shard``,
+:data:`partitioner.defaults.SHARD_MODES`); ZeRO's stages (Rajbhandari et al.,
+SC 2020, section 5) name them:
+
+* ``none``: every replica holds the whole state; DDP or the
+  :class:`runtime.replicate.ReplicaReducer` averages the gradients.
+* ``optimizer`` (ZeRO-1, P_os): gradients are averaged exactly as under
+  ``none``; the optimizer state is split over the group by
+  ``torch.distributed.optim.ZeroRedundancyOptimizer``, which steps only the
+  parameters this replica owns and broadcasts them to the others after the
+  step.  Built by :meth:`runtime.Pipeline.optimizer`.  Chosen over FSDP2 for this
+  mode because it leaves parameters and gradients whole: every schedule (a split
+  backward, several stages per rank), tied weights and clipping run unchanged,
+  and the memory is ZeRO-1's (weights and gradients whole, Adam's state / d:
+  ``8 + 8/d`` bytes per parameter under bf16-mixed, whose weights are fp32), not
+  FSDP2's (which would also shard the parameters between steps).
+* ``full`` (ZeRO-3, P_os+g+p): the stage module is wrapped by FSDP2's
+  ``fully_shard`` over a 1-D ``DeviceMesh`` of the stage group; its parameters
+  become ``DTensor`` shards, so any torch optimizer over
+  :meth:`runtime.Pipeline.parameters` holds sharded state.  Across the
+  micro-batches of a step gradients are accumulated unreduced and
+  reduce-scattered once, after the step's last backward, as torch's own
+  pipelining drives FSDP2 (``torch/distributed/pipelining/stage.py``:
+  ``backward_maybe_with_nosync`` and ``perform_reduce_grad``).
+  Replicas spanning several nodes shard inside a node and replicate across
+  (HSDP, a 2-D mesh: :func:`shard_layout`).
+  ``reshard_after_forward`` False keeps the gathered parameters from the first
+  forward of a step to the end of its last backward (one all-gather and one
+  reduce-scatter per step, as torchtitan under pipeline parallelism); True frees
+  them after every forward and backward (an all-gather in each, ZeRO-3's memory).
+  Under a split backward (``zb-h1``) parameters stay gathered from a B to the
+  end of the step (W reads them later).  One FSDP unit per stage: the whole
+  stage is gathered at once, in the parameters' dtype (no FSDP mixed-precision
+  policy: bf16-mixed is autocast), and its gradients are accumulated whole
+  through the step.  A model built on meta is materialised straight into
+  shards (:func:`fill_shards`): each module is initialised whole, one at a
+  time, and only this replica's part of its parameters is kept, so a fully
+  sharded rank never holds its whole stage at start-up.
+
+One pipeline rank runs one mode on all of its stages (one process group serves
+them).  A tied parameter's copies on several pipeline ranks are summed shard for
+shard when every stage holding it is ``full`` (:mod:`runtime.replicate`); a
+``full`` copy beside a whole one, or two ``full`` stages of one rank holding it
+(one parameter, two FSDP units), are refused.  :func:`shard_refusal` says why a plan
+cannot run, before any rank builds anything.
+
+Example (which mode a rank runs)::
+
+    >>> from partitioner.plan import example_plan
+    >>> rank_shard_mode(example_plan(), 0)
+    'none'
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner.cost.precision import shard_degree
+from partitioner.defaults import shard_refusal as _schedule_refusal
+from partitioner.errors import ScheduleError
+from partitioner.plan import Plan
+
+__all__ = [
+    "ShardUnit",
+    "ShardedStep",
+    "build_optimizer",
+    "check_shard_plan",
+    "fill_shards",
+    "plain_tensor",
+    "rank_shard_mode",
+    "shard_layout",
+    "shard_modules",
+    "shard_of",
+    "shard_refusal",
+    "shardable_on_meta",
+    "stage_meshes",
+]
+
+
+def rank_shard_mode(plan: Plan, pipeline_rank: int) -> str:
+    """The shard mode pipeline rank ``pipeline_rank`` runs (``none`` without replicas: nothing to split)."""
+    modes = {plan.stages[s].shard for s in plan.stages_of(pipeline_rank)}
+    if plan.dp == 1 or not modes:
+        return "none"
+    return min(modes) if len(modes) == 1 else "mixed"
+
+
+def shard_refusal(plan: Plan) -> str | None:
+    """Why the runtime cannot run ``plan``'s shard modes (None: it can), with what works instead."""
+    kind = plan.schedule
+    for st in plan.stages:
+        why = _schedule_refusal(kind, st.shard)
+        if why is not None:
+            return (f"stage {st.index} is planned with shard={st.shard!r} under schedule {kind!r}, which {why}. "
+                    "Re-plan with shard 'none' for that schedule, or with a schedule that runs it "
+                    "(1f1b, gpipe).")
+    for p in range(plan.pp):
+        modes = {plan.stages[s].shard for s in plan.stages_of(p)}
+        if len(modes) > 1:
+            return (f"pipeline rank {p} holds stages {list(plan.stages_of(p))} with different shard modes "
+                    f"{sorted(modes)}: one process group serves all stages of a rank, so give them one mode.")
+    if plan.dp > 1:
+        for t in plan.tied:
+            full = [s for s in t.stages if plan.stages[s].shard == "full"]
+            if full and len(full) < len(t.stages):
+                other = next(s for s in t.stages if s not in full)
+                return (f"the tied parameter {t.name} lives in fully sharded stage {full[0]} and in stage {other}, "
+                        f"planned {plan.stages[other].shard!r}: its copies are summed shard for shard, so every "
+                        "stage holding it must be 'full', or none of them.")
+            ranks = [plan.stages[s].rank for s in full]
+            if len(set(ranks)) < len(ranks):
+                return (f"the tied parameter {t.name} is held by fully sharded stages {full} on one pipeline rank: "
+                        "one parameter cannot be two FSDP units. Plan those stages 'optimizer' or 'none', or "
+                        "a schedule with one stage per rank.")
+    return None
+
+
+def check_shard_plan(plan: Plan) -> None:
+    """Raise :class:`ScheduleError` (bad input) when the runtime cannot run ``plan``'s shard modes."""
+    why = shard_refusal(plan)
+    if why is not None:
+        raise ScheduleError(f"The plan cannot run: {why}")
+
+
+class ShardUnit(nn.Module):
+    """One stage's runnable as one FSDP2 unit.
+
+    ``fully_shard`` swaps the class of the module it wraps; wrapping this holder
+    rather than the stage's ``fx.GraphModule`` keeps the graph module's own class,
+    which the split backward recompiles (:func:`runtime.meetings.mark_meetings`).
+    The stage's parameters stay registered under their names in the graph module,
+    as ``DTensor`` shards between steps.
+    """
+
+    def __init__(self, runnable: nn.Module) -> None:
+        super().__init__()
+        self.runnable = runnable
+
+    def forward(self, *args: Any) -> Any:
+        return self.runnable(*args)
+
+
+def shard_layout(plan: Plan, pipeline_rank: int) -> tuple[int, int]:
+    """(replicate, shard): how pipeline rank ``pipeline_rank``'s ``full`` replicas split their state.
+
+    One node holds them all, or the plan has no nodes: ``(1, dp)``, every replica a
+    shard (FSDP).  They span whole nodes of ``gpus_per_node`` (``dp`` a multiple of it;
+    replicas are consecutive ranks, so each node holds ``gpus_per_node`` of them):
+    ``(dp / gpus_per_node, gpus_per_node)``, HSDP: sharded inside a node, the nodes
+    replicas of each other (gradients all-reduced across them after the reduce-scatter
+    inside), as torchtitan's ``dp_replicate x dp_shard`` mesh.
+
+    >>> from partitioner.plan import example_plan
+    >>> shard_layout(example_plan(), 0)
+    (1, 1)
+    """
+    shards = shard_degree("full", plan.dp, plan.gpus_per_node)  # the planner's rule, so its memory is ours
+    return plan.dp // shards, shards
+
+
+def stage_meshes(plan: Plan, rank: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
+    """This rank's FSDP2 mesh (None unless its stages are ``full``); every rank must call it (groups).
+
+    1-D over the stage group, or 2-D ``(replicate, shard)`` (:func:`shard_layout`), whose
+    process groups every rank creates in one order, as torch.distributed requires.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pipeline_rank = plan.rank_layout()[rank][0]
+    mine: Any = None
+    for p in range(plan.pp):
+        replicate, shard = shard_layout(plan, p)
+        if rank_shard_mode(plan, p) != "full" or replicate == 1:
+            continue
+        grid = [[p * plan.dp + k * shard + j for j in range(shard)] for k in range(replicate)]
+        rows = [dist.new_group(row) for row in grid]
+        columns = [dist.new_group([row[j] for row in grid]) for j in range(shard)]
+        if p == pipeline_rank:
+            k, j = next((k, row.index(rank)) for k, row in enumerate(grid) if rank in row)
+            mine = DeviceMesh.from_group([columns[j], rows[k]], device.type, mesh=grid,
+                                         mesh_dim_names=("replicate", "shard"))
+    if mine is None and group is not None and rank_shard_mode(plan, pipeline_rank) == "full":
+        mine = DeviceMesh.from_group(group, device.type, mesh_dim_names=("shard",))
+    return mine
+
+
+def shard_modules(
+    runnables: Sequence[nn.Module], reshard_after_forward: Sequence[bool], mesh: Any,
+) -> tuple[nn.Module, ...]:
+    """Each stage's runnable as a :class:`ShardUnit` under FSDP2's ``fully_shard`` over ``mesh``.
+
+    The replicas must hold equal parameters first (each keeps only its shard of its own copy).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    units = []
+    for runnable, reshard in zip(runnables, reshard_after_forward):
+        unit = ShardUnit(runnable)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        units.append(unit)
+    return tuple(units)
+
+
+def shardable_on_meta(modules: Sequence[nn.Module]) -> bool:
+    """Whether ``modules`` can be materialised straight into shards: every parameter on meta, none a scalar."""
+    params = [p for m in modules for p in m.parameters()]
+    return bool(params) and all(p.is_meta and p.dim() >= 1 for p in params)
+
+
+def shard_of(value: torch.Tensor, *, dp: int, replica: int) -> torch.Tensor:
+    """Replica ``replica``'s part of a whole parameter, as FSDP2's ``Shard(0)`` over ``dp`` cuts it (a copy)."""
+    pieces = torch.chunk(value.detach(), dp, dim=0)  # detached: a view of a Parameter would keep it alive
+    if replica < len(pieces):
+        return pieces[replica].clone()
+    return value.new_empty((0, *value.shape[1:]))
+
+
+def fill_shards(units: Sequence[nn.Module], modules: Sequence[nn.Module], values: dict[str, torch.Tensor],
+                device: torch.device) -> None:
+    """Give FSDP2 units built on meta their storage and this rank's values.
+
+    ``values``: name in the stage modules -> this replica's shard of a parameter,
+    or a whole buffer (:func:`runtime.materialise.materialised_values`).  Buffers
+    that were real already are kept (``to_empty`` would drop them).
+    """
+    from torch.distributed.tensor import DTensor
+
+    from partitioner.errors import InternalError
+
+    real = [{n: b.detach().clone() for n, b in m.named_buffers() if not b.is_meta} for m in modules]
+    for unit in units:
+        unit.to_empty(device=device)
+    with torch.no_grad():
+        for module, kept in zip(modules, real):
+            for name, param in module.named_parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                value = values[name]
+                if tuple(local.shape) != tuple(value.shape):
+                    raise InternalError(f"{name}: FSDP2 holds a shard of shape {tuple(local.shape)} here, the "
+                                        f"materialised one is {tuple(value.shape)}")
+                local.copy_(value)
+            for name, buffer in module.named_buffers():
+                buffer.copy_(kept[name] if name in kept else values[name])
+
+
+class ShardedStep:
+    """Drives this rank's fully sharded stages through a step as torch's pipelining does.
+
+    :meth:`begin` before the step's first action: backwards accumulate unreduced
+    gradients (no reduce-scatter per micro-batch).  :meth:`end` after its last:
+    one reduce-scatter per stage, averaged over the replicas, parameters
+    resharded for the optimizer.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], reshard_after_forward: Sequence[bool], *,
+                 splits_backward: bool) -> None:
+        self._modules = list(modules)
+        # Between micro-batches: reshard after a backward only where forwards reshard too (ZeRO-3);
+        # a split backward's W runs after its B, so it keeps them gathered to the end of the step.
+        self._between = [bool(r) and not splits_backward for r in reshard_after_forward]
+
+    def begin(self) -> None:
+        for module, reshard in zip(self._modules, self._between):
+            module.set_is_last_backward(False)  # type: ignore[operator]
+            module.set_reshard_after_backward(reshard)  # type: ignore[operator]
+            module.set_requires_gradient_sync(False)  # type: ignore[operator]
+
+    def end(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in self._modules:
+            module.set_is_last_backward(True)  # type: ignore[operator]
+            module.set_reshard_after_backward(True)  # type: ignore[operator]
+            module.set_requires_gradient_sync(True)  # type: ignore[operator]
+            # Our actions call autograd themselves (B and W apart, or one backward per micro-batch), so the
+            # step's post-backward runs here, once: FSDP2's per-group post_backward reduce-scatters the
+            # accumulated gradients, and the root's final callback waits for them and reshards
+            # (torch/distributed/pipelining/stage.py, perform_reduce_grad, does the same).
+            state = fully_shard.state(module)  # type: ignore[attr-defined]
+            for inner in state._state_ctx.all_states:
+                for group in inner._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+
+
+def build_optimizer(
+    params: Iterable[nn.Parameter], optimizer_class: type[torch.optim.Optimizer], *, mode: str,
+    group: dist.ProcessGroup | None, **defaults: Any,
+) -> torch.optim.Optimizer:
+    """``optimizer_class`` over ``params``; under ``optimizer`` mode its state split over ``group`` (ZeRO-1)."""
+    params = list(params)
+    if mode != "optimizer" or group is None:
+        return optimizer_class(params, **defaults)
+    with warnings.catch_warnings():  # torch.distributed.optim warns on import (torch.jit.interface) about itself
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group, **defaults)
+
+
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A sharded ``DTensor`` gathered whole (collective over its mesh); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value

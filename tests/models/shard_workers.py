@@ -1,0 +1,155 @@
+"""Rank entry point and one-process reference for the sharded-replica tests (tests/test_shard_runtime.py).
+
+``shard_worker`` runs several cases in one job (one spawn of the ranks): for each,
+a :class:`runtime.Pipeline` over a saved plan whose stages carry a shard mode,
+``STEPS`` AdamW steps (the optimizer built with ``pipe.optimizer`` or, the old
+way, over ``pipe.parameters()``), optionally ``clip_grad_norm_`` and an
+``eval_step`` before each optimizer step; it records losses, norms, the whole trained state and how the state was
+held (optimizer class, parameter types, local sizes) into ``<out>/<case>-rank<R>.pt``.
+A case may save a checkpoint after training (``save``) or resume from one before
+(``load``: then it trains ``steps``, by default 1).  ``reference`` trains the whole model in this process the way the pipeline
+computes it: the same micro-batches, each loss scaled by ``1 / (M x dp)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from partitioner.modelfile import load_model_file
+from partitioner.plan import Plan
+from partitioner.search.planner import compile
+
+__all__ = ["LR", "STEPS", "plan_sharded", "reference", "shard_worker"]
+
+STEPS = 3
+LR = 1e-3
+
+
+def plan_sharded(
+    spec: str, directory: Path, *, schedule: str, shard: str | tuple[str, ...], reshard_after_forward: bool = False,
+    pp: int = 2, dp: int = 2, microbatches: int = 2, batch: int = 8, recompute: str = "none",
+    gpus_per_node: int | None = None,
+) -> Plan:
+    """Plan ``spec`` (predicted h100 costs: deterministic), give every stage ``shard`` (a tuple: one per
+    stage) and ``recompute`` (``gpus_per_node``: nodes of that many ranks), save it into ``directory``."""
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    plan = compile(model_file.build(), model_file.example_inputs(batch), gpus=pp * dp, pp=pp, dp=dp,
+                   microbatches=microbatches, schedule=schedule, device="h100")
+    modes = shard if isinstance(shard, tuple) else (shard,) * len(plan.stages)
+    assert len(modes) == len(plan.stages), (modes, len(plan.stages))
+    stages = tuple(dataclasses.replace(s, shard=m, reshard_after_forward=reshard_after_forward and m == "full",
+                                       recompute=recompute) for s, m in zip(plan.stages, modes))
+    plan = dataclasses.replace(plan, stages=stages)
+    if gpus_per_node is not None:
+        plan = dataclasses.replace(plan, gpus_per_node=gpus_per_node)
+    plan.save(directory)
+    return plan
+
+
+def shard_worker(rank: int, world: int, port: int, spec: str, out_dir: str, cases: list[dict[str, Any]]) -> None:
+    """Run every case in turn (see the module docstring); a case that raises records its error."""
+    import torch.distributed as dist
+
+    from runtime.pipeline import Pipeline
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    for case in cases:
+        result: dict[str, Any] = {"losses": [], "norms": [], "error": None}
+        try:
+            model_file = load_model_file(case.get("spec", spec))
+            plan = Plan.load(case["plan"])
+            torch.manual_seed(0)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                pipe = Pipeline(plan, model_file.build(), model_file.loss_fn, device=torch.device("cpu"),
+                                timeout=60)
+                opt = (pipe.optimizer(torch.optim.AdamW, lr=LR) if case.get("optimizer") == "pipe"
+                       else torch.optim.AdamW(pipe.parameters(), lr=LR))
+                if case.get("load"):  # resume: model and optimizer state saved under another plan
+                    result["loaded_step"] = pipe.load_checkpoint(case["load"], optimizer=opt)
+                inputs = model_file.example_inputs(plan.batch_size)
+                target = model_file.example_target(plan.batch_size)  # type: ignore[misc]
+                for _ in range(case.get("steps", STEPS)):
+                    opt.zero_grad()
+                    loss = pipe.step(inputs, target)
+                    result["losses"].append(None if loss is None else float(loss))
+                    if case.get("clip") is not None:
+                        result["norms"].append(float(pipe.clip_grad_norm_(case["clip"])))
+                    if case.get("eval"):  # between backward and optimizer step: the next forward must see the step
+                        evaluated = pipe.eval_step(inputs, target)
+                        result.setdefault("eval_losses", []).append(None if evaluated is None else float(evaluated))
+                    opt.step()
+            if case.get("save"):
+                pipe.save_checkpoint(case["save"], optimizer=opt, step=STEPS)
+            result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+            result["optimizer"] = type(opt).__name__
+            result["runtime_modules"] = sorted({type(x).__name__ for m in pipe._runnables for x in m.modules()})
+            result["parameter_types"] = sorted({type(p).__name__ for p in pipe.parameters()})
+            result["local_numel"] = sum(_local(p).numel() for p in pipe.parameters())
+            result["whole_numel"] = sum(p.numel() for p in pipe.parameters())
+            if case.get("mesh"):  # the FSDP2 mesh's dimensions: name -> size
+                mesh = next(p.device_mesh for p in pipe.parameters())
+                result["mesh"] = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
+            result["state"] = {k: v.detach().float().clone() for k, v in pipe.state_dict().items()}
+            if case.get("optimizer") == "pipe" and hasattr(opt, "consolidate_state_dict"):
+                # ZeRO-1: this replica holds Adam state for its share of the parameters only.
+                result["optimizer_states"] = len(opt.optim.state)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            result["traceback"] = traceback.format_exc()
+        torch.save(result, Path(out_dir) / f"{case['name']}-rank{rank}.pt")
+        if result["error"] is not None and not case.get("expect_error"):
+            break  # the others would wait for this rank in a collective: stop the job
+        dist.barrier()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def reference(
+    spec: str, *, dp: int, microbatches: int, batch: int = 8, clip: float | None = None, steps: int = STEPS
+) -> dict[str, Any]:
+    """The pipeline's training on the whole model in one process: losses, norms and the trained state."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: a reduction split over threads sums in another order
+    try:
+        model_file = load_model_file(spec)
+        torch.manual_seed(0)
+        model: nn.Module = model_file.build()
+        inputs = model_file.example_inputs(batch)
+        target = model_file.example_target(batch)  # type: ignore[misc]
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        size = batch // (dp * microbatches)
+        losses: list[float] = []
+        norms: list[float] = []
+        for _ in range(steps):
+            opt.zero_grad()
+            total = []
+            for lo in range(0, batch, size):
+                loss = model_file.loss_fn(model(*(x[lo : lo + size] for x in inputs)), target[lo : lo + size])
+                (loss / (dp * microbatches)).backward()
+                total.append(loss.detach() / (dp * microbatches))
+            losses.append(float(torch.stack(total).sum()))
+            if clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            opt.step()
+        return {"losses": losses, "norms": norms,
+                "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()}}
+    finally:
+        torch.set_num_threads(threads)
