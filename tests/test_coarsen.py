@@ -177,3 +177,30 @@ def test_empty_graph_has_no_blocks() -> None:
 
     gm = _graph(Nothing(), (torch.randn(2, 3),), "symbolic_trace")
     assert coarsen(gm, max_blocks=4) == []
+
+
+class _ShiftRight(torch.nn.Module):
+    """Hugging Face's ``shift_tokens_right`` pattern: a base, a write into a view of it, the base read after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)  # (B, 8)
+        shifted = torch.zeros_like(h)
+        shifted[:, 1:].copy_(h[:, :-1])
+        return self.b(shifted)
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_a_write_into_a_view_stays_with_its_base(method: str) -> None:
+    """A view sent to another stage arrives as a tensor of its own: the write would never reach the base."""
+    captured = capture(_ShiftRight(), (torch.randn(4, 8),), method=method)
+    blocks = coarsen(captured.graph_module, max_blocks=100)
+    block_of = {name: b for b, names in enumerate(blocks) for name in names}
+    nodes = list(captured.graph_module.graph.nodes)
+    base = next(n.name for n in nodes if "zeros_like" in str(n.target))
+    write = next(n.name for n in nodes if "setitem" in str(n.target) or "copy_" in str(n.target))
+    assert block_of[base] == block_of[write], blocks
+    assert len(blocks) > 2  # the rest still splits

@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from partitioner.graph.ir import VALUE_KEY, ValueInfo, compute_nodes, module_path
 
@@ -63,7 +63,48 @@ def _cuttable(nodes: list[fx.Node], position: dict[str, int]) -> list[bool]:
             blocked_until = max(blocked_until, last)
         if k < blocked_until:
             ok[k] = False
+    # A write into a view of a tensor (``shifted[:, 1:] = ...``, then reads of ``shifted``) must see its base
+    # in the same stage: a view sent to another stage arrives as a tensor of its own, and the write would
+    # not reach the base.  No cut from the base to the last such write.
+    for k, node in enumerate(nodes):
+        target: Any = node.args[0] if _writes_in_place(node) and node.args else None
+        if not hasattr(target, "op"):
+            continue
+        base: Any = target
+        while _op_name(base) in _VIEWS and base.args and hasattr(base.args[0], "op"):
+            base = base.args[0]
+        if base is not target and base.name in position:
+            for j in range(position[base.name], k):
+                ok[j] = False
     return ok
+
+
+# Ops whose output may share its first argument's storage (a superset: a reshape that copies only
+# blocks a few more cuts where a write follows).
+_VIEWS = frozenset({
+    "view", "_unsafe_view", "view_as", "reshape", "slice", "select", "narrow", "expand", "expand_as", "unsqueeze",
+    "squeeze", "transpose", "permute", "t", "as_strided", "alias", "diagonal", "unfold", "getitem", "__getitem__",
+    "flatten", "unflatten", "split", "chunk", "unbind", "movedim", "swapaxes", "detach",
+})
+_IN_PLACE_OPERATORS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv"})
+
+
+def _op_name(node: Any) -> str:
+    """``slice`` for ``aten.slice.Tensor``, the method's or function's name otherwise."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return ""
+    text = str(node.target)
+    if text.startswith("aten."):
+        return text.split(".")[1]
+    return str(getattr(node.target, "__name__", text))
+
+
+def _writes_in_place(node: Any) -> bool:
+    """Does ``node`` write into its first argument (``masked_fill_``, ``copy_``, ``x[i] = v``, ``x += y``)?"""
+    name = _op_name(node)
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS
 
 
 def _runs(keys: list[tuple[str, ...]], cuttable: list[bool]) -> list[list[int]]:
