@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 import re
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "MIB",
     "SIZE_HELP",
     "byte_unit",
+    "env_seconds",
     "format_bytes",
     "format_count",
     "format_ms",
@@ -167,3 +169,25 @@ def _three_digits(value: float) -> str:
     if round(value, 1) < 100:
         return f"{value:.1f}"
     return f"{value:.0f}"
+
+
+def env_seconds(name: str, default: float, *, what: str, example: float, zero: bool = False) -> float:
+    """Seconds from environment variable ``name`` (``default`` when unset), positive (or 0 with ``zero``).
+
+    ``what`` says what the seconds are for, in the error a bad value gets.
+
+    >>> env_seconds("AUTOPARTITION_UNSET_EXAMPLE", 30.0, what="to wait", example=60)
+    30.0
+    """
+    from partitioner.errors import AutopartitionError
+
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value >= 0 if zero else value > 0):
+        raise AutopartitionError(f"{name}={text!r}: give the seconds {what}, e.g. {name}={example:g}.")
+    return value

@@ -57,18 +57,10 @@ DEFAULT_TIMEOUT_S = 300.0
 def rank_timeout(timeout: float | None = None) -> float:
     """Seconds a rank waits for a peer: ``timeout`` if given, else ``$AUTOPARTITION_TIMEOUT``, else 300."""
     from partitioner.errors import AutopartitionError
+    from partitioner.units import env_seconds
 
     if timeout is None:
-        text = os.environ.get(TIMEOUT_ENV)
-        if text is None:
-            return DEFAULT_TIMEOUT_S
-        try:
-            timeout = float(text)
-        except ValueError:
-            timeout = -1.0
-        if not timeout > 0:
-            raise AutopartitionError(f"{TIMEOUT_ENV}={text!r}: give the seconds a rank waits for its peers, "
-                                     f"e.g. {TIMEOUT_ENV}=600.")
+        return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, what="a rank waits for its peers", example=600)
     if not timeout > 0:
         raise AutopartitionError(f"timeout={timeout!r}: give the seconds a rank waits for its peers (> 0).")
     return float(timeout)

@@ -48,7 +48,7 @@ from types import FrameType
 
 from partitioner.errors import AutopartitionError
 from partitioner.plan import Plan
-from partitioner.units import plural
+from partitioner.units import env_seconds, plural
 from runtime.failure import (
     FAILURE_DIR_ENV,
     describe_exit,
@@ -114,17 +114,8 @@ def _supervised_command(args: Sequence[str], script: Sequence[str], job: Path) -
 
 
 def _grace() -> float:
-    text = os.environ.get(GRACE_ENV)
-    if text is None:
-        return _DEFAULT_GRACE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise AutopartitionError(f"{GRACE_ENV}={text!r}: give the seconds to wait for the ranks after a signal, "
-                                 f"e.g. {GRACE_ENV}=30.")
-    return value
+    return env_seconds(GRACE_ENV, _DEFAULT_GRACE_S, what="to wait for the ranks after a signal", example=30,
+                       zero=True)
 
 
 def run_plan(plan_dir: str, torchrun_args: Sequence[str], script: Sequence[str]) -> int:

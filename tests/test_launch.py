@@ -478,3 +478,13 @@ def test_the_excepthook_records_an_uncaught_error_and_still_prints_it(tmp_path: 
     assert done.returncode == 1 and "ValueError: lr must be > 0" in done.stderr
     [r] = read_records(tmp_path)
     assert (r.rank, r.type, r.message, r.kind) == (0, "ValueError", "lr must be > 0", "error")
+
+
+def test_stop_grace_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime import launch
+
+    monkeypatch.setenv("AUTOPARTITION_STOP_GRACE", "0")
+    assert launch._grace() == 0.0  # 0: kill at once
+    monkeypatch.setenv("AUTOPARTITION_STOP_GRACE", "-1")
+    with pytest.raises(AutopartitionError, match="AUTOPARTITION_STOP_GRACE='-1': give the seconds to wait"):
+        launch._grace()
