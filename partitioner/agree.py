@@ -10,7 +10,8 @@ ranks running different splits compute a wrong loss or hang.  Two guards:
   (never a pickled ``Plan``) under a key of the job's store, without waiting
   for anyone; any other rank that calls ``compile()`` waits for that key and
   loads the plan.  An error on rank 0 is published too and raised on the
-  ranks waiting for it.  So both usual patterns work: every rank calls
+  ranks waiting for it; rank 0 lingers up to :data:`ERROR_LINGER_S` for them
+  to read it, since outside torchrun rank 0's process hosts the store.  So both usual patterns work: every rank calls
   ``compile()``, or rank 0 alone compiles and saves, every rank waits at a
   barrier, then every rank calls ``Plan.load``.  The n-th ``compile()`` call
   of a rank gets rank 0's n-th plan.
@@ -42,12 +43,16 @@ from partitioner import errors
 from partitioner.errors import AutopartitionError, InternalError
 from partitioner.plan import Plan
 
-__all__ = ["COMPILE_WAIT_S", "INFORMATIONAL_FIELDS", "in_process_group", "plan_digest", "plan_sections",
+__all__ = ["COMPILE_WAIT_S", "ERROR_LINGER_S", "INFORMATIONAL_FIELDS", "in_process_group", "plan_digest", "plan_sections",
            "solved_on_rank0"]
 
 # How long the other ranks wait for rank 0's plan (torch's own default for gloo collectives).
 # Read at each call, so a test can shorten it.
 COMPILE_WAIT_S = 1800.0
+# How long rank 0 keeps its failed compile() from raising while the other ranks read the error:
+# outside torchrun (mp.spawn, env:// init) rank 0's process hosts the store, and a rank that
+# arrives after it exited would see only "connection reset".  Ends as soon as all have read.
+ERROR_LINGER_S = 10.0
 _STORE_PREFIX = "compile/"
 # This process's compile() calls in the current process group: call n reads rank 0's n-th plan,
 # so several compiles in one job never collide; a new group (a new store) counts from 0 again.
@@ -124,10 +129,30 @@ def _compile_on_rank0(build: Callable[[], Plan]) -> Plan:
             plan = build()
         except BaseException as exc:  # published for the waiting ranks, then raised here
             _publish(store, key, {"error": [type(exc).__name__, str(exc)]})
+            _linger_until_read(store, key)
             raise
         _publish(store, key, {"plan": plan.to_json()})
         return plan  # rank 0 keeps its own, block graph and all
-    return _received(_wait_for(store, key, call))
+    payload = _wait_for(store, key, call)
+    if "error" in payload:
+        store.add(key + _READ_SUFFIX, 1)  # lets rank 0 stop lingering
+    return _received(payload)
+
+
+_READ_SUFFIX = "/error-read"
+
+
+def _linger_until_read(store: dist.Store, key: str) -> None:
+    """Wait (at most :data:`ERROR_LINGER_S`) until every other rank has read rank 0's error."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return  # torchrun's agent hosts the store: it outlives this process
+    others = dist.get_world_size() - 1
+    deadline = time.monotonic() + ERROR_LINGER_S
+    try:
+        while store.add(key + _READ_SUFFIX, 0) < others and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except RuntimeError:
+        pass  # the store is gone: nothing left to wait for; the original error is raised
 
 
 def _next_call() -> int:

@@ -65,7 +65,10 @@ def plan_file_worker(rank: int, world: int, port: int, plan_dirs: list[str], mod
 def compile_worker(
     rank: int, world: int, port: int, model_spec: str, out_dir: str, options: dict[str, Any], slow_rank: int
 ) -> None:
-    """Every rank calls ``partitioner.compile(**options)`` inside the process group, then runs one step."""
+    """Every rank calls ``partitioner.compile(**options)`` inside the process group, then runs one step.
+
+    ``options["late_s"]`` (popped) makes every rank but 0 arrive that many seconds late.
+    """
     import torch.distributed as dist
 
     from partitioner.modelfile import load_model_file
@@ -81,6 +84,9 @@ def compile_worker(
         model_file = load_model_file(model_spec)
         torch.manual_seed(0)
         batch = options.pop("batch")
+        if rank != 0:
+            time.sleep(options.pop("late_s", 0.0))
+        options.pop("late_s", None)
         plan = compile(model_file.build(), model_file.example_inputs(batch), **options)
         (out / f"rank{rank}.json").write_text(plan.to_json())
         _train_step(plan, model_file, rank, out)
