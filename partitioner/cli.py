@@ -207,6 +207,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="how each stage group's replicas hold their state: auto (chosen with pp, dp and the "
                         "schedule), none (whole on every replica: DDP), optimizer (optimizer state sharded), "
                         "full (weights, gradients and optimizer state sharded: FSDP2) (default auto)")
+    parser.add_argument("--tp", type=_microbatches, default=1, metavar="auto|N",
+                        help="GPUs per tensor-parallel group, inside a node: auto (searched with pp and dp over the "
+                        "divisors of --gpus-per-node the model's heads and widths allow) or N (default 1: the "
+                        "runtime does not run tensor-parallel plans yet; they are planned and priced)")
     parser.add_argument("--gpus-per-node", type=_positive_int, metavar="K",
                         help="GPUs per node, a divisor of N: links between nodes are slower "
                         "(default: the largest divisor of N up to 8)")
@@ -297,6 +301,8 @@ def _verify_parser() -> argparse.ArgumentParser:
                         help="give up after S seconds (default: the verifier's)")
     parser.add_argument("--dtype", choices=("float32", "float64"),
                         help="precision of both runs (default float32, tolerance 1e-5; float64: 1e-10)")
+    parser.add_argument("--engine", choices=("ours", "torch"), default="ours",
+                        help="what runs the stages: ours (default) or torch (torch.distributed.pipelining's schedules)")
     return parser
 
 
@@ -323,6 +329,9 @@ def _run_parser() -> argparse.ArgumentParser:
                         help="initial weights: model.safetensors, a directory with it or a sharded index, or a "
                         "torch.distributed.checkpoint directory; each rank reads only its stages' tensors "
                         f"(passed as {_WEIGHTS_ENV}, which Pipeline reads when not given weights=)")
+    parser.add_argument("--engine", choices=("ours", "torch"),
+                        help="what runs the stages: ours (default) or torch (torch.distributed.pipelining's "
+                        "schedules); passed as AUTOPARTITION_ENGINE, which Pipeline reads when not given engine=")
     return parser
 
 
@@ -370,6 +379,7 @@ def _plan(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
             chunks=args.chunks,
             shard=args.shard,
+            tp=args.tp,
             calibration=args.calibration,
             loss_fn=model_file.loss_fn,
             target=model_file.example_target(batch) if model_file.example_target else None,
@@ -565,6 +575,8 @@ def _verify(args: argparse.Namespace) -> int:
         options["timeout"] = args.timeout
     if args.dtype is not None:
         options["dtype"] = args.dtype
+    if args.engine != "ours":
+        options["engine"] = args.engine
     from runtime.failure import RankFailure
 
     try:
@@ -607,7 +619,8 @@ def _run(args: list[str]) -> int:
         from runtime.launch import run_plan
     except ImportError as exc:
         return _runtime_missing("run", "runtime.launch.run_plan", exc)
-    return run_plan(parsed.plan, torchrun_args, script)
+    engine = {} if parsed.engine is None else {"engine": parsed.engine}  # else each rank's own default
+    return run_plan(parsed.plan, torchrun_args, script, **engine)
 
 
 # ----------------------------------------------------------------- helpers

@@ -113,6 +113,10 @@ class StagePrediction:
     recompute_s: float = 0.0  # recomputation forward, part of backward_s (recomputing stages)
     recompute_peak_bytes: float = 0.0  # one block's activations, live again during each backward
     weight_s: float = 0.0  # the weight-gradient (W) share of backward_s, for schedules that split it
+    # Tensor-parallel collectives inside forward_s + backward_s (plan.tp > 1; partitioner.cost.tensorparallel).
+    tp_comm_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
+    # shard "full" with reshard_after_forward (ZeRO-3): its gathered FSDP2 units' bytes, part of memory_bytes.
+    gathered_bytes: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +135,9 @@ class StagePlan:
     allreduce_link: str = "intra"  # the link its replicas' gradient all-reduce crosses
     rank: int = 0  # the pipeline rank (0 .. pp - 1) holding this stage; several with chunks > 1
     shard: str = dataclasses.field(default="none", metadata={ADDED_IN_VERSION: 3})  # one of STAGE_SHARD
-    # shard "full" only: free the gathered parameters after each forward (ZeRO-3 memory, an all-gather per
-    # micro-batch and backward) rather than keep them gathered from the first forward to the last backward.
+    # shard "full" only: ZeRO-3 (one FSDP2 unit per layer, freed after each forward and backward, gradients
+    # reduce-scattered after every micro-batch's backward) rather than the stage kept gathered from the first
+    # forward to the last backward with its gradients accumulated whole (runtime/shard.py).
     reshard_after_forward: bool = dataclasses.field(default=False, metadata={ADDED_IN_VERSION: 3})
 
 
@@ -281,6 +286,19 @@ class Plan:
     optimizer: str = "adam"  # partitioner.cost.precision.OPTIMIZERS; its states: cost_model.optimizer_states
     gpus_per_node: int | None = None  # node of rank r: r // gpus_per_node; None: one node
     chunks: int = 1  # stages per pipeline rank (interleaved-1f1b: v; zbv: 2)
+    # GPUs per tensor-parallel group (gpus = pp x dp x tp); with tp > 1 each entry of a stage's ``ranks`` is a
+    # group: global ranks ``g x tp .. g x tp + tp - 1``, inside one node.  Planned and priced, not run yet.
+    tp: int = dataclasses.field(default=1, metadata={ADDED_IN_VERSION: 3})
+
+    @property
+    def group_gpus_per_node(self) -> int | None:
+        """Tensor-parallel groups per node (``gpus_per_node`` when tp = 1): what stage ranks are laid out on."""
+        return None if self.gpus_per_node is None else max(1, self.gpus_per_node // self.tp)
+
+    @property
+    def shard_gpus_per_node(self) -> int | None:
+        """What ``full`` sharding is confined to: a node (HSDP, tp = 1); None with tp > 1 (FSDP across nodes)."""
+        return None if self.tp > 1 else self.gpus_per_node
 
     @property
     def microbatch_size(self) -> int:
@@ -493,8 +511,12 @@ def _check_layout(plan: Plan) -> None:
     """Stages, ranks and action rows agree: pp x chunks stages, chunks per pipeline rank."""
     if plan.chunks < 1 or plan.pp < 1 or plan.dp < 1:
         raise ValueError(f"plan has pp={plan.pp}, dp={plan.dp}, chunks={plan.chunks}; each must be at least 1")
-    if plan.gpus != plan.pp * plan.dp:
-        raise ValueError(f"plan.gpus is {plan.gpus}, expected pp x dp = {plan.pp} x {plan.dp} = {plan.pp * plan.dp}")
+    if plan.tp < 1 or (plan.tp > 1 and plan.gpus_per_node is not None and plan.gpus_per_node % plan.tp):
+        raise ValueError(f"plan.tp is {plan.tp}, expected a divisor of gpus_per_node ({plan.gpus_per_node})")
+    if plan.gpus != plan.pp * plan.dp * plan.tp:
+        shape = f"pp x dp = {plan.pp} x {plan.dp}" if plan.tp == 1 else \
+            f"pp x dp x tp = {plan.pp} x {plan.dp} x {plan.tp}"
+        raise ValueError(f"plan.gpus is {plan.gpus}, expected {shape} = {plan.pp * plan.dp * plan.tp}")
     if plan.gpus_per_node is not None and plan.gpus % plan.gpus_per_node:
         raise ValueError(f"plan.gpus_per_node is {plan.gpus_per_node}, which does not divide plan.gpus ({plan.gpus})")
     if len(plan.stages) != plan.pp * plan.chunks:

@@ -69,6 +69,7 @@ __all__ = [
 FAILURE_DIR_ENV = "AUTOPARTITION_FAILURE_DIR"
 _CONTEXT = "_autopartition_context"  # attribute on an exception: {"stage": ..., "time": ...}
 _RECORDED = "_autopartition_recorded"
+_PROVISIONAL = "_autopartition_recorded_provisionally"  # holds the record's path
 _KINDS = ("error", "died", "timeout", "peer")  # order of preference for the first cause
 # Messages that say this rank only saw another rank fail (gloo, NCCL, our PeerFailure).
 _PEER_TEXT = re.compile(
@@ -233,10 +234,15 @@ def make_record(exc: BaseException, *, rank: int | None = None) -> FailureRecord
     )
 
 
-def record_failure(exc: BaseException, *, rank: int | None = None, directory: str | Path | None = None) -> Path | None:
+def record_failure(
+    exc: BaseException, *, rank: int | None = None, directory: str | Path | None = None, provisional: bool = False
+) -> Path | None:
     """Write ``exc``'s record to ``directory`` (default ``$AUTOPARTITION_FAILURE_DIR``); once per exception and rank.
 
     Returns the file, or None when there is no directory or this rank already wrote one.
+    ``provisional``: written where the error leaves our API, before its traceback reaches
+    the user's frames; recording the same exception again (uncaught, at the entry point)
+    replaces it with the fuller record.
     """
     where = directory if directory is not None else os.environ.get(FAILURE_DIR_ENV)
     if not where or getattr(exc, _RECORDED, False):
@@ -245,13 +251,13 @@ def record_failure(exc: BaseException, *, rank: int | None = None, directory: st
     folder = Path(where)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank{record.rank}.json"
-    if path.exists():  # the first error of a rank is its cause
+    if path.exists() and getattr(exc, _PROVISIONAL, None) != str(path):  # the first error of a rank is its cause
         return None
     temporary = folder / f".rank{record.rank}.{os.getpid()}.tmp"
     temporary.write_text(json.dumps(dataclasses.asdict(record), indent=1))
     temporary.replace(path)  # readers never see half a record
     with _suppress():
-        setattr(exc, _RECORDED, True)
+        setattr(exc, _PROVISIONAL if provisional else _RECORDED, str(path) if provisional else True)
     return path
 
 
@@ -282,7 +288,12 @@ class _suppress:
 
 
 def reports_failures(method: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Decorator for Pipeline entry points: notes this rank's stages and the time on what they raise."""
+    """Decorator for Pipeline entry points: notes this rank's stages and the time on what they raise, and records it.
+
+    Recorded as it leaves our API, not only when uncaught: a script that catches the
+    error, prints it and calls ``sys.exit(2)`` (as ``examples/train_gpt.py`` does) still
+    leaves its cause for the launcher, which would otherwise see only an exit code.
+    """
 
     @functools.wraps(method)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -292,6 +303,8 @@ def reports_failures(method: Callable[_P, _R]) -> Callable[_P, _R]:
             result = method(*args, **kwargs)
         except Exception as exc:
             _note(exc, args[0] if args else None)
+            with _quiet():
+                record_failure(exc, provisional=True)
             raise
         if method.__name__ == "__init__" and args:
             _this_rank_stages = _stages_of(args[0])

@@ -59,9 +59,10 @@ from runtime.failure import (
     write_log,
 )
 
-__all__ = ["GRACE_ENV", "PLAN_ENV", "plan_from_env", "run_plan", "torchrun_command"]
+__all__ = ["ENGINE_ENV", "GRACE_ENV", "PLAN_ENV", "plan_from_env", "run_plan", "torchrun_command"]
 
 PLAN_ENV = "AUTOPARTITION_PLAN"
+ENGINE_ENV = "AUTOPARTITION_ENGINE"  # read by runtime.torch_engine.engine_from_env in every rank
 GRACE_ENV = "AUTOPARTITION_STOP_GRACE"
 _DEFAULT_GRACE_S = 30.0  # as long as torchrun itself waits for its ranks after SIGTERM
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -118,8 +119,11 @@ def _grace() -> float:
                        zero=True)
 
 
-def run_plan(plan_dir: str, torchrun_args: Sequence[str], script: Sequence[str]) -> int:
-    """Run the training script under torchrun; returns the exit code (0, 1 or 2, or 128 + a signal)."""
+def run_plan(plan_dir: str, torchrun_args: Sequence[str], script: Sequence[str], *, engine: str | None = None) -> int:
+    """Run the training script under torchrun; returns the exit code (0, 1 or 2, or 128 + a signal).
+
+    ``engine`` (``ours``, ``torch``) reaches every rank's ``Pipeline`` as ``$AUTOPARTITION_ENGINE``.
+    """
     plan = Plan.load(plan_dir)
     if not script:
         raise AutopartitionError("Name the training script after `--`, e.g. `-- train.py`.")
@@ -130,6 +134,8 @@ def run_plan(plan_dir: str, torchrun_args: Sequence[str], script: Sequence[str])
     job = Path(tempfile.mkdtemp(prefix="autopartition-run-"))
     log = job / _LOG
     env = dict(os.environ, **{PLAN_ENV: str(Path(plan_dir).resolve()), FAILURE_DIR_ENV: str(job)})
+    if engine is not None:
+        env[ENGINE_ENV] = engine
     # torchrun sets 1 itself when unset, with a multi-line banner; one thread per rank is what
     # CPU ranks are costed with too.  A value the user set is kept.
     threads = env.setdefault("OMP_NUM_THREADS", "1")

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from partitioner import errors
 from partitioner.agree import plan_digest, plan_sections
+from partitioner.cost.tensorparallel import refuse_tensor_parallel
 from partitioner.errors import AutopartitionError, PlanMismatchError
 from partitioner.graph.capture import split_call
 from partitioner.orders import Action
@@ -77,6 +78,7 @@ from runtime.shard import (
     stage_meshes,
 )
 from runtime.stage import LocalStage, build_local_stages, example_microbatch
+from runtime.torch_engine import TorchEngine, engine_from_env, torch_engine_refusal
 from runtime.weights import load_weights, weights_from_env
 
 __all__ = ["Pipeline"]
@@ -137,6 +139,10 @@ class Pipeline:
 
     ``timeout``: seconds any wait for a peer may take (default: ``$AUTOPARTITION_TIMEOUT``,
     else 300); past it the rank stops with an error naming the peer and the action.
+
+    ``engine``: ``"ours"`` (default; ``$AUTOPARTITION_ENGINE``, which ``autopartition run
+    --engine`` sets) or ``"torch"``: the stages run under torch.distributed.pipelining's
+    schedules (:mod:`runtime.torch_engine`); :meth:`step` takes and returns the same.
     """
 
     @reports_failures  # a rank's error names its stage in the launcher's message (runtime.failure)
@@ -154,6 +160,7 @@ class Pipeline:
         seed: int = 0,
         batch: str = "global",
         weights: str | os.PathLike[str] | None = None,
+        engine: str | None = None,
     ) -> None:
         if batch not in BATCH_MODES:
             raise AutopartitionError(
@@ -176,8 +183,13 @@ class Pipeline:
         failure: Exception | None = None
         deferred: dict[str, torch.Tensor] | None = None  # shards of a meta model's stage, put in once sharded
         try:
+            refuse_tensor_parallel(plan.tp)  # issue 22: planned and priced, not run yet (before _place counts ranks)
             self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
             check_shard_plan(plan)  # a shard mode the runtime cannot run: refused on every rank alike
+            self.engine = engine_from_env(engine)
+            refusal = torch_engine_refusal(plan, trace=trace) if self.engine == "torch" else None
+            if refusal is not None:
+                raise AutopartitionError(refusal)
             validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from(),
                      stage_rank=plan.stage_ranks())
             # Every stage this rank holds: one with chunks == 1, several for interleaved and V schedules.
@@ -237,7 +249,11 @@ class Pipeline:
         self._run_loss = precision_loss(loss_fn, plan.precision, self.device.type)
         self._reducer = None
         self._modules: tuple[torch.nn.Module, ...] = self._runnables  # "full": FSDP2 reduces the gradients
-        if self._sharded is None and needs_explicit_reduce(plan):  # W actions or several stages: no DDP hooks
+        self._torch: TorchEngine | None = None  # engine="torch": it replicates and reduces itself
+        if self.engine == "torch":
+            self._torch = TorchEngine(plan, self._stages, self._runnables, self._groups, loss_fn=self._run_loss,
+                                      device=self.device, timeout=timeout, sharded=self._sharded is not None)
+        elif self._sharded is None and needs_explicit_reduce(plan):  # W actions or several stages: no DDP hooks
             broadcast_replicas(modules, self._groups)
             self._reducer = replica_reducer(
                 {local.plan.index: local.module for local in self._stages},
@@ -357,7 +373,7 @@ class Pipeline:
         micro = self._feed(inputs, target, call="step")
         if self._sharded is not None:
             self._sharded.begin()
-        loss = self._runner.run(micro, record=self.trace)
+        loss = self._runner.run(micro, record=self.trace) if self._torch is None else self._torch.run(micro)
         if self._sharded is not None:
             self._sharded.end()  # one reduce-scatter per stage, averaged over the replicas
         elif self.shard_mode == "optimizer" and not self._built_optimizer and not self._warned_optimizer:

@@ -47,7 +47,7 @@ from partitioner.errors import InternalError
 from partitioner.graph.ir import module_path
 from partitioner.graph.meta import layer_of
 
-__all__ = ["Recomputed", "block_nodes"]
+__all__ = ["Recomputed", "block_nodes", "block_run"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 _OWNER = "stage"  # the attribute through which a block reads the stage module's state
@@ -110,7 +110,6 @@ class Recomputed(nn.Module):
 
 
 def _segments(stage: fx.GraphModule, blocks: list[tuple[str, ...]]) -> list[_Segment]:
-    nodes = {n.name: n for n in stage.graph.nodes}
     order = [n.name for n in stage.graph.nodes if n.op in _CALLS]
     flat = [name for block in blocks for name in block]
     if flat != order:
@@ -118,21 +117,34 @@ def _segments(stage: fx.GraphModule, blocks: list[tuple[str, ...]]) -> list[_Seg
             f"Recomputation blocks must cover the stage's {len(order)} compute nodes once each, in graph "
             f"order; got {len(flat)} names."
         )
-    block_of = {name: i for i, block in enumerate(blocks) for name in block}
     segments = []
-    for i, block in enumerate(blocks):
-        members = [nodes[name] for name in block]
-        inputs: dict[str, None] = {}
-        for node in members:
-            for arg in node.all_input_nodes:
-                if arg.op != "get_attr" and block_of.get(arg.name) != i:
-                    inputs[arg.name] = None
-        outputs = tuple(
-            node.name for node in members
-            if any(user.op == "output" or block_of.get(user.name) != i for user in node.users)
-        )
-        segments.append(_Segment(_block_module(stage, members, tuple(inputs), outputs), tuple(inputs), outputs))
+    for i in range(len(blocks)):
+        module, inputs, outputs = block_run(stage, blocks, i)
+        segments.append(_Segment(module, inputs, outputs))
     return segments
+
+
+def block_run(stage: fx.GraphModule, blocks: list[tuple[str, ...]], index: int
+              ) -> tuple[fx.GraphModule, tuple[str, ...], tuple[str, ...]]:
+    """Block ``index`` of ``blocks`` (node names of ``stage``) as a module, with the values it reads and returns.
+
+    It reads the values other blocks (or the stage's inputs) make, and returns those of its
+    own that later blocks or the stage's output read.  Used for recomputation here and for
+    ZeRO-3's layer units (:mod:`runtime.shard`).
+    """
+    nodes = {n.name: n for n in stage.graph.nodes}
+    block_of = {name: i for i, block in enumerate(blocks) for name in block}
+    members = [nodes[name] for name in blocks[index]]
+    inputs: dict[str, None] = {}
+    for node in members:
+        for arg in node.all_input_nodes:
+            if arg.op != "get_attr" and block_of.get(arg.name) != index:
+                inputs[arg.name] = None
+    outputs = tuple(
+        node.name for node in members
+        if any(user.op == "output" or block_of.get(user.name) != index for user in node.users)
+    )
+    return _block_module(stage, members, tuple(inputs), outputs), tuple(inputs), outputs
 
 
 def _block_module(

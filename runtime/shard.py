@@ -19,22 +19,33 @@ SC 2020, section 5) name them:
 * ``full`` (ZeRO-3, P_os+g+p): the stage module is wrapped by FSDP2's
   ``fully_shard`` over a 1-D ``DeviceMesh`` of the stage group; its parameters
   become ``DTensor`` shards, so any torch optimizer over
-  :meth:`runtime.Pipeline.parameters` holds sharded state.  Across the
-  micro-batches of a step gradients are accumulated unreduced and
-  reduce-scattered once, after the step's last backward, as torch's own
-  pipelining drives FSDP2 (``torch/distributed/pipelining/stage.py``:
-  ``backward_maybe_with_nosync`` and ``perform_reduce_grad``).
+  :meth:`runtime.Pipeline.parameters` holds sharded state.
   Replicas spanning several nodes shard inside a node and replicate across
-  (HSDP, a 2-D mesh: :func:`shard_layout`).
-  ``reshard_after_forward`` False keeps the gathered parameters from the first
-  forward of a step to the end of its last backward (one all-gather and one
-  reduce-scatter per step, as torchtitan under pipeline parallelism); True frees
-  them after every forward and backward (an all-gather in each, ZeRO-3's memory).
-  Under a split backward (``zb-h1``) parameters stay gathered from a B to the
-  end of the step (W reads them later).  One FSDP unit per stage: the whole
-  stage is gathered at once, in the parameters' dtype (no FSDP mixed-precision
-  policy: bf16-mixed is autocast), and its gradients are accumulated whole
-  through the step.  A model built on meta is materialised straight into
+  (HSDP, a 2-D mesh: :func:`shard_layout`; under ZeRO-3 each micro-batch's
+  reduce-scatter is followed by FSDP2's all-reduce across the nodes).
+  Two policies, per stage (``StagePlan.reshard_after_forward``):
+
+  - kept gathered (False): one FSDP unit per stage, gathered from the first
+    forward of a step to the end of its last backward; gradients accumulated
+    unsharded over the micro-batches and reduce-scattered once, after the
+    step's last backward, as torch's own pipelining drives FSDP2
+    (``torch/distributed/pipelining/stage.py``: ``backward_maybe_with_nosync``
+    and ``perform_reduce_grad``); torchtitan under pipeline parallelism.
+  - ZeRO-3 (True; Rajbhandari et al. 2020, section 5.3; Zhao et al., "PyTorch
+    FSDP", VLDB 2023): one FSDP unit per layer of the stage
+    (:class:`LayeredStage`: the stage graph's nodes in runs of one layer,
+    :func:`runtime.recompute.block_nodes`, each run a :class:`LayerUnit` that
+    owns the parameters only it reads; the rest stay with the stage's root
+    unit), each gathered before its forward and again before its backward
+    and freed after each, and gradients reduce-scattered after every
+    micro-batch's backward into sharded accumulation (FSDP2 with gradient sync
+    on every backward): a rank holds its shard of everything plus about one
+    or two layers gathered.  Not under a split backward (``zb-h1``, ``zbv``):
+    W computes weight gradients after B, outside FSDP2's backward hooks, so
+    they cannot be reduce-scattered per backward (:func:`shard_refusal`).
+
+  Gathered in the parameters' dtype (no FSDP mixed-precision policy: bf16-mixed
+  is autocast).  A model built on meta is materialised straight into
   shards (:func:`fill_shards`): each module is initialised whole, one at a
   time, and only this replica's part of its parameters is kept, so a fully
   sharded rank never holds its whole stage at start-up.
@@ -61,14 +72,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
 
 from partitioner.cost.precision import shard_degree
 from partitioner.defaults import shard_refusal as _schedule_refusal
-from partitioner.errors import ScheduleError
+from partitioner.defaults import splits_backward
+from partitioner.errors import InternalError, ScheduleError
 from partitioner.plan import Plan
+from runtime.precision import PrecisionForward
+from runtime.recompute import Recomputed, block_nodes, block_run
 
 __all__ = [
+    "LayerUnit",
+    "LayeredStage",
     "ShardUnit",
     "ShardedStep",
     "build_optimizer",
@@ -102,6 +119,14 @@ def shard_refusal(plan: Plan) -> str | None:
             return (f"stage {st.index} is planned with shard={st.shard!r} under schedule {kind!r}, which {why}. "
                     "Re-plan with shard 'none' for that schedule, or with a schedule that runs it "
                     "(1f1b, gpipe).")
+    if splits_backward(kind) and plan.dp > 1:
+        for st in plan.stages:
+            if st.shard == "full" and st.reshard_after_forward:
+                return (f"stage {st.index} is planned fully sharded with reshard_after_forward (ZeRO-3: gradients "
+                        f"reduce-scattered after every micro-batch's backward) under schedule {kind!r}, whose W "
+                        "computes the weight gradients after B, outside FSDP2's backward hooks. Re-plan that stage "
+                        "with reshard_after_forward false (gathered through the step, one reduce-scatter), or "
+                        "with 1f1b, gpipe or interleaved-1f1b.")
     for p in range(plan.pp):
         modes = {plan.stages[s].shard for s in plan.stages_of(p)}
         if len(modes) > 1:
@@ -192,19 +217,163 @@ def stage_meshes(plan: Plan, rank: int, group: dist.ProcessGroup | None, device:
     return mine
 
 
+class LayerUnit(nn.Module):
+    """One layer's run of a stage graph, as the FSDP2 unit owning the parameters only that run reads.
+
+    Its registered children are those parameters' owning modules (the stage
+    module's own objects, so FSDP2's swaps between shards and gathered
+    parameters are seen by the stage module too); the run's graph reads the
+    whole stage through ``stage`` and is kept in a plain list, outside this
+    unit's module tree (else the unit would own every parameter of the stage).
+    """
+
+    def __init__(self, run: fx.GraphModule, owners: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.owners = nn.ModuleList(owners)
+        self._run = [run]
+
+    def forward(self, *args: Any) -> Any:
+        return self._run[0](*args)
+
+
+class LayeredStage(nn.Module):
+    """A stage graph run layer by layer (:func:`runtime.recompute.block_nodes`), for ZeRO-3's finer FSDP2 units.
+
+    Each run that owns parameters alone (read by no other run, their owning
+    modules holding nothing else) is a :class:`LayerUnit`; the others read the
+    stage's parameters through the stage module (the root unit's).  With
+    ``recompute`` each run goes under non-reentrant ``torch.utils.checkpoint``
+    while gradients are on, as :class:`runtime.recompute.Recomputed` does (the
+    same blocks, so the same numbers and memory): FSDP2 then gathers a unit
+    again for its recomputation inside the backward (its pre-backward state).
+    """
+
+    def __init__(self, stage: fx.GraphModule, *, recompute: bool) -> None:
+        super().__init__()
+        self.stage = stage
+        self.recompute = recompute
+        graph = stage.graph
+        nodes = {n.name: n for n in graph.nodes}
+        blocks = block_nodes(stage)
+        readers: dict[nn.Parameter, set[int]] = {}
+        reads: list[dict[str, nn.Parameter]] = []
+        for i, block in enumerate(blocks):
+            mine: dict[str, nn.Parameter] = {}
+            for name in block:
+                node = nodes[name]
+                if node.op == "call_module":
+                    prefix = f"{node.target}."
+                    mine.update({prefix + k: v for k, v in stage.get_submodule(str(node.target)).named_parameters()})
+                for arg in node.all_input_nodes:
+                    if arg.op == "get_attr":
+                        value = _attribute(stage, str(arg.target))
+                        if isinstance(value, nn.Parameter):
+                            mine[str(arg.target)] = value
+            for param in mine.values():
+                readers.setdefault(param, set()).add(i)
+            reads.append(mine)
+        aliased = _aliased(stage)
+        # Plain lists: the runs read the whole stage (registered once, as self.stage); the units are in self.units.
+        self._runs: list[nn.Module] = []
+        self._steps: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+        layered = nn.ModuleList()
+        for i in range(len(blocks)):
+            run, inputs, outputs = block_run(stage, blocks, i)
+            owned = {name: p for name, p in reads[i].items() if readers[p] == {i} and p not in aliased}
+            owners: dict[str, nn.Module] = {}
+            for name in owned:
+                path = name.rpartition(".")[0]
+                owners.setdefault(path, stage.get_submodule(path) if path else stage)
+            # A unit owns every parameter under its owners: keep only owners holding nothing else.
+            mine_params = set(owned.values())
+            owners = {path: m for path, m in owners.items() if m is not stage and set(m.parameters()) <= mine_params}
+            if owners:
+                unit = LayerUnit(run, list(owners.values()))
+                layered.append(unit)
+                self._runs.append(unit)
+            else:
+                self._runs.append(run)
+            self._steps.append((tuple(inputs), outputs))
+        self.units = layered
+        self._inputs = tuple(n.name for n in graph.nodes if n.op == "placeholder")
+        output = next(n for n in graph.nodes if n.op == "output")
+        self._template = output.args[0]
+
+    def layer_parameters(self) -> set[nn.Parameter]:
+        """The parameters the layer units own (the stage's root unit leaves them to those)."""
+        return {p for unit in self.units for p in unit.parameters()}
+
+    def forward(self, *args: Any) -> Any:
+        env: dict[str, Any] = dict(zip(self._inputs, args, strict=True))
+        again = self.recompute and torch.is_grad_enabled()
+        for run, (inputs, outputs) in zip(self._runs, self._steps, strict=True):
+            values = [env[name] for name in inputs]
+            result = checkpoint(run, *values, use_reentrant=False) if again else run(*values)
+            env.update(zip(outputs, result, strict=True))
+        return fx.node.map_aggregate(self._template, lambda v: env[v.name] if isinstance(v, fx.Node) else v)
+
+
+def _attribute(module: nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _aliased(stage: nn.Module) -> set[nn.Parameter]:
+    """Parameters registered under several names in ``stage`` (tied): left to the stage's root unit."""
+    seen: dict[nn.Parameter, int] = {}
+    for _, p in stage.named_parameters(remove_duplicate=False):
+        seen[p] = seen.get(p, 0) + 1
+    return {p for p, count in seen.items() if count > 1}
+
+
+def _layered(runnable: nn.Module) -> tuple[nn.Module, LayeredStage | None]:
+    """``runnable`` with its stage graph run layer by layer (:class:`LayeredStage`), or as it is where it has none.
+
+    A runnable is the stage module, optionally under :class:`~runtime.recompute.Recomputed`, optionally
+    under :class:`~runtime.precision.PrecisionForward` (``runtime.pipeline``'s ``_runnable``).
+    """
+    outer = runnable if isinstance(runnable, PrecisionForward) else None
+    inner = outer.module if outer is not None else runnable
+    if isinstance(inner, Recomputed):
+        stage, recompute = inner.stage, True
+    elif isinstance(inner, fx.GraphModule):
+        stage, recompute = inner, False
+    else:
+        return runnable, None
+    layered = LayeredStage(stage, recompute=recompute)
+    if outer is None:
+        return layered, layered
+    outer.module = layered
+    return outer, layered
+
+
 def shard_modules(
     runnables: Sequence[nn.Module], reshard_after_forward: Sequence[bool], mesh: Any,
 ) -> tuple[nn.Module, ...]:
     """Each stage's runnable as a :class:`ShardUnit` under FSDP2's ``fully_shard`` over ``mesh``.
 
-    The replicas must hold equal parameters first (each keeps only its shard of its own copy).
+    ``reshard_after_forward`` (per stage) True: ZeRO-3, one unit per layer
+    (:class:`LayeredStage`) under the stage's root unit, every unit resharded
+    after each forward and backward; False: the stage is one unit, kept
+    gathered through the step (:class:`ShardedStep`).  The replicas must hold
+    equal parameters first (each keeps only its shard of its own copy).
     """
     from torch.distributed.fsdp import fully_shard
 
     units = []
     for runnable, reshard in zip(runnables, reshard_after_forward):
+        ignored: set[nn.Parameter] = set()
+        if reshard:
+            runnable, layered = _layered(runnable)
+            if layered is not None:
+                for layer in layered.units:  # bottom-up: each layer's unit before the stage's root
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+                # The stage module still registers the layers' parameters (one object each): the root leaves them.
+                ignored = layered.layer_parameters()
         unit = ShardUnit(runnable)
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=bool(reshard), ignored_params=ignored or None)
         units.append(unit)
     return tuple(units)
 
@@ -228,8 +397,11 @@ def fill_shards(units: Sequence[nn.Module], modules: Sequence[nn.Module], values
     """Give FSDP2 units built on meta their storage and this rank's values.
 
     ``values``: name in the stage modules -> this replica's shard of a parameter,
-    or a whole buffer (:func:`runtime.materialise.materialised_values`).  Buffers
-    that were real already are kept (``to_empty`` would drop them).
+    or a whole buffer (:func:`runtime.materialise.materialised_values`); each is
+    taken out of it once copied in, so the rank never holds a parameter's shard
+    twice (start-up peak memory: its shards once, plus the largest module while
+    it was initialised whole).  Buffers that were real already are kept
+    (``to_empty`` would drop them).
     """
     from torch.distributed.tensor import DTensor
 
@@ -238,40 +410,47 @@ def fill_shards(units: Sequence[nn.Module], modules: Sequence[nn.Module], values
     real = [{n: b.detach().clone() for n, b in m.named_buffers() if not b.is_meta} for m in modules]
     for unit in units:
         unit.to_empty(device=device)
+    filled: set[str] = set()
     with torch.no_grad():
         for module, kept in zip(modules, real):
             for name, param in module.named_parameters():
                 local = param.to_local() if isinstance(param, DTensor) else param
-                value = values[name]
+                if name in filled:  # one parameter under this name in two stages of this rank: filled once
+                    continue
+                filled.add(name)
+                value = values.pop(name)
                 if tuple(local.shape) != tuple(value.shape):
                     raise InternalError(f"{name}: FSDP2 holds a shard of shape {tuple(local.shape)} here, the "
                                         f"materialised one is {tuple(value.shape)}")
                 local.copy_(value)
-            for name, buffer in module.named_buffers():
+            for name, buffer in module.named_buffers():  # a buffer may be every stage's (a constant): kept
                 buffer.copy_(kept[name] if name in kept else values[name])
 
 
 class ShardedStep:
-    """Drives this rank's fully sharded stages through a step as torch's pipelining does.
+    """Drives this rank's fully sharded stages through a step.
 
-    :meth:`begin` before the step's first action: backwards accumulate unreduced
-    gradients (no reduce-scatter per micro-batch).  :meth:`end` after its last:
-    one reduce-scatter per stage, averaged over the replicas, parameters
-    resharded for the optimizer.
+    :meth:`begin` before the step's first action.  A stage kept gathered
+    (``reshard_after_forward`` False) accumulates unreduced gradients, as
+    torch's pipelining drives FSDP2 (no reduce-scatter per micro-batch); a
+    ZeRO-3 stage (True) reduce-scatters after every backward into its sharded
+    gradients and frees its gathered layers after each forward and backward.
+    :meth:`end` after its last: the kept-gathered stages' one reduce-scatter,
+    averaged over the replicas, every stage resharded for the optimizer.
     """
 
     def __init__(self, modules: Sequence[nn.Module], reshard_after_forward: Sequence[bool], *,
                  splits_backward: bool) -> None:
+        if splits_backward and any(reshard_after_forward):
+            raise InternalError("ZeRO-3 (reshard_after_forward) under a split backward: shard_refusal refuses it")
         self._modules = list(modules)
-        # Between micro-batches: reshard after a backward only where forwards reshard too (ZeRO-3);
-        # a split backward's W runs after its B, so it keeps them gathered to the end of the step.
-        self._between = [bool(r) and not splits_backward for r in reshard_after_forward]
+        self._zero3 = [bool(r) for r in reshard_after_forward]
 
     def begin(self) -> None:
-        for module, reshard in zip(self._modules, self._between):
+        for module, zero3 in zip(self._modules, self._zero3):
             module.set_is_last_backward(False)  # type: ignore[operator]
-            module.set_reshard_after_backward(reshard)  # type: ignore[operator]
-            module.set_requires_gradient_sync(False)  # type: ignore[operator]
+            module.set_reshard_after_backward(zero3)  # type: ignore[operator]
+            module.set_requires_gradient_sync(zero3)  # type: ignore[operator]
 
     def end(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -281,9 +460,9 @@ class ShardedStep:
             module.set_reshard_after_backward(True)  # type: ignore[operator]
             module.set_requires_gradient_sync(True)  # type: ignore[operator]
             # Our actions call autograd themselves (B and W apart, or one backward per micro-batch), so the
-            # step's post-backward runs here, once: FSDP2's per-group post_backward reduce-scatters the
-            # accumulated gradients, and the root's final callback waits for them and reshards
-            # (torch/distributed/pipelining/stage.py, perform_reduce_grad, does the same).
+            # step's post-backward runs here, once: FSDP2's per-group post_backward reduce-scatters what is
+            # still accumulated unsharded (nothing under ZeRO-3), and the root's final callback waits for
+            # the reductions and reshards (torch/distributed/pipelining/stage.py, perform_reduce_grad).
             state = fully_shard.state(module)  # type: ignore[attr-defined]
             for inner in state._state_ctx.all_states:
                 for group in inner._fsdp_param_groups:

@@ -369,6 +369,7 @@ def verify(
     dtype: str = "float32",
     progress: Callable[[str], None] | None = None,
     seed: int = 0,
+    engine: str = "ours",
 ) -> VerifyResult:
     """Train ``steps`` steps with the plan on CPU ranks and with the whole model run the same way; compare.
 
@@ -376,6 +377,7 @@ def verify(
     receives a line at each phase.  A model file building on meta is materialised
     with its ``init_weights`` and base ``seed`` (:mod:`runtime.materialise`): per
     stage on the ranks, whole for the reference, so both start from the same values.
+    ``engine``: the ranks' ``Pipeline(engine=)``: ``"ours"`` or ``"torch"`` (torch.distributed.pipelining).
     """
     from partitioner.modelfile import load_model_file
 
@@ -394,16 +396,17 @@ def verify(
     captured, _ = recapture(plan, model)  # a plan for another model fails here, before any rank starts
     traits = model_traits(model, captured.graph_module)
     chunks = f", {plan.chunks} per rank, {plan.schedule}" if plan.chunks > 1 else ""
+    on = "" if engine == "ours" else f", engine {engine}"
     say(f"verify: training {_plural(steps, 'step')} on {plan.gpus} CPU ranks "
-        f"({_plural(len(plan.stages), 'stage')}{chunks} x {_plural(plan.dp, 'replica')})")
+        f"({_plural(len(plan.stages), 'stage')}{chunks} x {_plural(plan.dp, 'replica')}{on})")
     if plan.precision != "fp32":
         say(f"verify: the plan trains in {plan.precision}; verify runs it in {dtype} against the whole model "
             "in the same precision (autocast runs are compared by the test suite)")
     with tempfile.TemporaryDirectory(prefix="autopartition-verify-") as out:
         port = free_port()
         try:
-            start_ranks(_rank_main, (plan.gpus, port, str(plan_dir), model_spec, steps, lr, out, timeout, dtype, seed),
-                        plan.gpus)
+            start_ranks(_rank_main, (plan.gpus, port, str(plan_dir), model_spec, steps, lr, out, timeout, dtype, seed,
+                                     engine), plan.gpus)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # one rank failed; the others were stopped
             raise _rank_failure(Path(out), plan, exc) from None
         ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(plan.gpus)]
@@ -413,11 +416,12 @@ def verify(
 
 
 def verify_plan(
-    plan_dir: str, model_spec: str, *, steps: int = 3, timeout: float = 120.0, dtype: str = "float32"
+    plan_dir: str, model_spec: str, *, steps: int = 3, timeout: float = 120.0, dtype: str = "float32",
+    engine: str = "ours",
 ) -> int:
     """The ``autopartition verify`` command: print each step and the verdict; exit code 0 when OK."""
     result = verify(
-        plan_dir, model_spec, steps=steps, timeout=timeout, dtype=dtype,
+        plan_dir, model_spec, steps=steps, timeout=timeout, dtype=dtype, engine=engine,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     print(result.report())
@@ -644,13 +648,13 @@ def _init_weights(model_file: Any) -> InitWeights | None:
 
 def _rank_main(
     rank: int, world: int, port: int, plan_dir: str, model_spec: str, steps: int, lr: float, out: str,
-    timeout: float, dtype_text: str, seed: int = 0,
+    timeout: float, dtype_text: str, seed: int = 0, engine: str = "ours",
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **{FAILURE_DIR_ENV: out})
     torch.set_num_threads(1)
     try:
-        _train_rank(rank, plan_dir, model_spec, steps, lr, out, timeout, dtype_text, seed)
+        _train_rank(rank, plan_dir, model_spec, steps, lr, out, timeout, dtype_text, seed, engine)
     except Exception as exc:  # noqa: BLE001 - recorded; the verifying process prints the first cause
         record_failure(exc, rank=rank, directory=out)
         sys.exit(2 if isinstance(exc, AutopartitionError) else 1)
@@ -658,7 +662,7 @@ def _rank_main(
 
 def _train_rank(
     rank: int, plan_dir: str, model_spec: str, steps: int, lr: float, out: str, timeout: float, dtype_text: str,
-    seed: int,
+    seed: int, engine: str = "ours",
 ) -> None:
     from partitioner.modelfile import load_model_file
     from runtime.pipeline import Pipeline
@@ -670,7 +674,7 @@ def _train_rank(
     model_file = load_model_file(model_spec)
     model = _build(model_file, dtype)
     pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout,
-                    init_weights=_init_weights(model_file), seed=seed)
+                    init_weights=_init_weights(model_file), seed=seed, engine=engine)
     inputs, target = _batch(model_file, plan, dtype)
     # A rank whose stages hold no parameter (a stage of shape ops only) has nothing to step.
     # pipe.optimizer: under shard "optimizer" its state is split over the replicas (ZeRO-1), as the plan says.

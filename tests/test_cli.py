@@ -408,6 +408,19 @@ def test_run_splits_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
                        ["train.py", "--lr", "1", "--", "x"]), {})]
 
 
+def test_engine_option_reaches_verify_and_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    verified = _fake(monkeypatch, "runtime.verify", "verify_plan", 0)
+    ran = _fake(monkeypatch, "runtime.launch", "run_plan", 0)
+    plan_dir = str(_saved_plan(tmp_path))
+    assert main(["verify", plan_dir, "--model", "m.py", "--engine", "torch"]) == 0
+    assert main(["run", plan_dir, "--engine", "torch", "--", "train.py"]) == 0
+    assert verified == [((plan_dir, "m.py"), {"steps": 3, "engine": "torch"})]
+    assert ran == [((plan_dir, [], ["train.py"]), {"engine": "torch"})]
+    assert main(["verify", plan_dir, "--model", "m.py", "--engine", "megatron"]) == 2
+    assert "invalid choice: 'megatron'" in capsys.readouterr().err
+
+
 def test_run_needs_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(_saved_plan(tmp_path)), "train.py"]) == 2
     message = _error_of(capsys)

@@ -186,6 +186,12 @@ def test_replicas_map_to_one_data_parallel_setting(shard: Any, replicate_shard: 
     assert [n for n in out.notes if note is not None and note in n] or note is None
 
 
+def test_a_tensor_parallel_plan_exports_its_degree() -> None:
+    plan = _llama_plan(pp=2, dp=2, cuts=_whole_layer_cuts(2))
+    plan = dataclasses.replace(plan, tp=2, gpus=plan.gpus * 2)
+    assert export_torchtitan(plan).sections["parallelism"]["tensor_parallel_degree"] == 2
+
+
 @pytest.mark.parametrize(("recompute", "mode", "note"), [
     ("none", "none", None), ("full", "full", None), (("full", "none"), "full", "recomputes stage 0 only"),
 ])

@@ -469,6 +469,28 @@ def test_the_rank_entry_point_records_an_error_in_the_script(tmp_path: Path) -> 
     assert json.loads((job / "rank3.json").read_text())["traceback"].startswith("Traceback")
 
 
+def test_an_error_a_script_catches_from_the_pipeline_is_still_recorded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found: train_gpt.py catches Pipeline's AutopartitionError and exits 2; the launcher said "without an error"."""
+    from partitioner.errors import AutopartitionError
+
+    class _Owner:
+        @failure.reports_failures
+        def step(self) -> None:
+            raise AutopartitionError("the weights file is empty; pass a safetensors file")
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv(failure.FAILURE_DIR_ENV, str(tmp_path))
+    with pytest.raises(AutopartitionError) as caught:
+        _Owner().step()
+    [r] = read_records(tmp_path)
+    assert (r.rank, r.type, r.bad_input) == (2, "AutopartitionError", True), r
+    assert "weights file is empty" in r.message
+    # Uncaught after all, the entry point records it again with the user's frames: it replaces the first.
+    assert record_failure(caught.value) == tmp_path / "rank2.json"
+    assert record_failure(_raised(_users_bug)) is None  # another error later is not the cause
+
+
 def test_the_excepthook_records_an_uncaught_error_and_still_prints_it(tmp_path: Path) -> None:
     """Ranks started without the entry point (torchrun --no-python / -m): Pipeline installs the hook."""
     code = "from runtime.failure import install_excepthook\ninstall_excepthook()\nraise ValueError('lr must be > 0')"

@@ -11,8 +11,13 @@ from torch import nn
 
 from partitioner import defaults
 from partitioner.cli import main
-from partitioner.cost.comm import Link, shard_step_seconds
-from partitioner.cost.precision import gathered_bytes, shard_state_bytes, zero_bytes_per_parameter
+from partitioner.cost.comm import Link, shard_step_seconds, zero3_microbatch_seconds
+from partitioner.cost.precision import (
+    gathered_bytes,
+    shard_state_bytes,
+    zero3_transient_bytes,
+    zero_bytes_per_parameter,
+)
 from partitioner.errors import AutopartitionError
 from partitioner.orders import Schedule
 from partitioner.plan import Plan
@@ -52,7 +57,11 @@ def test_our_precisions_per_parameter(d: int) -> None:
     # Under a pipeline a fully sharded stage also holds, through the step, its weights gathered (the fp32 master:
     # bf16-mixed is autocast, not an FSDP2 precision policy) and its fp32 gradients accumulated unsharded.
     assert gathered_bytes("bf16-mixed", elements=1, model_bytes=4) == 4 + 4
-    assert gathered_bytes("bf16-mixed", elements=1, model_bytes=4, reshard_after_forward=True) == 4
+    # ZeRO-3 holds nothing beyond its shards through the step: gradients are reduce-scattered every micro-batch.
+    assert gathered_bytes("bf16-mixed", elements=1, model_bytes=4, reshard_after_forward=True) == 0
+    # Its transient: the largest unit's fp32 weights and gradients, the one in use and the one prefetched.
+    assert zero3_transient_bytes("bf16-mixed", elements=1, model_bytes=4) == 2 * (4 + 4)
+    assert zero3_transient_bytes("bf16", elements=1, model_bytes=4) == 2 * (2 + 2)
     assert shard_state_bytes("fp32", 1, "optimizer", d, elements=1, model_bytes=4) == pytest.approx(8 + 4 / d)
     assert shard_state_bytes("bf16", 2, "full", d, elements=1, model_bytes=4) == pytest.approx(8 / d)
     # One replica shards nothing.
@@ -71,7 +80,20 @@ def test_collectives_per_step() -> None:
     assert shard_step_seconds("full", d, on, gradient_bytes=grads, weight_bytes=grads,
                               gathered_bytes=grads / 2) == pytest.approx(0.75 * ring)
     assert shard_step_seconds("full", d, on, gradient_bytes=grads, weight_bytes=grads, gathered_bytes=grads / 2,
-                              reshard_after_forward=True) == pytest.approx(0.5 * ring)  # gathers per micro-batch
+                              reshard_after_forward=True) == 0  # ZeRO-3: every collective is per micro-batch
+
+
+def test_zero3_collectives_per_microbatch_hide_behind_compute() -> None:
+    """ZeRO paper section 7.2.2: 3x DDP's volume per micro-batch (gather, gather, scatter); FSDP2 prefetch
+    hides each pass's collectives behind that pass's compute, the excess is exposed."""
+    on, d, nbytes = Link(100e9, 0.0), 8, 1e9
+    one = on.shard_seconds(nbytes, d)  # a ring all-gather or reduce-scatter of the layer
+    assert 3 * one == pytest.approx(1.5 * on.allreduce_seconds(nbytes, d))
+    assert zero3_microbatch_seconds(d, on, weight_bytes=nbytes, gradient_bytes=nbytes, forward_s=1.0,
+                                    backward_s=2.0) == (0.0, 0.0)  # long compute: all hidden
+    f, b = zero3_microbatch_seconds(d, on, weight_bytes=nbytes, gradient_bytes=nbytes, forward_s=0.001,
+                                    backward_s=0.002, across_s=0.001)
+    assert f == pytest.approx(one - 0.001) and b == pytest.approx(2 * one + 0.001 - 0.002)
 
 
 # ----------------------------------------------------------------- closed form and simulator
@@ -268,3 +290,80 @@ def test_stages_holding_a_tied_parameter_share_one_mode() -> None:
     for t in plan.tied:
         assert len({plan.stages[s].shard for s in t.stages}) == 1, (t, [s.shard for s in plan.stages])
     assert any(s.shard != "none" for s in plan.stages)
+
+
+# ----------------------------------------------------------------- ZeRO-3 (full with reshard_after_forward)
+
+
+def test_zero3_where_only_it_fits() -> None:
+    """pp=2 x dp=4: per parameter DDP 16, optimizer 8 + 8/4, full kept gathered 16/4 + 8; ZeRO-3 16/4 plus two
+    layers' weights and gradients (one layer is a quarter of a stage here): 8. At 9 only ZeRO-3 fits."""
+    ddp = _plan(gpus=8, dp=4)
+    half = sum(s.predicted.parameter_bytes for s in ddp.stages) / 4 / 2  # elements of a stage
+    layer = WIDTH * WIDTH + WIDTH
+    plan = _plan(gpus=8, dp=4, memory_per_gpu=9 * half)
+    assert [(s.shard, s.reshard_after_forward) for s in plan.stages] == [("full", True)] * 2
+    chosen = next(c for c in plan.candidates if c.note == "chosen")
+    assert chosen.shard == "zero3"
+    modes = {c.shard: c.status for c in plan.candidates}
+    assert all(modes[m] == "infeasible" for m in ("none", "optimizer", "full")), modes
+    assert max(plan.predicted.peak_memory_bytes) <= 9 * half
+    # Plan and simulator hold the same bytes: the shards, and the two gathered units (no accumulated gradients).
+    for s, static in zip(plan.stages, stage_static_bytes(plan), strict=True):
+        assert s.predicted.gathered_bytes == 2 * (4 + 4) * layer
+        assert static == pytest.approx(s.predicted.parameter_bytes / 4 * 16 / 4 + 2 * 8 * layer)
+    sim = simulate(plan)
+    assert list(sim.peak_memory_bytes) == pytest.approx([s.predicted.memory_bytes for s in plan.stages])
+    text = format_plan(plan)
+    assert "zero3" in text and "ZeRO-3" in text
+    assert "zero3" in report_markdown(plan)
+    # The closed form and the simulator price a step alike (one stage per rank, 1F1B, tiny transfers).
+    assert plan.solver.objective == pytest.approx(plan.predicted.step_s, rel=0.05)
+
+
+def test_zero3_is_not_planned_with_a_split_backward() -> None:
+    """zb-h1's W runs after B, outside FSDP2's hooks: the runtime refuses ZeRO-3 there, the planner never plans it."""
+    ddp = _plan(gpus=8, dp=4)
+    half = sum(s.predicted.parameter_bytes for s in ddp.stages) / 4 / 2
+    with pytest.raises(AutopartitionError):
+        _plan(gpus=8, dp=4, schedule="zb-h1", memory_per_gpu=9 * half)
+
+
+def test_zero3_plan_json_round_trip(tmp_path: Path) -> None:
+    ddp = _plan(gpus=8, dp=4)
+    half = sum(s.predicted.parameter_bytes for s in ddp.stages) / 4 / 2
+    plan = _plan(gpus=8, dp=4, memory_per_gpu=9 * half)
+    loaded = Plan.load(plan.save(tmp_path / "plan"))
+    assert loaded.stages == plan.stages and all(s.reshard_after_forward for s in loaded.stages)
+
+
+def test_zero3_exposed_collectives_are_in_the_stage_times() -> None:
+    """A slow link: ZeRO-3's per-micro-batch gathers and scatters exceed the compute, the excess is in F and B."""
+    from partitioner.cost.devices import DEVICES
+    from partitioner.solve.formulate import GraphCosts, formulate, zero3_costs
+
+    graph = GraphCosts(blocks=(("a",), ("b",)), node_time_s={"a": 3e-4, "b": 3e-4}, node_forward_s={"a": 1e-4, "b": 1e-4},
+                       node_saved_bytes={"a": 0, "b": 0}, node_output_bytes={"a": 0, "b": 0},
+                       parameter_bytes={"layers.0.w": 4 * 10**8, "layers.1.w": 4 * 10**8},
+                       block_parameters=(("layers.0.w",), ("layers.1.w",)), edges=((0, 1),), block_sends=(0, 0))
+    spec = DEVICES["h100"]
+    z = zero3_costs(graph, dp=2, spec=spec, precision="fp32", gpus_per_node=8)
+    assert z.forward_s[0] > 0 and z.backward_s[0] > z.forward_s[0]
+    assert z.transient_bytes == 2 * (4 + 4) * 10**8
+    full = formulate(graph, dp=2, spec=spec, memory_limit=80e9, shard="full")
+    zero3 = formulate(graph, dp=2, spec=spec, memory_limit=80e9, shard="zero3")
+    assert zero3.time_s == pytest.approx([t + f + b for t, f, b in zip(full.time_s, z.forward_s, z.backward_s)])
+    assert zero3.memory_limit == pytest.approx(80e9 - z.transient_bytes)
+    assert zero3.action_s == pytest.approx(z.first_gather_s) and sum(zero3.allreduce_s) == 0
+    assert sum(zero3.static_bytes) == pytest.approx(8e8 * 16 / 4 / 2)  # fp32 Adam: 16 bytes / parameter over 2
+
+
+def test_zero3_gathered_units_count_once_per_rank() -> None:
+    """Interleaved: two stages per rank, one set of gathered units per rank (the plan's and the simulator's)."""
+    ddp = _plan(gpus=8, dp=4)
+    half = sum(s.predicted.parameter_bytes for s in ddp.stages) / 4 / 2
+    plan = _plan(gpus=8, dp=4, schedule="interleaved-1f1b", memory_per_gpu=9 * half)
+    assert plan.chunks == 2 and all(s.reshard_after_forward for s in plan.stages)
+    units = [sum(s.predicted.gathered_bytes for s in plan.stages if s.rank == r) for r in range(plan.pp)]
+    assert units == [2 * (4 + 4) * (WIDTH * WIDTH + WIDTH)] * plan.pp
+    assert max(plan.predicted.peak_memory_bytes) <= 9 * half

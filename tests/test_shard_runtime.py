@@ -51,11 +51,11 @@ CASES: dict[str, tuple[str, str, bool, str, float | None]] = {
     "gpipe-full-resharded": ("gpipe", "full", True, "plain", None),
     "zb-h1-optimizer": ("zb-h1", "optimizer", False, "pipe", None),
     "zb-h1-full-gathered": ("zb-h1", "full", False, "plain", None),
-    "zb-h1-full-resharded": ("zb-h1", "full", True, "plain", None),
     "interleaved-1f1b-optimizer": ("interleaved-1f1b", "optimizer", False, "pipe", None),
     "interleaved-1f1b-full-gathered": ("interleaved-1f1b", "full", False, "plain", None),
+    "interleaved-1f1b-full-resharded": ("interleaved-1f1b", "full", True, "plain", CLIP),
     "zbv-optimizer": ("zbv", "optimizer", False, "pipe", None),
-    "zbv-full-resharded": ("zbv", "full", True, "plain", CLIP),
+    "zbv-full-gathered": ("zbv", "full", False, "plain", CLIP),
     "1f1b-full-resharded-recomputed": ("1f1b", "full", True, "plain", None),
     "1f1b-mixed": ("1f1b", "full,optimizer", True, "pipe", CLIP),  # stage 0 full, stage 1 ZeRO-1
 }
@@ -64,6 +64,8 @@ SUPPORTED = {(kind, mode) for kind, modes, *_ in CASES.values() for mode in mode
 TIED_CASE = "tied-1f1b-full-resharded"
 # pp=1 x dp=4 on two nodes of 2: HSDP, sharded inside a node, replicated across (a 2-D mesh).
 HSDP_CASE = "hsdp-2x2-full"
+# The same under ZeRO-3: each layer's gradients reduce-scattered inside a node and all-reduced across, per micro-batch.
+HSDP_ZERO3_CASE = "hsdp-2x2-zero3"
 # A plan the runtime refuses (the tied weight in two fully sharded stages of one rank): refused on every rank.
 REFUSED_CASE = "refused-tied-zbv-full"
 # Resumed runs: name -> (the case that saved, schedule, shard, pp, dp, optimizer); one more step each.
@@ -74,7 +76,7 @@ RESUMES: dict[str, tuple[str, str, str, int, int, str]] = {
 }
 SAVERS = {saver for saver, *_ in RESUMES.values()}
 # eval_step between backward and optimizer step (it gathers a full stage: the next step must not reuse that).
-EVALS = {"1f1b-full-gathered", "zb-h1-full-resharded"}
+EVALS = {"1f1b-full-gathered", "1f1b-full-resharded"}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +95,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cases.append({"name": TIED_CASE, "plan": str(root / TIED_CASE), "spec": TIED, "clip": CLIP})
     plan_sharded(SPEC, root / HSDP_CASE, schedule="1f1b", shard="full", pp=1, dp=4, gpus_per_node=2)
     cases.append({"name": HSDP_CASE, "plan": str(root / HSDP_CASE), "clip": CLIP, "mesh": True})
+    plan_sharded(SPEC, root / HSDP_ZERO3_CASE, schedule="1f1b", shard="full", pp=1, dp=4, gpus_per_node=2,
+                 reshard_after_forward=True)
+    cases.append({"name": HSDP_ZERO3_CASE, "plan": str(root / HSDP_ZERO3_CASE), "clip": CLIP, "mesh": True})
     plan_sharded(TIED, root / REFUSED_CASE, schedule="zbv", shard="full")
     cases.append({"name": REFUSED_CASE, "plan": str(root / REFUSED_CASE), "spec": TIED, "expect_error": True})
     for name, (saver, kind, mode, pp, dp, optimizer) in RESUMES.items():
@@ -143,8 +148,16 @@ def test_sharded_training_matches_whole_model(runs: dict[str, Any], name: str) -
     if clip is not None:
         for r in ranks:  # every rank gets the whole model's norm
             assert r["norms"] == pytest.approx(want["norms"], abs=TOLERANCE)
-    if name.endswith("-recomputed"):  # each layer under activation checkpointing, inside the FSDP unit
-        assert all("Recomputed" in r["runtime_modules"] for r in ranks), ranks[0]["runtime_modules"]
+    if name.endswith("-recomputed"):  # each layer under activation checkpointing, around its FSDP unit
+        assert all(r["layered_recompute"] == [True] for r in ranks), ranks[0]["layered_recompute"]
+    reshard = CASES[name][2]
+    for rank, r in enumerate(ranks):
+        full = (modes.split(",")[-1] if "," in modes and rank >= 2 else modes.split(",")[0]) == "full"
+        if full and reshard:  # ZeRO-3: one FSDP2 unit per layer (the MLP's 8 Linears split 2 ways) + the root
+            assert "FSDPLayerUnit" in r["runtime_modules"], r["runtime_modules"]
+            assert r["fsdp_units"] > 2, r["fsdp_units"]
+        elif full:  # kept gathered: one unit per stage
+            assert "FSDPLayerUnit" not in r["runtime_modules"] and r["fsdp_units"] in (1, 2), r["fsdp_units"]
     if name in EVALS:  # no dropout, equal micro-batches: the eval loss is the step's training loss
         for r in ranks:
             if r["losses"][0] is not None:
@@ -184,6 +197,17 @@ def test_a_plan_with_a_refused_pair_is_refused_with_the_reason(
     assert "Re-plan" in str(info.value)
 
 
+@pytest.mark.parametrize("kind", ["zb-h1", "zbv"])
+def test_zero3_under_a_split_backward_is_refused_with_the_reason(tmp_path: Path, kind: str) -> None:
+    """W computes weight gradients after B, outside FSDP2's hooks: no reduce-scatter per backward there."""
+    plan = plan_sharded(SPEC, tmp_path, schedule=kind, shard="full")
+    check_shard_plan(plan)  # kept gathered: runs
+    zero3 = dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(s, reshard_after_forward=True) for s in plan.stages))
+    with pytest.raises(ScheduleError, match=rf"reshard_after_forward .* under schedule '{kind}', whose W computes"):
+        check_shard_plan(zero3)
+
+
 def test_stages_of_one_rank_in_different_modes_are_refused(tmp_path: Path) -> None:
     plan = plan_sharded(SPEC, tmp_path, schedule="interleaved-1f1b", shard="full")
     first = plan.stages_of(0)[0]
@@ -205,11 +229,12 @@ def test_a_tied_weight_in_fully_sharded_stages_trains_and_clips_as_one(runs: dic
 
 
 @pytest.mark.slow  # spawns ranks (once per module, every case in one job)
-def test_replicas_on_two_nodes_shard_inside_a_node_and_replicate_across(runs: dict[str, Any]) -> None:
-    ranks, want = runs["results"][HSDP_CASE], runs["hsdp"]
+@pytest.mark.parametrize("case", [HSDP_CASE, HSDP_ZERO3_CASE])
+def test_replicas_on_two_nodes_shard_inside_a_node_and_replicate_across(runs: dict[str, Any], case: str) -> None:
+    ranks, want = runs["results"][case], runs["hsdp"]
     diff = _max_diff(ranks, want)
-    print(f"{HSDP_CASE}: max abs diff {diff:.2e}")
-    assert diff <= TOLERANCE, f"{HSDP_CASE}: max abs diff {diff:.3g} > {TOLERANCE}"
+    print(f"{case}: max abs diff {diff:.2e}")
+    assert diff <= TOLERANCE, f"{case}: max abs diff {diff:.3g} > {TOLERANCE}"
     for r in ranks:
         assert r["mesh"] == {"replicate": 2, "shard": 2}, r["mesh"]
         assert r["norms"] == pytest.approx(want["norms"], abs=TOLERANCE)  # a shard counted once, not per node
@@ -261,7 +286,7 @@ def test_verify_runs_a_fully_sharded_meta_built_model_against_the_whole_model(tm
     """
     from runtime.verify import verify
 
-    plan_sharded(META_GPT, tmp_path, schedule="zb-h1", shard="full", reshard_after_forward=True)
+    plan_sharded(META_GPT, tmp_path, schedule="1f1b", shard="full", reshard_after_forward=True)
     result = verify(tmp_path, META_GPT, steps=shard_workers.STEPS, tolerance=TOLERANCE)
     assert result.ok, result.summary()
 
@@ -292,3 +317,32 @@ def test_a_meta_stage_is_materialised_one_module_at_a_time_into_shards(tmp_path:
     for name, param in stage.named_parameters():
         assert torch.equal(kept[name], torch.chunk(want[name].detach(), 2)[1]), name
     assert sum(t.numel() for n, t in kept.items() if n in dict(stage.named_parameters())) < sum(whole) / 1.5
+
+
+def test_zero3_units_are_the_layers_of_an_exported_graph() -> None:
+    """ZeRO-3's FSDP2 units: one per layer run of a stage graph (here the whole model's), owning every parameter
+    only it reads; the graph run layer by layer computes what it does (without ranks: no FSDP2 applied here).
+    A Hugging Face model is captured by export, whose graph reads every parameter by ``get_attr`` (no module
+    calls for FSDP2's hooks): the units own the parameters' modules and run the layer's nodes themselves.
+    (symbolic_trace's graphs, which call leaf modules, run in the rank-spawning cases above.)"""
+    spec = "examples/llama.py:llama_tiny"
+    from partitioner.graph.capture import capture
+    from partitioner.modelfile import load_model_file
+    from runtime.materialise import materialise_model
+    from runtime.recompute import block_nodes
+    from runtime.shard import LayeredStage
+
+    model_file = load_model_file(spec)
+    model = model_file.build()
+    materialise_model(model, init_weights=model_file.init_weights)
+    inputs = tuple(model_file.example_inputs(2))
+    captured = capture(model, inputs)
+    assert captured.method == "export"
+    gm = captured.graph_module
+    layered = LayeredStage(gm, recompute=False)
+    # Tied embedding and head (one parameter read by two layers) stay with the root unit; the rest are layers'.
+    shared = {p for p in gm.parameters()} - layered.layer_parameters()
+    assert sum(p.numel() for p in shared) <= max(p.numel() for p in gm.parameters()), len(shared)
+    assert 3 <= len(layered.units) <= len(block_nodes(gm))
+    for want, got in zip(gm(*inputs), layered(*inputs), strict=True):
+        assert torch.equal(want, got)

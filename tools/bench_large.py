@@ -6,6 +6,8 @@ Commands (from the repository root)::
     .venv/bin/python tools/bench_large.py --only llama3-70b,gpt3-175b
     .venv/bin/python tools/bench_large.py --quick          # tiny Llama and GPT on 8 GPUs, < 1 min
     .venv/bin/python tools/bench_large.py --json large.json
+    .venv/bin/python tools/bench_large.py --published       # published layouts priced beside ours
+    .venv/bin/python tools/bench_large.py --published --only 70b-64-megatron,8b-8-torchtitan
 
 Cases (all ``--device h100``, ``precision="bf16-mixed"``, ``optimizer="adam"``,
 ``recompute="auto"``, ``microbatches="auto"``, ``schedule="auto"``, 8 GPUs per node):
@@ -54,6 +56,37 @@ itself holds two of them while it re-captures, so the peak RSS hardly moves.)
 
 Exit status: 0 when every target is met and ours is never slower than a hand-made
 split that fits; 1 otherwise.
+
+Published layouts (``--published``, issue 22): the layouts practitioners chose by hand,
+each priced by our own cost model (``partitioner.search.price.price_layout``: every
+degree fixed, the split solved for it, simulated as any plan) beside the best plan
+``--tp auto`` finds and today's best (``--tp 1``), at the published GPUs, batch and
+sequence length, bf16-mixed with Adam on 80 GB H100s (a layout that does not fit is
+priced without the limit and marked).  What is priced (:data:`PUBLISHED`):
+
+====================  ======  =================  =========================================================
+group                 GPUs    batch x seq        published layout (source)
+====================  ======  =================  =========================================================
+70b-64-megatron           64    128 x 8,192      TP4 x PP8 (VP5) x DP2, distributed optimizer, MBS 1
+                                                 (Megatron-Bridge performance summary, 25.11, DGX-H100)
+70b-256-torchtitan       256    512 x 8,192      TP8 x FSDP32, local batch 16, full AC
+                                                 (torchtitan benchmarks/llama3_h100_202412, Table 4)
+405b-8k-llama3         8,192  2,048 x 8,192      TP8 x PP16 x FSDP64, 32 sequences per replica: the Llama 3
+                                                 paper's 8K-GPU row (Table 4; the 16K row doubles DP)
+405b-512-torchtitan      512    256 x 8,192      TP8 x PP8 x FSDP8, interleaved 1F1B, local batch 32, full AC
+                                                 (torchtitan benchmarks, Table 5)
+405b-1024-megatron     1,024  1,024 x 4,096      TP8 x PP8 (VP8) x DP8 x CP2, distributed optimizer: CP2 is
+                                                 priced as DP16 on half-length sequences (the same 4 M
+                                                 tokens; Megatron-Bridge 25.11, DGX-H100: 512 x 8,192)
+8b-8-torchtitan            8     16 x 8,192      FSDP8, local batch 2, selective AC priced as none
+                                                 (torchtitan benchmarks, Table 1)
+====================  ======  =================  =========================================================
+
+Published throughputs were measured with FP8 (Megatron-Bridge) or Float8 and
+torch.compile (torchtitan) on their own machines; ours are bf16-mixed predictions.
+Schedules not published are our choice and said so (torchtitan 405B and Llama 3:
+interleaved 1F1B with 2 stages per rank).  Megatron-LM's tensor-parallel collectives
+and our prediction assume sequence parallelism.
 """
 
 from __future__ import annotations
@@ -85,13 +118,18 @@ from tools.benchplanner.baselines import equal_layers, format_runs
 
 __all__ = [
     "CASES",
+    "PUBLISHED",
     "QUICK_CASES",
     "Case",
+    "PublishedGroup",
     "block_units",
     "equal_layer_split",
     "first_last_lighter_split",
     "main",
+    "print_published",
     "print_shard_table",
+    "published_row",
+    "run_published_child",
     "summarize_recompute",
 ]
 
@@ -137,6 +175,50 @@ OPTIONS: dict[str, Any] = {
     "shard": "auto",
 }
 LEGACY = {"microbatches": 8, "schedule": "gpipe"}  # for a planner without precision/auto support
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedGroup:
+    """A published layout (or several) with the model, GPUs, batch and sequence length it was run at."""
+
+    name: str
+    spec: str  # model file: the factory builds the shape, inputs are (batch, seq) token ids
+    gpus: int
+    batch: int
+    seq: int
+    layouts: tuple[dict[str, Any], ...]  # partitioner.search.price.Layout keywords
+    note: str = ""
+    search_tp: bool = True  # also plan it ourselves with --tp auto and --tp 1 (the larger ones take minutes)
+
+
+PUBLISHED: tuple[PublishedGroup, ...] = (
+    PublishedGroup("70b-64-megatron", "examples/llama.py:llama3_70b", 64, 128, 8192, (
+        {"name": "Megatron-Bridge TP4 PP8 VP5 DP2", "tp": 4, "pp": 8, "dp": 2, "microbatches": 64,
+             "schedule": "interleaved-1f1b", "chunks": 5, "shard": "optimizer", "recompute": "auto",
+             "source": "Megatron-Bridge performance summary (25.11, DGX-H100): 1,602 tokens/s/GPU, FP8"},)),
+    PublishedGroup("70b-256-torchtitan", "examples/llama.py:llama3_70b", 256, 512, 8192, (
+        {"name": "torchtitan TP8 FSDP32", "tp": 8, "pp": 1, "dp": 32, "microbatches": 1, "schedule": "1f1b",
+             "shard": "full", "recompute": "full",
+             "source": "torchtitan llama3_h100_202412 Table 4: 829 tokens/s/GPU, Float8 + compile"},)),
+    PublishedGroup("405b-8k-llama3", "examples/llama.py:llama3_405b", 8192, 2048, 8192, (
+        {"name": "Llama 3 TP8 PP16 FSDP64", "tp": 8, "pp": 16, "dp": 64, "microbatches": 32,
+             "schedule": "interleaved-1f1b", "chunks": 2, "shard": "full", "recompute": "auto",
+             "source": "Llama 3 paper Table 4 (8,192 GPUs): 430 TFLOPs/GPU, 43% MFU, BF16"},),
+        note="the 16,384-GPU row (DP128, 16 sequences per replica) is the same layout twice as wide", search_tp=False),
+    PublishedGroup("405b-512-torchtitan", "examples/llama.py:llama3_405b", 512, 256, 8192, (
+        {"name": "torchtitan TP8 PP8 FSDP8", "tp": 8, "pp": 8, "dp": 8, "microbatches": 32, "schedule": "interleaved-1f1b",
+             "chunks": 2, "shard": "full", "recompute": "full",
+             "source": "torchtitan llama3_h100_202412 Table 5: 128 tokens/s/GPU, Float8 + compile"},)),
+    PublishedGroup("405b-1024-megatron", "examples/llama.py:llama3_405b", 1024, 1024, 4096, (
+        {"name": "Megatron-Bridge TP8 PP8 VP8 DP8 CP2", "tp": 8, "pp": 8, "dp": 16, "microbatches": 64,
+             "schedule": "interleaved-1f1b", "chunks": 8, "shard": "optimizer", "recompute": "auto",
+             "source": "Megatron-Bridge performance summary (25.11, DGX-H100): 292 tokens/s/GPU, FP8"},),
+        note="CP2 priced as DP16 on 4,096-token halves of the published 512 x 8,192"),
+    PublishedGroup("8b-8-torchtitan", "examples/llama.py:llama3_8b", 8, 16, 8192, (
+        {"name": "torchtitan FSDP8", "tp": 1, "pp": 1, "dp": 8, "microbatches": 1, "schedule": "1f1b", "shard": "full",
+             "recompute": "none", "source": "torchtitan llama3_h100_202412 Table 1: 5,762 tokens/s/GPU (bf16, no compile)"},),
+        note="selective activation checkpointing priced as none (we recompute whole stages or nothing)"),
+)
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
 _HEAD = ("lm_head", "ln_f", "norm", "model.norm", "output", "final_layernorm")
@@ -514,6 +596,118 @@ def run_child(case: Case) -> dict[str, Any]:
     }
 
 
+def run_published_child(group: PublishedGroup) -> dict[str, Any]:
+    """Price ``group``'s layouts and, where ``search_tp``, plan it with --tp auto and --tp 1: rows for the table."""
+    import torch
+
+    from partitioner.modelfile import load_model_file
+    from partitioner.search.planner import compile
+    from partitioner.search.price import Layout, price_layout
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    model = load_model_file(str(ROOT / group.spec)).build()
+    inputs = (torch.zeros(group.batch, group.seq, dtype=torch.long),)
+    common: dict[str, Any] = {"device": "h100", "precision": "bf16-mixed", "optimizer": "adam",
+                                  "gpus_per_node": min(8, group.gpus)}
+    rows: list[dict[str, Any]] = []
+
+    def say(message: str) -> None:
+        if not message.startswith(("counting costs", "measuring costs")):
+            print(f"    [{group.name}] {message}", file=sys.stderr, flush=True)
+
+    searches = (("ours (--tp auto)", "auto"), ("today (--tp 1)", 1)) if group.search_tp else ()
+    for label, tp in searches:
+        t0 = time.perf_counter()
+        try:
+            plan = compile(model, inputs, gpus=group.gpus, tp=tp, microbatches="auto", schedule="auto",
+                           recompute="auto", shard="auto", status=say, **common)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            rows.append({"layout": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        limit = plan.cost_model.memory_limit
+        rows.append(published_row(label, plan, tokens_per_sample=group.seq,
+                                  fits=limit is None or _gpu_peak(plan) <= limit * (1 + 1e-9),
+                                  wall_s=time.perf_counter() - t0))
+    for keywords in group.layouts:
+        layout = Layout(gpus=group.gpus, **keywords)
+        t0 = time.perf_counter()
+        try:
+            priced = price_layout(model, inputs, layout, tokens_per_sample=group.seq, status=say, **common)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            rows.append({"layout": layout.name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        rows.append(published_row(layout.name, priced.plan, tokens_per_sample=group.seq, fits=priced.fits,
+                                  wall_s=time.perf_counter() - t0, source=layout.source))
+    return {"group": group.name, "gpus": group.gpus, "batch": group.batch, "seq": group.seq,
+            "note": group.note, "rows": rows}
+
+
+def published_row(label: str, plan: Any, *, tokens_per_sample: int, fits: bool, wall_s: float,
+                  source: str = "") -> dict[str, Any]:
+    """One table row from a plan: layout, step, tokens/s/GPU, MFU, peak memory, fits.
+
+    >>> from partitioner.plan import example_plan
+    >>> row = published_row("x", example_plan(), tokens_per_sample=10, fits=True, wall_s=1.0)
+    >>> row["layout"], row["tp"], row["fits"], row["tokens_per_s_per_gpu"] > 0
+    ('x', 1, True, True)
+    """
+    step = plan.predicted.step_s
+    return {
+        "layout": label,
+        "tp": getattr(plan, "tp", 1), "pp": plan.pp, "dp": plan.dp, "chunks": getattr(plan, "chunks", 1),
+        "microbatches": plan.microbatches, "schedule": plan.schedule,
+        "shard": summarize_recompute(_stage_shard(plan)), "recompute": summarize_recompute(_stage_recompute(plan)),
+        "step_s": step, "mfu": plan.predicted.mfu, "peak_bytes": _gpu_peak(plan), "fits": fits,
+        "tokens_per_s_per_gpu": plan.batch_size * tokens_per_sample / step / plan.gpus if step > 0 else 0.0,
+        "wall_s": wall_s, "source": source,
+    }
+
+
+def print_published(results: list[dict[str, Any]]) -> bool:
+    """The published-layouts table; True when ours (--tp auto) is at least as fast as every published layout.
+
+    >>> rows = [{"layout": "ours (--tp auto)", "tp": 4, "pp": 8, "dp": 2, "chunks": 1, "microbatches": 64,
+    ...          "schedule": "1f1b", "shard": "none", "recompute": "none", "step_s": 10.0, "mfu": 0.5,
+    ...          "peak_bytes": 7e10, "fits": True, "tokens_per_s_per_gpu": 1000.0, "wall_s": 50.0, "source": ""},
+    ...         {"layout": "pub", "tp": 4, "pp": 8, "dp": 2, "chunks": 5, "microbatches": 64,
+    ...          "schedule": "interleaved-1f1b", "shard": "optimizer", "recompute": "none", "step_s": 11.0,
+    ...          "mfu": 0.45, "peak_bytes": 9e10, "fits": False, "tokens_per_s_per_gpu": 900.0, "wall_s": 20.0,
+    ...          "source": "x"}]
+    >>> print_published([{"group": "g", "gpus": 64, "batch": 128, "seq": 8192, "note": "", "rows": rows}])
+    ... # doctest: +NORMALIZE_WHITESPACE
+    | group | layout | TP x PP x DP | M, schedule | shard / recompute | step s | tokens/s/GPU | MFU | peak GB | fits | plan s |
+    |---|---|---|---|---|---|---|---|---|---|---|
+    | g (64 GPUs, 128 x 8192) | ours (--tp auto) | 4 x 8 x 2 | 64, 1f1b | none / none | 10 | 1000 | 50% | 70.00 | yes | 50.0 |
+    | g (64 GPUs, 128 x 8192) | pub | 4 x 8 x 2 | 64, interleaved-1f1b x5 | optimizer / none | 11 | 900 | 45% | 90.00 | no | 20.0 |
+    True
+    """
+    header = ["group", "layout", "TP x PP x DP", "M, schedule", "shard / recompute", "step s", "tokens/s/GPU",
+              "MFU", "peak GB", "fits", "plan s"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    ok = True
+    for result in results:
+        where = f"{result['group']} ({result.get('gpus')} GPUs, {result.get('batch')} x {result.get('seq')})"
+        if "error" in result:
+            print(f"| {where} | {result['error']} |" + " |" * (len(header) - 2))
+            ok = False
+            continue
+        ours = next((r.get("step_s") for r in result["rows"] if r["layout"].startswith("ours") and "error" not in r),
+                    None)
+        for r in result["rows"]:
+            if "error" in r:
+                print(f"| {where} | {r['layout']} | {r['error']} |" + " |" * (len(header) - 3))
+                continue
+            mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.0f}%"
+            print(f"| {where} | {r['layout']} | {r['tp']} x {r['pp']} x {r['dp']} | "
+                  f"{r['microbatches']}, {_schedule_cell(r)} | {r['shard']} / {r['recompute']} | {_s(r['step_s'])} | "
+                  f"{r['tokens_per_s_per_gpu']:.0f} | {mfu} | {_gb(r['peak_bytes'])} | {'yes' if r['fits'] else 'no'} | "
+                  f"{r['wall_s']:.1f} |")
+            if ours is not None and r["source"] and r["fits"] and ours > r["step_s"] * (1 + 1e-9):
+                ok = False
+    return ok
+
+
 def _stage_shard(plan: Any) -> list[str]:
     return [getattr(s, "shard", "none") for s in plan.stages]
 
@@ -642,6 +836,22 @@ def run_case(case: Case, *, timeout_s: float, quick: bool) -> dict[str, Any]:
     result["load"] = os.getloadavg()[0]  # other work on the machine inflates wall times
     result["process_rss_bytes"] = usage.ru_maxrss * 1024
     return result
+
+
+def _run_published(group: PublishedGroup, *, timeout_s: float) -> dict[str, Any]:
+    """``run_published_child`` in a fresh interpreter (its own peak memory, nothing shared)."""
+    print(f"  {group.name}: {group.spec} on {group.gpus} H100s, {group.batch} x {group.seq}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--published-child", group.name, "--result", str(out)]
+        try:
+            subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {"group": group.name, "error": f"killed after {timeout_s:.0f} s"}
+        if not out.exists():
+            return {"group": group.name, "error": "child wrote no result"}
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
 
 
 def _s(x: float | None) -> str:
@@ -817,11 +1027,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds per case (default 900)"
     )
+    parser.add_argument("--published", action="store_true",
+                        help="price the published layouts beside ours (--tp auto) and today's (--tp 1)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--published-child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     table = QUICK_CASES if args.quick else CASES
     cases = {c.name: c for c in (*CASES, *QUICK_CASES)}
+    groups = {g.name: g for g in PUBLISHED}
+    if args.published_child:
+        Path(args.result).write_text(json.dumps(run_published_child(groups[args.published_child])))
+        return 0
+    if args.published:
+        picked = [g for g in PUBLISHED if not args.only or g.name in args.only.split(",")]
+        if not picked:
+            parser.error(f"--only matches no group; choose from {', '.join(groups)}")
+        published = [_run_published(g, timeout_s=args.timeout) for g in picked]
+        ok = print_published(published)
+        for g in picked:
+            if g.note:
+                print(f"- {g.name}: {g.note}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(published, indent=1))
+        return 0 if ok else 1
     if args.child:
         result = run_child(cases[args.child])
         Path(args.result).write_text(json.dumps(result))

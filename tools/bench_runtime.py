@@ -7,6 +7,8 @@ Commands (from the repository root)::
     .venv/bin/python tools/bench_runtime.py --rounds 6 --steps 5 --json runtime.json
     .venv/bin/python tools/bench_runtime.py --layers 8 --embd 192 --seq 64 --batch 32 --microbatches 8
     .venv/bin/python tools/bench_runtime.py --only ours_1f1b,torch_1f1b_our_split   # a subset (plus one process)
+    .venv/bin/python tools/bench_runtime.py --engines       # both engines on the same plans, side by side
+    .venv/bin/python tools/bench_runtime.py --engines --quick --rounds 4 --steps 5  # the same, small (~1 min)
 
 One run measures, on the same machine and in the same two processes (gloo, one
 thread per process, ``torch.set_num_threads(1)`` everywhere), the step time of:
@@ -23,6 +25,13 @@ thread per process, ``torch.set_num_threads(1)`` everywhere), the step time of:
   same split;
 * torch's schedules on a hand-written middle split (embeddings + first half of the
   blocks | second half + ln_f + lm_head), what a user would write by hand.
+
+``--engines`` runs instead, on the same plans (GPipe, 1F1B, interleaved 1F1B with two
+stages per rank), our :class:`runtime.Pipeline` with ``engine="ours"`` and with
+``engine="torch"`` (torch.distributed.pipelining's schedule classes driving our
+stages, :mod:`runtime.torch_engine`), interleaved in the same rounds; the
+``ours/theirs`` column is then the ratio of the two engines' step times measured in
+that one run (<= 1: ours faster).
 
 Every step is forward + backward of one mini-batch with ``zero_grad(set_to_none)``
 before it and no optimizer step, everywhere.  Configurations are interleaved in
@@ -82,7 +91,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BenchConfig", "Row", "format_table", "main", "run_benchmark", "timed_steps"]
+from runtime.flatstage import ContiguousGrad  # gloo sends contiguous tensors only
+
+__all__ = ["BenchConfig", "Row", "engine_ratios", "format_table", "main", "run_benchmark", "timed_steps"]
 
 WORLD = 2
 # A step is "uncontended" when no participating rank spent more than this share of
@@ -190,18 +201,6 @@ class _Back(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous (see :class:`_ReceiveSide`)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
 class _ReceiveSide(nn.Module):
     """Stage 1 of our split under torch's pipelining: permute and guard the received tensors.
 
@@ -219,7 +218,7 @@ class _ReceiveSide(nn.Module):
         self.inner, self.order = inner, order
 
     def forward(self, *args: torch.Tensor) -> Any:
-        args = tuple(_ContiguousGrad.apply(a) if a.is_floating_point() else a for a in args)
+        args = tuple(ContiguousGrad.apply(a) if a.is_floating_point() else a for a in args)
         return self.inner(*(args[i] for i in self.order))
 
 
@@ -366,13 +365,14 @@ def _single_cases(cfg: BenchConfig, x: torch.Tensor, y: torch.Tensor) -> list[_C
     return [_Case("single", (0,), whole), _Case("single_mb", (0,), micro), _Case("single_x2", (0, 1), whole)]
 
 
-def _ours_case(key: str, plan_dir: str, cfg: BenchConfig, x: torch.Tensor, y: torch.Tensor) -> _Case:
+def _ours_case(key: str, plan_dir: str, cfg: BenchConfig, x: torch.Tensor, y: torch.Tensor, *,
+               engine: str = "ours") -> _Case:
     from examples.gpt import loss_fn
     from partitioner.plan import Plan
     from runtime.pipeline import Pipeline
 
     pipe = Pipeline(Plan.load(plan_dir), build_gpt(cfg), loss_fn, device=torch.device("cpu"),
-                    timeout=cfg.timeout)
+                    timeout=cfg.timeout, engine=engine)
 
     def step() -> float | None:
         _zero(pipe.parameters())
@@ -380,6 +380,12 @@ def _ours_case(key: str, plan_dir: str, cfg: BenchConfig, x: torch.Tensor, y: to
         return None if loss is None else float(loss)
 
     return _Case(key, (0, 1), step)
+
+
+def _engine_case(schedule: str, plan_dir: str, cfg: BenchConfig, x: torch.Tensor,
+                 y: torch.Tensor) -> Callable[[], _Case]:
+    """Builds the ``engine_<schedule>`` case: our Pipeline with ``engine="torch"`` on the same plan."""
+    return lambda: _ours_case(f"engine_{schedule}", plan_dir, cfg, x, y, engine="torch")
 
 
 def _theirs_case(key: str, rank: int, module: nn.Module, schedule: str, cfg: BenchConfig,
@@ -464,11 +470,13 @@ def _rank_main(rank: int, port: int, cfg_dict: dict[str, Any], plans: dict[str, 
                                                         cfg, x, y),
         "torch_gpipe_middle": lambda: _theirs_middle("torch_gpipe_middle", rank, "gpipe", cfg, x, y),
         "torch_1f1b_middle": lambda: _theirs_middle("torch_1f1b_middle", rank, "1f1b", cfg, x, y),
+        "ours_interleaved-1f1b": lambda: _ours_case("ours_interleaved-1f1b", plans["interleaved-1f1b"], cfg, x, y),
+        **{f"engine_{s}": _engine_case(s, plans[s], cfg, x, y) for s in _SCHEDULES if s in plans},
     }
     singles = _single_cases(cfg, x, y)
     if rank != 0:  # rank 1 only joins the "two processes at once" case
         singles = [c if c.key == "single_x2" else _Case(c.key, (0,), lambda: None) for c in singles]
-    cases = [c for c in singles if c.key in keys] + [builders[k]() for k in LABELS if k in keys and k in builders]
+    cases = [c for c in singles if c.key in keys] + [builders[k]() for k in ALL_LABELS if k in keys and k in builders]
     times: dict[str, list[float]] = {c.key: [] for c in cases}
     waits: dict[str, list[float]] = {c.key: [] for c in cases}  # per step: runnable but not running
     sched: dict[str, list[float]] = {c.key: [0.0, 0.0, 0.0] for c in cases}  # wall, run, wait
@@ -509,6 +517,30 @@ LABELS = {
     "torch_1f1b_middle": "torch Schedule1F1B, middle split",
 }
 SAME_SPLIT = {"ours_gpipe": "torch_gpipe_our_split", "ours_1f1b": "torch_1f1b_our_split"}
+# --engines: Pipeline(engine="ours") against Pipeline(engine="torch") on the same plan.
+ENGINE_LABELS = {
+    "ours_gpipe": "ours, GPipe, our plan",
+    "engine_gpipe": "engine=torch, GPipe, our plan",
+    "ours_1f1b": "ours, 1F1B, our plan",
+    "engine_1f1b": "engine=torch, 1F1B, our plan",
+    "ours_interleaved-1f1b": "ours, interleaved 1F1B, our plan",
+    "engine_interleaved-1f1b": "engine=torch, interleaved 1F1B",
+}
+ENGINE_PAIRS = {f"ours_{s}": f"engine_{s}" for s in ("gpipe", "1f1b", "interleaved-1f1b")}
+
+
+def _all_labels() -> dict[str, str]:
+    """Every configuration, each ``engine_*`` row right after ours on the same plan."""
+    out: dict[str, str] = {}
+    for key, label in {**LABELS, "ours_interleaved-1f1b": ENGINE_LABELS["ours_interleaved-1f1b"]}.items():
+        out[key] = label
+        if key in ENGINE_PAIRS:
+            out[ENGINE_PAIRS[key]] = ENGINE_LABELS[ENGINE_PAIRS[key]]
+    return out
+
+
+ALL_LABELS = _all_labels()
+_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: Path | None = None,
@@ -517,8 +549,9 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
     from partitioner.plan import Plan
     from runtime.verify import free_port, start_ranks
 
-    chosen = ["single"] + [k for k in LABELS if k != "single" and (keys is None or k in keys)]
-    schedules = [s for s in ("gpipe", "1f1b") if any(k in chosen for k in (f"ours_{s}", f"torch_{s}_our_split"))]
+    chosen = ["single"] + [k for k in ALL_LABELS if k != "single" and (k in LABELS if keys is None else k in keys)]
+    schedules = [s for s in _SCHEDULES
+                 if any(k in chosen for k in (f"ours_{s}", f"torch_{s}_our_split", f"engine_{s}"))]
 
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as tmp:
         base = work or Path(tmp)
@@ -536,12 +569,13 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
         loaded = {k: Plan.load(v) for k, v in plans.items()}
     splits = {
         **{f"ours_{s}": describe_split(p) for s, p in loaded.items()},
+        **{f"engine_{s}": describe_split(p) for s, p in loaded.items()},
         **{f"torch_{s}_our_split": describe_split(p) for s, p in loaded.items()},
         "torch_gpipe_middle": f"| blocks.{cfg.layers // 2} (by hand)",
         "torch_1f1b_middle": f"| blocks.{cfg.layers // 2} (by hand)",
     }
     rows = []
-    for key, label in LABELS.items():
+    for key, label in ALL_LABELS.items():
         if key not in chosen:
             continue
         ts = sorted(results[0]["times"][key])
@@ -554,6 +588,8 @@ def run_benchmark(cfg: BenchConfig, *, keys: Sequence[str] | None = None, work: 
                      for i in range(len(results[0]["times"][key]))]
         clean = [t for t, w in zip(results[0]["times"][key], step_wait) if w <= CLEAN_WAIT]
         pair = SAME_SPLIT.get(key)
+        if pair not in chosen:
+            pair = ENGINE_PAIRS.get(key)
         rows.append(Row(key, label, splits.get(key, "-"), statistics.median(ts), q[0], q[2], loss, len(ts),
                         statistics.median(other) if other else None,
                         same_split_as=pair if pair in chosen else None,
@@ -649,6 +685,19 @@ def verdicts(rows: Sequence[Row], cfg: BenchConfig) -> list[str]:
     return out
 
 
+def engine_ratios(rows: Sequence[Row]) -> list[str]:
+    """Per schedule: our engine's step over torch's on the same plan, from the same run (all and uncontended)."""
+    by_key = {r.key: r for r in rows}
+    out = []
+    for ours, theirs in ENGINE_PAIRS.items():
+        if ours in by_key and theirs in by_key:
+            a, b = by_key[ours], by_key[theirs]
+            clean = f"{a.clean_s / b.clean_s:.2f}" if a.clean_s and b.clean_s else "n/a"
+            out.append(f"engines [{ours[5:]}]: ours {a.step_s * 1e3:.1f} ms, torch {b.step_s * 1e3:.1f} ms: "
+                       f"ours/torch {a.step_s / b.step_s:.2f} (all steps), {clean} (uncontended)")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -659,6 +708,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma-separated configurations to run (one process is always run): {', '.join(LABELS)}")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--work", type=Path, default=None, help="keep plans and rank results in this directory")
+    parser.add_argument("--engines", action="store_true",
+                        help="Pipeline(engine='ours') against engine='torch' on the same plans (GPipe, 1F1B, "
+                        "interleaved 1F1B), with the step-time ratio of the two from this one run")
     args = parser.parse_args(argv)
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     cfg = dataclasses.replace(cfg, **{k: v for k, v in vars(args).items()
@@ -668,17 +720,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"GPT: {cfg.layers} layers, n_embd {cfg.embd}, {cfg.heads} heads, seq {cfg.seq}, batch {cfg.batch}, "
           f"vocab {cfg.vocab}; M={cfg.microbatches} micro-batches; {WORLD} CPU ranks x 1 thread (gloo); "
           f"torch {torch.__version__}")
-    keys = args.only.split(",") if args.only else None
-    unknown = sorted(set(keys or ()) - set(LABELS))
+    keys = args.only.split(",") if args.only else (list(ENGINE_LABELS) if args.engines else None)
+    unknown = sorted(set(keys or ()) - set(ALL_LABELS))
     if unknown:
-        parser.error(f"unknown configuration(s) {unknown}; choose from {', '.join(LABELS)}")
+        parser.error(f"unknown configuration(s) {unknown}; choose from {', '.join(ALL_LABELS)}")
     rows = run_benchmark(cfg, keys=keys, work=args.work)
     print()
     print(format_table(rows, cfg))
     print()
     print(f"ideal speedup 2M/(M+1) = {cfg.ideal:.3f}x; step = rank 0's median over "
           f"{rows[0].steps} timed steps; ours/theirs = step time ratio on the same split (<= 1: ours faster)")
-    for line in verdicts(rows, cfg):
+    for line in verdicts(rows, cfg) + engine_ratios(rows):
         print(line)
     if args.json:
         args.json.write_text(json.dumps({"config": dataclasses.asdict(cfg),

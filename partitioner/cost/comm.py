@@ -27,19 +27,27 @@ bandwidth in bytes/s and latency in seconds per message); no torch.
   held: an all-gather's bytes) after the optimizer step; one sharded ``full``
   all-gathers its weights (as held: bf16-mixed is autocast, not an FSDP2
   precision policy) and reduce-scatters its
-  gradients once per step (kept gathered across micro-batches), or with
-  ``reshard_after_forward`` all-gathers them again for every micro-batch's
-  forward and backward (:func:`shard_step_seconds`, :func:`shard_microbatch_seconds`).
+  gradients once per step (kept gathered across micro-batches).  A ``full``
+  group with ``reshard_after_forward`` (ZeRO-3: Rajbhandari et al. 2020, section
+  7.2.2, ``3 x`` DDP's volume per gradient accumulation step, here per
+  micro-batch; Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.3) all-gathers
+  each layer's weights before its forward and again before its backward and
+  reduce-scatters its gradients after its backward, every micro-batch
+  (:func:`zero3_microbatch_seconds`); HSDP adds an all-reduce of the shard's
+  gradients across the nodes after each reduce-scatter.
   Overlap (:mod:`partitioner.schedule.simulate`): DDP's bucketed all-reduce
-  overlaps the last backward (Li et al. 2020, section 3.2.3); the sharded
-  collectives of a pipeline stage do not: torch's pipelining calls FSDP's
+  overlaps the last backward (Li et al. 2020, section 3.2.3); the once-per-step
+  sharded collectives of a pipeline stage do not: torch's pipelining calls FSDP's
   post-backward reduce-scatter only after the stage's last backward
   (``torch/distributed/pipelining/stage.py``), and the all-gather after the
   optimizer step (``optimizer``) or before the first forward (``full``) has no
-  compute beside it, so each is charged whole, once per step.  Per-micro-batch
-  all-gathers (``reshard_after_forward``) are prefetched one layer ahead by FSDP2
-  (implicit forward prefetch, ``backward_prefetch``) and cost only what exceeds
-  the compute they hide behind.
+  compute beside it, so each is charged whole, once per step.  ZeRO-3's
+  per-micro-batch collectives run on their own streams while the layers
+  compute, FSDP2 issuing each layer's all-gather one layer ahead (implicit
+  forward prefetch, ``backward_prefetch``): per pass, what the collectives take
+  beyond that pass's compute is exposed, ``max(0, comm - compute)``, plus the
+  first unit's all-gather, which nothing before it hides (Zhao et al. 2023,
+  section 3.3.1; the backward's all-gathers and reduce-scatters share the link).
 * Topology: ranks are laid out stage-major, ``rank = stage x dp + replica``,
   and node ``rank // gpus_per_node``.  A message or a ring that crosses nodes
   is priced on the inter-node :class:`Link` (InfiniBand, one port per GPU),
@@ -76,8 +84,8 @@ __all__ = [
     "ring_allreduce_seconds",
     "ring_latency_seconds",
     "ring_shard_seconds",
-    "shard_microbatch_seconds",
     "shard_step_seconds",
+    "zero3_microbatch_seconds",
 ]
 
 
@@ -266,9 +274,9 @@ def shard_step_seconds(
     whole here, though DDP may hide part of it behind the last backward) + the
     all-gather of the updated weights as held (``weight_bytes``); ``full``:
     reduce-scatter of the gradients + (kept gathered) one all-gather of the weights
-    (``gathered_bytes``; with ``reshard_after_forward`` those are per micro-batch,
-    :func:`shard_microbatch_seconds`).  ``none`` (DDP's all-reduce) is priced by
-    :meth:`Link.allreduce_seconds` with its buckets.
+    (``gathered_bytes``); with ``reshard_after_forward`` (ZeRO-3) nothing: its
+    collectives are per micro-batch (:func:`zero3_microbatch_seconds`).  ``none``
+    (DDP's all-reduce) is priced by :meth:`Link.allreduce_seconds` with its buckets.
 
     1 GB of fp32 gradients over 4 replicas at 1 GB/s, bf16 weights gathered::
 
@@ -286,22 +294,28 @@ def shard_step_seconds(
     if shard == "optimizer":  # the all-reduce is a reduce-scatter and an all-gather of the gradients
         return 2 * scatter + on.shard_seconds(weight_bytes, replicas, messages=messages)
     if shard == "full":
-        gather = 0.0 if reshard_after_forward else on.shard_seconds(gathered_bytes, replicas, messages=messages)
-        return scatter + gather
+        if reshard_after_forward:
+            return 0.0
+        return scatter + on.shard_seconds(gathered_bytes, replicas, messages=messages)
     raise ValueError(f"shard is {shard!r}, expected none, optimizer or full")
 
 
-def shard_microbatch_seconds(
-    replicas: int, on: Link, *, gathered_bytes: float, forward_s: float, backward_s: float, messages: float = 1
-) -> float:
-    """Exposed all-gather seconds per micro-batch of a ``full`` group that reshards after forward.
+def zero3_microbatch_seconds(
+    replicas: int, on: Link, *, weight_bytes: float, gradient_bytes: float, forward_s: float, backward_s: float,
+    across_s: float = 0.0, messages: float = 1,
+) -> tuple[float, float]:
+    """(forward, backward) seconds a ZeRO-3 layer's collectives add to one micro-batch, beyond its compute.
 
-    One all-gather of the compute-dtype weights before the forward and one
-    before the backward, each hidden behind that pass's compute by FSDP2's
-    prefetch of the next layer; what exceeds the compute is exposed.
+    Forward: the all-gather of its weights, behind the forward's compute;
+    backward: the all-gather again and the reduce-scatter of its gradients
+    (``across_s``: HSDP's all-reduce of the shard across nodes), behind the
+    backward's compute (module docstring: ``max(0, comm - compute)`` per pass).
+    The first unit's all-gather, exposed whole, is the caller's (once per pass).
 
-    >>> shard_microbatch_seconds(2, Link(1e9, 0.0), gathered_bytes=2e9, forward_s=0.5, backward_s=2.0)
-    0.5
+    >>> zero3_microbatch_seconds(2, Link(1e9, 0.0), weight_bytes=2e9, gradient_bytes=2e9, forward_s=0.5,
+    ...                          backward_s=1.0)
+    (0.5, 1.0)
     """
-    gather = on.shard_seconds(gathered_bytes, replicas, messages=messages)
-    return max(0.0, gather - forward_s) + max(0.0, gather - backward_s)
+    gather = on.shard_seconds(weight_bytes, replicas, messages=messages)
+    scatter = on.shard_seconds(gradient_bytes, replicas, messages=messages)
+    return max(0.0, gather - forward_s), max(0.0, gather + scatter + across_s - backward_s)

@@ -67,9 +67,16 @@ class DeviceSpec:
     message_host_s: float = 0.0  # seconds of a rank's own time per message it sends or receives
     inter_node_bandwidth: float | None = None  # bytes/s per GPU, one direction; None: link_bandwidth
     inter_node_latency: float | None = None  # seconds per message between nodes; None: link_latency
+    # Share of the peak each op class reaches in practice (1.0: the bare roofline); see
+    # :func:`partitioner.cost.nodecost.op_class` for the classes and ``PUBLISHED_EFFICIENCY`` for values.
+    efficiency: tuple[tuple[str, float], ...] = ()
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    def efficiency_of(self, op_class: str) -> float:
+        """The share of the peak (FLOPs or bandwidth) an op of ``op_class`` reaches; 1.0 unless calibrated."""
+        return dict(self.efficiency).get(op_class, 1.0)
 
 
 def _gpu(

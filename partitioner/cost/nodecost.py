@@ -24,7 +24,10 @@ from typing import NamedTuple
 
 from partitioner.cost.devices import DeviceSpec
 
-__all__ = ["NodeCost", "SplitOverhead", "predicted_times"]
+__all__ = ["OP_CLASSES", "NodeCost", "SplitOverhead", "op_class", "predicted_times"]
+
+# Op classes a device's efficiencies are given for (DeviceSpec.efficiency).
+OP_CLASSES = ("matmul", "attention", "memory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +46,23 @@ class NodeCost:
     weight_backward_s: float = 0.0  # measured: the backward to the node's parameters alone (W)
 
 
+def op_class(cost: NodeCost) -> str:
+    """Which efficiency prices ``cost``'s FLOPs: ``matmul`` (reads weights), ``attention`` (FLOPs without).
+
+    Memory-bound work is priced with the ``memory`` efficiency of the bandwidth whatever the class.
+
+    >>> op_class(NodeCost(0, 0, 1e9, 2e9, 0, 10, "bfloat16", weight_bytes=8)), op_class(NodeCost(0, 0, 1e9, 0, 0, 10, "bfloat16"))
+    ('matmul', 'attention')
+    """
+    return "matmul" if cost.weight_bytes > 0 else "attention"
+
+
 def predicted_times(cost: NodeCost, spec: DeviceSpec) -> tuple[float, float]:
-    """Roofline forward and backward seconds of one node on ``spec``."""
+    """Roofline forward and backward seconds of one node on ``spec``, each peak scaled by its efficiency."""
     if cost.forward_flops == 0 and cost.io_bytes == 0:
         return 0.0, 0.0  # views and other metadata-only ops
-    peak = spec.peak(cost.dtype)
-    bandwidth = spec.memory_bandwidth
+    peak = spec.peak(cost.dtype) * spec.efficiency_of(op_class(cost))
+    bandwidth = spec.memory_bandwidth * spec.efficiency_of("memory")
     forward = max(cost.forward_flops / peak, cost.io_bytes / bandwidth) + spec.kernel_overhead
     # Backward reads the saved activations and the output gradient, writes input gradients.
     backward = 0.0

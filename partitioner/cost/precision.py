@@ -42,8 +42,16 @@ states as held today, ``C`` its weight in the compute dtype:
   in ``torch/distributed/pipelining/stage.py``) and the unsharded gradients
   accumulated between the reduce-scatters (``G``: ``set_requires_gradient_sync(False)``
   accumulates them unsharded, in the reduce dtype).  bf16-mixed with Adam:
-  ``16/d + 2 + 4``.  With ``reshard_after_forward`` only one layer's weights are
-  gathered at a time (two with FSDP2's prefetch), which the caller adds.
+  ``16/d + 4 + 4`` (the runtime gathers the fp32 master: bf16-mixed is
+  autocast, not an FSDP2 precision policy).
+* ``full`` with ``reshard_after_forward`` (ZeRO-3, section 5.3 of the paper;
+  Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.2): ``(W + G + S)/d`` held,
+  nothing else through the step (gradients are reduce-scattered after every
+  micro-batch's backward into the sharded accumulation), plus a transient of
+  FSDP2 units, one per layer (runtime/shard.py): the unit in use gathered
+  with its unsharded gradients and the next one prefetched with the previous
+  one's gradients in their reduce-scatter, ``2 (W + G)`` of the largest unit
+  (:func:`zero3_transient_bytes`).  bf16-mixed with Adam: ``16/d`` + that.
 
 Example: a 1.3B-parameter model's static state with Adam::
 
@@ -79,6 +87,7 @@ __all__ = [
     "state_bytes",
     "static_bytes_per_element",
     "weight_bytes",
+    "zero3_transient_bytes",
     "zero_bytes_per_parameter",
 ]
 
@@ -270,22 +279,37 @@ def shard_state_bytes(
 def gathered_bytes(
     precision: str, *, elements: float, model_bytes: float, reshard_after_forward: bool = False
 ) -> float:
-    """A fully sharded stage's transient bytes for those parameters, held through the step.
+    """A fully sharded stage's bytes held through the step for those parameters beyond its shards.
 
-    The unsharded gradients accumulated over the micro-batches, plus (kept
-    gathered, ``reshard_after_forward`` False) the weights in the compute dtype.
-    With ``reshard_after_forward`` the gathered weights are one layer's at a time:
-    the caller adds the largest layer's (twice, for FSDP2's prefetch of the next).
+    Kept gathered (``reshard_after_forward`` False): the unsharded gradients
+    accumulated over the micro-batches plus the gathered weights.  ZeRO-3
+    (True): none; its per-layer transient is :func:`zero3_transient_bytes`.
 
     >>> gathered_bytes("bf16-mixed", elements=1, model_bytes=4), gathered_bytes("fp32", elements=1, model_bytes=4)
     (8, 8)
     >>> gathered_bytes("bf16-mixed", elements=1, model_bytes=4, reshard_after_forward=True)
-    4
+    0.0
+    """
+    if reshard_after_forward:
+        return 0.0
+    grads = gradient_bytes(precision, elements=elements, model_bytes=model_bytes)
+    return grads + weight_bytes(precision, elements=elements, model_bytes=model_bytes, compute=True)
+
+
+def zero3_transient_bytes(precision: str, *, elements: float, model_bytes: float) -> float:
+    """ZeRO-3's transient for its largest FSDP unit (those parameters): ``2 (W + G)``.
+
+    During a backward the unit in use holds its gathered weights and its
+    unsharded gradients, while FSDP2 prefetches the next unit's weights
+    (``backward_prefetch``) and the previous unit's gradients wait in their
+    reduce-scatter's input buffer (``reduce_scatter_max_input_buffers`` 1): two
+    units' weights and gradients.  Forward needs less (two units' weights).
+
+    >>> zero3_transient_bytes("bf16-mixed", elements=1e9, model_bytes=4e9) / 1e9  # GB: fp32 master + fp32 grads
+    16.0
     """
     grads = gradient_bytes(precision, elements=elements, model_bytes=model_bytes)
-    if reshard_after_forward:
-        return grads
-    return grads + weight_bytes(precision, elements=elements, model_bytes=model_bytes, compute=True)
+    return 2 * (grads + weight_bytes(precision, elements=elements, model_bytes=model_bytes, compute=True))
 
 
 # The ZeRO paper's stages (section 5.1): P_os, P_os+g, P_os+g+p.

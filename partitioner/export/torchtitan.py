@@ -151,7 +151,7 @@ def export_torchtitan(plan: Plan, *, names: str = "model", source: str = "") -> 
     parallelism |= {
         "data_parallel_replicate_degree": replicate,
         "data_parallel_shard_degree": shard,
-        "tensor_parallel_degree": 1,
+        "tensor_parallel_degree": getattr(plan, "tp", 1),  # torchtitan's TP is Megatron's pairs, as we price them
     }
     training: dict[str, Any] = {
         "local_batch_size": plan.batch_size // plan.dp,

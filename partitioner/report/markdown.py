@@ -34,7 +34,13 @@ from pathlib import Path
 from partitioner.plan import Plan
 from partitioner.report.figures import stage_bars_png, timeline_png
 from partitioner.report.graphfig import GRAPH_PNG, block_graph_png
-from partitioner.report.table import assumptions, is_chosen, ranked_candidates, schedule_label
+from partitioner.report.table import (
+    assumptions,
+    is_chosen,
+    ranked_candidates,
+    schedule_label,
+    shard_label,
+)
 from partitioner.schedule.simulate import Simulation, simulate
 from partitioner.schedule.timeline import write_chrome_trace
 from partitioner.units import format_bytes, format_ms
@@ -95,7 +101,9 @@ def _summary(plan: Plan, sim: Simulation) -> str:
         ("model", (f"{m.class_name} ({m.parameters:,} parameters, {format_bytes(m.parameter_bytes)}; "
                   f"captured with {m.capture}, fingerprint `{m.fingerprint}`)")),
         ("GPUs", (f"{plan.gpus} = {plan.pp} pipeline {'stages' if plan.chunks == 1 else 'ranks'} (pp) x "
-                  f"{plan.dp} data-parallel replicas (dp), {plan.gpus_per_node or plan.gpus} per node")),
+                  f"{plan.dp} data-parallel replicas (dp)"
+                  + (f" x {plan.tp} tensor-parallel (tp)" if plan.tp > 1 else "")
+                  + f", {plan.gpus_per_node or plan.gpus} per node")),
         ("schedule", f"{plan.schedule}, {plan.microbatches} micro-batches per step" + (
             "" if plan.chunks == 1 else
             f"; {len(plan.stages)} stages, {plan.chunks} per pipeline rank (see the rank layout)")),
@@ -130,7 +138,10 @@ def _assumptions(plan: Plan) -> str:
             "pipeline the gradients accumulate whole over the step, and a fully sharded stage keeps its weights "
             "gathered across micro-batches (as torch's pipelining keeps FSDP2), so both are counted with it. Its "
             "reduce-scatter and all-gather run once per step after the last backward, not overlapped; DDP's "
-            "bucketed all-reduce overlaps the last backward.")
+            "bucketed all-reduce overlaps the last backward. A zero3 stage (full with reshard_after_forward) holds "
+            "only its shards plus two layers gathered; its all-gathers (before each forward and backward) and "
+            "reduce-scatters (after each backward) run every micro-batch, and only what its compute does not "
+            "hide, plus the first layer's all-gather, counts.")
     if any(s.predicted.weight_s for s in plan.stages) and plan.schedule in ("zb-h1", "zbv"):
         note += (" The backward is split: B (input gradients) and W (weight gradients, half the backward of "
                  "every node that reads parameters; Qi et al. 2024), W deferred to fill the pipeline's idle time.")
@@ -153,7 +164,7 @@ def _stage_table(plan: Plan) -> str:
             st.recompute,
             format_bytes(p.send_bytes) if st.outputs else "-",
             f"{format_ms(p.allreduce_s)} ({st.allreduce_link})" if plan.dp > 1 else "-",
-            st.shard if plan.dp > 1 else "-",
+            shard_label(st) if plan.dp > 1 else "-",
             format_bytes(_at(plan.predicted.peak_memory_bytes, st.rank, p.memory_bytes)),
         ))
     head = ("stage", "ranks", "modules", "compute nodes", "parameters", "forward / mb", "backward / mb",

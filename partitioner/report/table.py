@@ -33,7 +33,9 @@ __all__ = [
     "ranked_candidates",
     "recompute_summary",
     "schedule_label",
+    "shard_label",
     "shard_summary",
+    "tensor_parallel_summary",
 ]  # the formatters live in partitioner.units
 
 WIDTH = 100  # columns every line of the text report fits in
@@ -135,20 +137,32 @@ def shard_summary(plan: Plan) -> str:
                      "and kept gathered across micro-batches, gradients reduce-scattered once per step, not "
                      "overlapped)"}
     states = plan.cost_model.optimizer_states
+    words["zero3"] = ("full, ZeRO-3 (FSDP2, reshard_after_forward: one unit per layer, all-gathered before "
+                      "each forward and backward and freed after, gradients reduce-scattered after every "
+                      "micro-batch, behind compute)")
     parts = []
-    for mode in dict.fromkeys(s.shard for s in plan.stages):
-        stages = [s.index for s in plan.stages if s.shard == mode]
-        shards = shard_degree(mode, plan.dp, plan.gpus_per_node)
+    for label in dict.fromkeys(shard_label(s) for s in plan.stages):
+        stages = [s.index for s in plan.stages if shard_label(s) == label]
+        mode = "full" if label == "zero3" else label
+        shards = shard_degree(mode, plan.dp, plan.shard_gpus_per_node)
         per = shard_state_bytes(plan.precision, states, mode, shards, elements=1, model_bytes=4)
-        extra = gathered_bytes(plan.precision, elements=1, model_bytes=4) if mode == "full" else 0
+        extra = gathered_bytes(plan.precision, elements=1, model_bytes=4) if label == "full" else 0
         where = "every stage" if len(stages) == len(plan.stages) else f"stage{'s' if len(stages) > 1 else ''} " \
             f"{_ranges(stages)}"
         over = f"{plan.dp} replicas" if shards == plan.dp else \
             f"{shards} shards per node ({plan.dp // shards} nodes replicate them: HSDP)"
         held = f"{per:.3g} bytes per parameter over {over}" + (
             f" + {extra:.3g} gathered during the step" if extra else "")
-        parts.append(f"{words.get(mode, mode)} on {where}: {held}")
+        if label == "zero3":
+            units = max(s.predicted.gathered_bytes for s in plan.stages)
+            held += f" + the largest layer's weights and gradients, twice ({format_bytes(units)})"
+        parts.append(f"{words.get(label, label)} on {where}: {held}")
     return "; ".join(parts)
+
+
+def shard_label(stage: StagePlan) -> str:
+    """A stage's shard mode as the tables show it: ``zero3`` for ``full`` with ``reshard_after_forward``."""
+    return "zero3" if stage.shard == "full" and stage.reshard_after_forward else stage.shard
 
 
 def crossing_links(plan: Plan) -> tuple[list[str], list[int]]:
@@ -205,7 +219,29 @@ def assumptions(plan: Plan) -> list[tuple[str, str]]:
         ("links", f"{nodes}; {intra}{inter}"),
         ("across nodes", carried),
         ("MFU", peak),
+        *([("tensor parallel", tensor_parallel_summary(plan))] if plan.tp > 1 else []),
     ]
+
+
+def tensor_parallel_summary(plan: Plan) -> str:
+    """Tensor parallelism's line of the assumptions: the group, and its collectives' seconds per step.
+
+    >>> import dataclasses
+    >>> from partitioner.plan import example_plan
+    >>> p = example_plan()
+    >>> p = dataclasses.replace(p, tp=2, gpus=2 * p.gpus, gpus_per_node=4, stages=tuple(dataclasses.replace(
+    ...     s, predicted=dataclasses.replace(s.predicted, tp_comm_s=1e-3)) for s in p.stages))
+    >>> tensor_parallel_summary(p).split(";")[0]
+    '2 GPUs per group inside a node (NVLink), sequence parallel'
+    """
+    per_rank: dict[int, float] = {}
+    for st in plan.stages:
+        per_rank[st.rank] = per_rank.get(st.rank, 0.0) + st.predicted.tp_comm_s * plan.microbatches
+    busiest = max(per_rank.values(), default=0.0)
+    return (f"{plan.tp} GPUs per group inside a node (NVLink), sequence parallel; column/row pairs all-gather "
+            f"and reduce-scatter b x s x h twice per layer each way (Megatron, Korthikanti et al. 2022), not "
+            f"overlapped: {format_seconds(busiest)} of the busiest pipeline rank's step "
+            f"({100 * busiest / plan.predicted.step_s:.0f}%)" if plan.predicted.step_s > 0 else "")
 
 
 def ranked_candidates(plan: Plan) -> list[Candidate]:
@@ -243,6 +279,7 @@ def _header(plan: Plan) -> list[str]:
     parameters = "parameter" if model.parameters == 1 else "parameters"
     shape = (f"{plural(plan.pp, 'stage')} x {plural(plan.dp, 'replica')}" if plan.chunks == 1 else
              f"{plural(plan.pp, 'pipeline rank')} x {plural(plan.dp, 'replica')}, {len(plan.stages)} stages")
+    shape += f" x tp {plan.tp}" if plan.tp > 1 else ""  # tensor-parallel groups (issue 22)
     first = (f"{model.class_name}: {format_count(model.parameters)} {parameters} ({model.capture})"
              f" | {plural(plan.gpus, 'GPU')} = {shape}, {_node_layout(plan)}")
     cm = plan.cost_model
@@ -283,13 +320,15 @@ def _stage_table(plan: Plan) -> list[str]:
             format_bytes(p.send_bytes) if p.send_bytes else "-",
         ]
         if replicated:
-            row += [stage.shard, _ms(p.allreduce_s) + ("*" if stage.allreduce_link == "inter" else "")]
+            row += [shard_label(stage), _ms(p.allreduce_s) + ("*" if stage.allreduce_link == "inter" else "")]
         rows.append(row)
     table = _render(headers, rows, right, shrink=2, indent=0)
     where = "per GPU" if plan.chunks == 1 else "the stage's own share of its GPU (per GPU: below)"
     notes = f"fwd/bwd ms and sends: per micro-batch (bwd with recomputation); peak memory: {where}, whole step"
     if replicated and any(s.shard != "none" for s in plan.stages):
         notes += "; allreduce ms: a sharded group's reduce-scatter and all-gather per step"
+        if any(shard_label(s) == "zero3" for s in plan.stages):
+            notes += " (zero3: per micro-batch, in fwd/bwd ms where compute does not hide them)"
     if any(s.allreduce_link == "inter" for s in plan.stages) and replicated:
         notes += "; *: across nodes"
     return table + _wrap(notes + ".")

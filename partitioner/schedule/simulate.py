@@ -382,8 +382,10 @@ def boundary_seconds(plan: Plan) -> list[list[float]]:
     [[0, 60032], [0, 0]]
     """
     intra, inter = plan_links(plan)
-    gpus_per_node: int | None = getattr(plan, "gpus_per_node", None)
+    # Stage ranks are tensor-parallel groups (plan.tp): tp GPUs each, inside a node.
+    gpus_per_node: int | None = getattr(plan, "group_gpus_per_node", getattr(plan, "gpus_per_node", None))
     precision: str = getattr(plan, "precision", "fp32")
+    tp: int = getattr(plan, "tp", 1)  # sequence parallel: each GPU of a group sends 1/tp of a boundary
     rank = [st.rank for st in plan.stages]
     seconds = [[0.0] * len(plan.stages) for _ in plan.stages]
     for st in plan.stages:
@@ -392,7 +394,7 @@ def boundary_seconds(plan: Plan) -> list[list[float]]:
                 continue  # handed over in memory
             crosses = p2p_crosses_nodes(rank[b.source], rank[b.target], dp=plan.dp, gpus_per_node=gpus_per_node)
             on = inter if crosses else intra
-            seconds[b.source][b.target] += on.message_seconds(b.nbytes * activation_scale(precision, b.dtype))
+            seconds[b.source][b.target] += on.message_seconds(b.nbytes * activation_scale(precision, b.dtype) / tp)
     return seconds
 
 
@@ -404,9 +406,9 @@ def stage_static_bytes(plan: Plan) -> list[float]:
     per element.  A sharded stage group (``StagePlan.shard``, over ``plan.dp``
     replicas) holds :func:`~partitioner.cost.precision.shard_state_bytes`, and a
     fully sharded one its gathered weights and unsharded gradients on top
-    (:func:`~partitioner.cost.precision.gathered_bytes`; with ``reshard_after_forward``,
-    which the planner never chooses, one layer's gathered weights are not counted: the
-    plan does not record its largest layer).
+    (:func:`~partitioner.cost.precision.gathered_bytes`), or under ZeRO-3
+    (``reshard_after_forward``) its gathered units as the plan predicted them
+    (``StagePrediction.gathered_bytes``: the largest unit's, twice, on the first stage of each rank).
 
     >>> from partitioner.plan import example_plan
     >>> stage_static_bytes(example_plan())  # 64 bytes of fp32 weights, Adam: x 4
@@ -423,11 +425,13 @@ def stage_static_bytes(plan: Plan) -> list[float]:
         if not _sharded(plan, st.shard):
             out.append(float(state_bytes(precision, states, elements=elements, model_bytes=nbytes)))
             continue
-        shards = shard_degree(st.shard, plan.dp, plan.gpus_per_node)
+        shards = shard_degree(st.shard, plan.dp, getattr(plan, "shard_gpus_per_node", plan.gpus_per_node))
         held = shard_state_bytes(precision, states, st.shard, shards, elements=elements, model_bytes=nbytes)
         if st.shard == "full":
             held += gathered_bytes(precision, elements=elements, model_bytes=nbytes,
                                    reshard_after_forward=st.reshard_after_forward)
+            if st.reshard_after_forward:
+                held += getattr(st.predicted, "gathered_bytes", 0.0)
         out.append(float(held))
     return out
 

@@ -54,7 +54,7 @@ from partitioner.schedule.lower import compute_order, lower, validate
 from partitioner.schedule.simulate import simulate
 from partitioner.search.layouts import Solved
 from partitioner.search.options import PlanOptions, batch_size_of
-from partitioner.solve.formulate import GraphCosts
+from partitioner.solve.formulate import ZERO3, GraphCosts, zero3_costs
 from partitioner.solve.problem import (
     allreduce_latencies,
     choose_recompute,
@@ -177,7 +177,21 @@ def _stages(
     _, allreduce = stage_costs(problem, partition.stage_of, count, recompute=recompute)
     latency = list(allreduce_latencies(problem, count))
     memory = stage_memory(problem, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute)
-    shard = [solved.shard if dp > 1 else "none"] * count
+    zero3 = solved.shard == ZERO3 and dp > 1
+    # ZeRO-3 is shard "full" with reshard_after_forward (runtime/shard.py); its exposed collectives per
+    # micro-batch are in the problem's block times (formulate) and here in each stage's F and B.
+    shard = [("full" if zero3 else solved.shard) if dp > 1 else "none"] * count
+    reshard = [zero3] * count
+    exposed_f, exposed_b = [0.0] * count, [0.0] * count
+    if zero3:
+        z = zero3_costs(graph, dp=dp, spec=options.spec, precision=options.precision, gpus_per_node=per_node)
+        for b, s in enumerate(partition.stage_of):
+            exposed_f[s] += z.forward_s[b]
+            exposed_b[s] += z.backward_s[b]
+    # The gathered units are a rank's, whatever stages it holds: counted once, on its first stage.
+    units = [solved.gathered if zero3 and s == min(t for t in range(count) if rank[t] == rank[s]) else 0.0
+             for s in range(count)]
+    memory = [x + u for x, u in zip(memory, units, strict=True)]
     if solved.whole is not None and dp > 1:
         # Per stage group, DDP where it fits whole with the same recomputation (its bucketed all-reduce
         # overlaps the last backward); the combination's shard mode elsewhere.
@@ -195,6 +209,8 @@ def _stages(
         for s in range(count):
             if s not in pinned and within_limit(kept[s], whole.memory_limit):
                 shard[s], memory[s], allreduce[s], latency[s] = "none", kept[s], reduce[s], wait[s]
+                if reshard[s]:  # DDP: none of ZeRO-3's collectives or gathered units (or its host wait per action)
+                    reshard[s], exposed_f[s], exposed_b[s] = False, -z.first_gather_s, -z.first_gather_s
     layout = stage_layout(solved.pp, dp)
     # W per stage, and the host seconds a split backward adds to it (problem.split_backward).
     block_forward = [sum(graph.node_forward_s[n] for n in members) / dp for members in graph.blocks]
@@ -218,6 +234,7 @@ def _stages(
         total = (sum(graph.node_time_s[n] for n in compute) + (sum(graph.loss_s) if last else 0.0)) / dp
         # The runtime's host time per action (a calibration's): once in F, once in B (W's is in added).
         forward, total = forward + problem.action_s + in_forward[s], total + 2 * problem.action_s
+        forward, total = forward + exposed_f[s], total + exposed_f[s] + exposed_b[s]
         kept = [problem.activation_bytes[b] for b in blocks_of[s]]
         again = 0.0
         if recompute[s]:
@@ -247,13 +264,14 @@ def _stages(
                 recompute_peak_bytes=max((problem.activation_bytes[b] for b in blocks_of[s]), default=0.0)
                 if recompute[s] else 0.0,
                 weight_s=min(weight[s], backward),  # the same seconds, summed per block or per node
+                gathered_bytes=units[s] if reshard[s] else 0.0,
             ),
             recompute="full" if recompute[s] else "none",
             allreduce_link="inter" if allreduce_crosses_nodes(rank[s], dp=dp, gpus_per_node=per_node) else "intra",
             # The problem was priced for the group's shard mode (formulate); one replica shards nothing.
-            # Kept gathered across micro-batches, as torch's pipelining keeps FSDP2 (cost/precision.py).
+            # "full": kept gathered across micro-batches, as torch's pipelining keeps FSDP2, or ZeRO-3.
             shard=shard[s],
-            reshard_after_forward=False,
+            reshard_after_forward=reshard[s],
         ))
     return tuple(stages)
 

@@ -38,12 +38,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from partitioner.cost.precision import static_bytes_per_element
-from partitioner.defaults import SCHEDULES, SHARD_MODES, schedule_chunks, splits_backward
+from partitioner.defaults import (
+    SCHEDULES,
+    SHARD_MODES,
+    schedule_chunks,
+    shard_refusal,
+    splits_backward,
+)
 from partitioner.errors import AutopartitionError, InfeasibleError
 from partitioner.orders import rank_orders, stage_ranks
 from partitioner.plan import Candidate, Plan
 from partitioner.report.table import schedule_label
 from partitioner.search.options import PlanOptions, Status
+from partitioner.solve.formulate import ZERO3, Zero3Costs, zero3_costs
 from partitioner.solve.ilp import is_chain, solve
 from partitioner.solve.problem import (
     Partition,
@@ -112,6 +119,7 @@ class Solved:
     # Sharded, one stage per rank: the same combination's DDP problem; a stage group that fits whole under it
     # stays DDP (search.assemble), as a stage keeps its activations where they fit.
     whole: PartitionProblem | None = None
+    gathered: float = 0.0  # ZeRO-3: the gathered units' bytes on every rank, beyond its problem's (formulate)
 
     @property
     def stages(self) -> int:
@@ -185,6 +193,7 @@ class Trial:
     chunks: int = 1  # stages per pipeline rank
     shard: str = "none"  # the stage groups' shard mode its problem is priced for
     whole: PartitionProblem | None = None  # sharded: the DDP problem its stages fall back to where they fit
+    gathered: float = 0.0  # ZeRO-3: the gathered units' bytes on every rank, beyond its problem's (formulate)
 
     @property
     def key(self) -> CombinationKey:
@@ -198,7 +207,7 @@ class Trial:
         assert self.problem is not None and self.partition is not None
         assert self.microbatches is not None and self.schedule is not None
         return Solved(self.pp, self.dp, self.problem, self.partition, self.microbatches, self.schedule, self.chunks,
-                      self.shard, self.whole)
+                      self.shard, self.whole, self.gathered)
 
     def simulated(self, draft: Plan) -> None:
         """Record the simulation of its draft plan."""
@@ -236,12 +245,17 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
         shapes = options.schedule_variants(p, blocks)
         # Each shard mode's state bound: a mode whose weights, gradients and optimizer state alone cannot
         # fit takes no part; the shape is infeasible when none fits.
-        modes = list(dict.fromkeys(mode for k, _ in shapes for mode in options.shard_modes(k, d))) or ["none"]
+        modes = list(dict.fromkeys(mode for k, _ in shapes for mode in _policies(options, k, d))) or ["none"]
         whole = _state_bound(scaled.problem(d, choices[0]), p)
         # Sharding only shrinks the state (cost/precision.py): where DDP's fits, every mode's does.
-        state = {mode: whole if mode == "none" or limit is None or whole <= limit else
+        # ZeRO-3's gathered units come off its problem's limit (formulate): its state must fit in the rest.
+        room = {mode: limit for mode in modes}
+        if ZERO3 in modes and limit is not None:
+            room[ZERO3] = limit - zero3_costs(scaled.at(choices[0]), dp=d, spec=options.spec, precision=options.precision,
+                                              gpus_per_node=options.gpus_per_node).transient_bytes
+        state = {mode: whole if mode == "none" or (room_of := room[mode]) is None or whole <= room_of else
                  _state_bound(scaled.problem(d, choices[0], mode), p) for mode in modes}
-        fitting = [mode for mode in modes if limit is None or state[mode] <= limit]
+        fitting = [mode for mode in modes if (room_of := room[mode]) is None or state[mode] <= room_of]
         if not fitting:
             least = min(modes, key=lambda mode: state[mode])
             trials.append(Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state[least],
@@ -256,13 +270,14 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                                     chunks=v))
             else:
                 variants.append((k, v))
+        z3: dict[int, Zero3Costs] = {}  # per micro-batch count
         for m in choices:
             problem = scaled.problem(d, m)  # DDP's: the bound (compute alone) is every mode's
             for mode in fitting:
                 for k, v in variants:
-                    if mode not in options.shard_modes(k, d):
+                    if mode not in _policies(options, k, d):
                         continue
-                    if mode == "full" and k == "zbv" and tied:
+                    if mode in ("full", ZERO3) and k == "zbv" and tied:
                         trials.append(Trial(p, d, m, k, "skipped", _TIED_IN_A_V, chunks=v, shard=mode))
                         continue
                     why = _cannot_run(k, p, m, v, blocks)
@@ -270,6 +285,12 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                         trials.append(Trial(p, d, m, k, "skipped", why, chunks=v, shard=mode))
                         continue
                     bound = _time_bound(problem, p, m, schedule=k, chunks=v)
+                    if mode == ZERO3:  # its collectives' least exposure: the bound loses sooner (formulate)
+                        z = z3.get(m) or z3.setdefault(m, zero3_costs(
+                            scaled.at(m), dp=d, spec=options.spec, precision=options.precision,
+                            gpus_per_node=options.gpus_per_node))
+                        bound = _time_bound(problem, p, m, schedule=k, chunks=v, added=sum(z.forward_s)
+                                            + sum(z.backward_s) + 2 * p * v * z.first_gather_s)
                     # A sharded trial's problem is formulated when it is screened (most are not needed).
                     own = schedule_problem(problem, k, p, v) if mode == "none" else None
                     pending.append(Trial(p, d, m, k, bound=bound, problem=own, chunks=v, shard=mode))
@@ -287,6 +308,21 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
         _describe(t, options)
     return trials, [t.solved() for t in pending if t.partition is not None]
 
+
+
+def _policies(options: PlanOptions, schedule: ScheduleKind, dp: int) -> tuple[str, ...]:
+    """The shard modes tried for ``schedule`` on ``dp`` replicas, ZeRO-3 among them (:data:`ZERO3`).
+
+    ZeRO-3 is ``full`` with ``reshard_after_forward``: tried wherever ``full`` may run
+    (:meth:`~partitioner.search.options.PlanOptions.shard_modes`' footprint filter aside,
+    which prices per step what ZeRO-3 moves per micro-batch, mostly behind compute), except
+    under a split backward, whose W the runtime cannot reduce per backward (runtime/shard.py).
+    """
+    modes = options.shard_modes(schedule, dp)
+    if dp > 1 and options.shard in ("auto", "full") and not splits_backward(schedule) \
+            and shard_refusal(schedule, "full") is None:
+        modes = (*modes, ZERO3)
+    return modes
 
 
 def _state_bound(problem: PartitionProblem, stages: int) -> float:
@@ -311,16 +347,19 @@ def _cannot_run(schedule: ScheduleKind, pp: int, microbatches: int, chunks: int,
 
 
 def _time_bound(
-    problem: PartitionProblem, stages: int, microbatches: int, *, schedule: ScheduleKind = "gpipe", chunks: int = 1
+    problem: PartitionProblem, stages: int, microbatches: int, *, schedule: ScheduleKind = "gpipe", chunks: int = 1,
+    added: float = 0.0,
 ) -> float:
     """A lower bound on the schedule's closed form (:func:`~partitioner.solve.problem.step_time`) over ``stages`` ranks.
 
     ``T`` is the blocks' compute per micro-batch: the stage times sum to at least
     ``T`` and the slowest rank holds at least their mean (transfers,
     recomputation and all-reduces only add).  GPipe and 1F1B: ``T (1 + (M-1)/P)``;
-    interleaved: ``T (M + (P-1)/v) / P``; ZB-H1 and ZB-V: ``T M / P``.
+    interleaved: ``T (M + (P-1)/v) / P``; ZB-H1 and ZB-V: ``T M / P``.  ``added``: seconds
+    per micro-batch the stages pay on top of their blocks whatever the split (ZeRO-3's
+    exposed collectives: each block's, and a first unit's all-gather per forward and backward of each stage).
     """
-    total = sum(problem.time_s)
+    total = sum(problem.time_s) + added
     if schedule in _CLASSIC:
         return total * (1 + (microbatches - 1) / stages) + problem.allreduce_latency_s
     extra = (stages - 1) / chunks if schedule == "interleaved-1f1b" else 0.0
@@ -334,7 +373,8 @@ _UNNEEDED = "unneeded"
 
 
 def _needs_shard(t: Trial, by_key: dict[CombinationKey, Trial]) -> bool:
-    """Is sharding worth solving for ``t``: its DDP twin does not fit, or fits only by recomputing?
+    """Is sharding worth solving for ``t``: its DDP twin (and, ZeRO-3, its kept-gathered twin) does not fit,
+    or fits only by recomputing?
 
     The rule :func:`~partitioner.solve.problem.choose_recompute` applies to
     activations, applied to the replicas' state: keep it whole (DDP, whose
@@ -344,12 +384,15 @@ def _needs_shard(t: Trial, by_key: dict[CombinationKey, Trial]) -> bool:
     """
     if t.shard == "none":
         return True
-    twin = by_key.get((t.pp, t.dp, t.microbatches, t.schedule, t.chunks, "none"))
-    if twin is not None and twin.status == "pruned":
-        return False  # the same bound: pruned alike, one row says so
-    if twin is None or twin.partition is None:
-        return True  # no DDP trial (its state alone does not fit, or --shard), or it did not fit
-    return any(_recompute_of(twin))
+    # ZeRO-3 against its kept-gathered twin as well: it only holds less (cost/precision.py), at the price
+    # of collectives every micro-batch, so it is worth solving only where that twin needs more memory.
+    for other in ("none", "full") if t.shard == ZERO3 else ("none",):
+        twin = by_key.get((t.pp, t.dp, t.microbatches, t.schedule, t.chunks, other))
+        if twin is not None and twin.status == "pruned":
+            return False  # the same bound: pruned alike, one row says so
+        if twin is not None and twin.partition is not None and not any(_recompute_of(twin)):
+            return False  # the twin fits as it is
+    return True
 
 
 
@@ -362,7 +405,7 @@ def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, 
     found: list[float] = []  # closed forms so far, ascending
     announced: set[tuple[int, int]] = set()
     by_key = {t.key: t for t in pending}
-    order: dict[str, int] = {mode: i for i, mode in enumerate(SHARD_MODES)}
+    order: dict[str, int] = {mode: i for i, mode in enumerate((*SHARD_MODES, ZERO3))}
     for t in sorted(pending, key=lambda t: (t.bound, order.get(t.shard, 0))):
         if not _needs_shard(t, by_key):
             t.status = _UNNEEDED
@@ -376,6 +419,10 @@ def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, 
             # --shard auto, one stage per rank (several share its memory: one mode for them all).
             if options.shard == "auto" and t.chunks == 1:
                 t.whole = schedule_problem(scaled.problem(t.dp, t.microbatches), t.schedule, t.pp, t.chunks)
+            if t.shard == ZERO3:
+                o = options
+                t.gathered = zero3_costs(scaled.at(t.microbatches), dp=t.dp, spec=o.spec, precision=o.precision,
+                                         gpus_per_node=o.gpus_per_node).transient_bytes
         if (t.pp, t.dp) not in announced:
             announced.add((t.pp, t.dp))
             say(f"solving {plural(t.pp, 'stage')} x {plural(t.dp, 'replica')}")
@@ -476,7 +523,8 @@ def _describe(t: Trial, options: PlanOptions) -> None:
     if t.partition is not None:
         recompute = _recompute_of(t)
         stage_of = t.partition.stage_of
-        t.memory = max(rank_memory(t.problem, stage_of, t.stages, microbatches=m, schedule=kind, recompute=recompute))
+        t.memory = t.gathered + max(rank_memory(t.problem, stage_of, t.stages, microbatches=m, schedule=kind,
+                                                recompute=recompute))
         times, _ = stage_costs(t.problem, stage_of, t.stages, recompute=recompute)
         step = t.partition.objective
         t.bubble = max(0.0, 1 - m * sum(times) / (t.pp * step)) if step > 0 else 0.0
@@ -486,7 +534,7 @@ def _describe(t: Trial, options: PlanOptions) -> None:
         lean = dataclasses.replace(t.problem, memory_limit=None, recompute=may)
         part = solve(lean, stages=t.stages, microbatches=m, schedule=kind, use_ilp=False)
         if part is not None:
-            t.memory = max(rank_memory(lean, part.stage_of, t.stages, microbatches=m, schedule=kind,
+            t.memory = t.gathered + max(rank_memory(lean, part.stage_of, t.stages, microbatches=m, schedule=kind,
                                        recompute=part.recompute or None))
         t.reason = _memory_reason(t, options)
 
@@ -529,7 +577,8 @@ def best_candidates(trials: list[Trial]) -> list[Solved]:
     others are simulated too (and may still win), so that the candidate table
     says what each schedule tried predicts in simulation, not only in closed form.
     One stage runs the same actions in the same time under either schedule
-    (GPipe only holds more micro-batches): a one-stage twin of a kept trial is skipped.
+    (GPipe only holds more micro-batches): a one-stage twin of a kept trial is skipped, and so is
+    another shard mode of a kept layout, or a second ZeRO-3 trial, among the refined ones.
     """
     kept: list[Trial] = []
     ordered = sorted((t for t in trials if t.partition is not None), key=lambda t: (_objective(t), t.memory or 0.0))
@@ -537,8 +586,14 @@ def best_candidates(trials: list[Trial]) -> list[Solved]:
         if t.pp == 1 and any(k.pp == 1 and (k.dp, k.microbatches, k.shard) == (t.dp, t.microbatches, t.shard)
                              for k in kept):
             continue
+        # One refined slot per layout (its shard modes' closed forms differ by little and refine alike), and
+        # one for ZeRO-3's several layouts: the closed form ranks splits only roughly, so the slots go to
+        # different layouts (refinement, not the closed form, found 70B/64's best plan).
+        if any(k.key[:5] == t.key[:5] or (k.shard == t.shard == ZERO3) for k in kept):
+            continue
         kept.append(t)
-    kept = kept[:SIMULATED_CANDIDATES]
+        if len(kept) == SIMULATED_CANDIDATES:
+            break
     shown = {(t.schedule, t.chunks) for t in kept}
     for t in ordered:
         if (t.schedule, t.chunks) not in shown and t.pp > 1:
@@ -552,7 +607,7 @@ def candidate_rows(trials: list[Trial], chosen: Trial, options: PlanOptions) -> 
     """Every trial as a report row, with why it lost to ``chosen`` (or ``chosen``)."""
     rows = []
     order: dict[str | None, int] = {k: i for i, k in enumerate(SCHEDULES)}
-    modes: dict[str, int] = {mode: i for i, mode in enumerate(SHARD_MODES)}
+    modes: dict[str, int] = {mode: i for i, mode in enumerate((*SHARD_MODES, ZERO3))}
     for t in sorted(trials, key=lambda t: (t.dp, t.microbatches or 0, order.get(t.schedule, -1), t.chunks,
                                            modes.get(t.shard, -1))):
         recomputed = sum(_recompute_of(t)) if t.partition is not None else None

@@ -109,6 +109,7 @@ class PlanOptions:
     calibration: Calibration = dataclasses.field(default_factory=Calibration)  # from a traced run (partitioner.cost.calibration); default: none
     costed_size: int | None = None  # samples per micro-batch the costs were counted at, where compile chose (else the rule below)
     shard: str = AUTO  # how stage groups' replicas hold their state: auto (searched) or one of SHARD_MODES
+    tp: int = 1  # GPUs per tensor-parallel group: ``gpus`` counts groups while a degree is searched (search/planner.py)
 
     def shard_modes(self, schedule: str, dp: int) -> tuple[str, ...]:
         """The shard modes tried for stage groups of ``dp`` replicas under ``schedule``.
@@ -135,7 +136,8 @@ class PlanOptions:
         # A sharded mode that holds and moves no fewer bytes per parameter than another is never worth
         # solving (every cost it adds is one of the two times the parameters: shard_footprint).  DDP stays:
         # its all-reduce overlaps the last backward.
-        cost = {m: shard_footprint(self.precision, self.optimizer_states, m, shard_degree(m, dp, self.gpus_per_node))
+        per_node = None if self.tp > 1 else self.gpus_per_node  # tensor parallel: FSDP across nodes (solve/tensorparallel.py)
+        cost = {m: shard_footprint(self.precision, self.optimizer_states, m, shard_degree(m, dp, per_node))
                 for m in modes}
         return tuple(m for m in modes if m == "none" or not any(
             o != m and o != "none" and cost[o][0] <= cost[m][0] and cost[o][1] <= cost[m][1] for o in modes

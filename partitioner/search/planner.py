@@ -64,10 +64,11 @@ from partitioner.cost.nodes import profile, time_loss
 from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION
 from partitioner.cost.splitcost import split_overhead
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
-from partitioner.errors import AutopartitionError, CaptureError, ScheduleError
+from partitioner.errors import AutopartitionError, CaptureError, InfeasibleError, ScheduleError
 from partitioner.graph.capture import CallSpec, CapturedModel, CaptureMethod, capture
 from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, module_path
 from partitioner.graph.meta import layer_of
+from partitioner.graph.tensorparallel import find_tensor_parallel
 from partitioner.graph.values import propagate_values
 from partitioner.modelfile import forward_failure
 from partitioner.plan import Plan, Refinement
@@ -108,7 +109,8 @@ from partitioner.solve.formulate import GraphCosts, node_times
 from partitioner.solve.ilp import solve
 from partitioner.solve.problem import PartitionProblem
 from partitioner.solve.scaledcosts import ScaledCosts
-from partitioner.units import plural
+from partitioner.solve.tensorparallel import TensorParallelCosts
+from partitioner.units import format_seconds, plural
 
 __all__ = [
     "AUTO",
@@ -118,6 +120,8 @@ __all__ = [
     "SIMULATED_CANDIDATES",
     "PlanOptions",
     "Status",
+    "as_tensor_parallel",
+    "check_tp",
     "compile",
     "default_gpus_per_node",
     "microbatch_choices",
@@ -156,6 +160,7 @@ def compile(
     shard: str = "auto",
     calibration: Calibration | str | Path | None = None,
     remeasure: bool = False,
+    tp: int | str = 1,
 ) -> Plan:
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
@@ -172,17 +177,22 @@ def compile(
     file, from ``autopartition calibrate``) scales every node time and charges
     the runtime's host time per action, as fitted on a traced run.  Measured
     costs are kept per process (:mod:`partitioner.cost.measured`): planning the same
-    model again reuses them unless ``remeasure``.
+    model again reuses them unless ``remeasure``.  ``tp``: GPUs per tensor-parallel group
+    (``"auto"``: every degree the model's pairs allow inside a node, searched with the
+    rest; :mod:`partitioner.graph.tensorparallel`).  Default 1: the runtime does not
+    run tensor-parallel plans yet (they are planned and priced).
     """
     say = status or (lambda _msg: None)
     # A tuple, a dict of keywords or (args, kwargs): from here on, the flat tuple of its tensors.
     call, example_inputs = CallSpec.of(example_inputs)
     batch = batch_size_of(example_inputs)
     spec, measure, local = resolve_device(device)
+    fixed_tp = check_tp(tp, gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, dp=dp)
+    per_node = gpus_per_node or (default_gpus_per_node(gpus) if gpus >= 1 else 1)  # gpus < 1: check_options says
     options = check_options(
-        gpus=gpus, batch=batch, microbatches=microbatches, schedule=schedule, pp=pp, dp=dp,
+        gpus=gpus // fixed_tp, batch=batch, microbatches=microbatches, schedule=schedule, pp=pp, dp=dp,
         precision=precision, optimizer=optimizer, optimizer_states=optimizer_states, recompute=recompute,
-        gpus_per_node=gpus_per_node, chunks=chunks, shard=shard, spec=spec, measure=measure, local=local,
+        gpus_per_node=None if gpus_per_node is None and fixed_tp == 1 else per_node // fixed_tp, chunks=chunks, shard=shard, spec=spec, measure=measure, local=local,
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
         refine_simulations=refine_simulations,
@@ -222,12 +232,74 @@ def compile(
                          split=found.split if _may_split(schedule) else None,
                          calibration=options.calibration)
 
+    tp_layout = find_tensor_parallel(captured) if tp != 1 else None
+    tp_degrees = [fixed_tp]
+    if tp_layout is not None and fixed_tp > 1:
+        allowed = tp_layout.degrees(per_node)
+        if fixed_tp not in allowed:
+            raise AutopartitionError(
+                f"--tp {fixed_tp} cannot split {type(model).__name__}: "
+                f"{tp_layout.why_not(per_node) or f'its pairs allow tp {allowed} on nodes of {per_node} GPUs'}; "
+                f"use --tp {' or '.join(map(str, allowed))} or --tp auto.")
+        options = dataclasses.replace(options, gpus=gpus, gpus_per_node=per_node)
+    elif tp_layout is not None and tp == AUTO:
+        tp_degrees = [d for d in tp_layout.degrees(per_node) if pp is None or (gpus // d) % pp == 0]
+        why = tp_layout.why_not(per_node)
+        say(f"{tp_layout.summary()}; tensor-parallel degrees to try: {', '.join(map(str, tp_degrees))}"
+            + (f" (tp stays 1: {why})" if why else ""))
+    sized = _SizedGraphs(model, example_inputs, captured, micro)
+    if tp_degrees == [1]:
+        return _plan_layout(model, captured, micro, scaled, options, sized, say=say)
+    # Tensor parallelism: the same search for gpus / tp groups per degree, on costs scaled per degree
+    # (solve/tensorparallel.py); the fastest simulated plan wins.
+    plans: list[Plan] = []
+    failures: list[tuple[int, AutopartitionError]] = []
+    for degree in tp_degrees:
+        if degree == 1:
+            settings, scaled_t = options, scaled
+        else:
+            settings = dataclasses.replace(options, gpus=options.gpus // degree,
+                                        gpus_per_node=options.gpus_per_node // degree, tp=degree)
+            if (settings.pp is not None and settings.gpus % settings.pp) or (settings.dp is not None and settings.gpus % settings.dp):
+                continue
+            assert tp_layout is not None
+            scaled_t = TensorParallelCosts(scaled, tp_layout, degree, settings)
+        say(f"tensor parallel {degree}: searching {plural(settings.gpus, 'group')} of {plural(degree, 'GPU')}")
+        try:
+            plan = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say)
+        except InfeasibleError as exc:
+            failures.append((degree, exc))
+            say(f"tensor parallel {degree}: nothing fits")
+            continue
+        if degree > 1:
+            assert isinstance(scaled_t, TensorParallelCosts)
+            plan = as_tensor_parallel(plan, scaled_t, gpus=options.gpus, gpus_per_node=options.gpus_per_node)
+        say(f"tensor parallel {degree}: best step {format_seconds(plan.predicted.step_s)}")
+        plans.append(plan)
+    if not plans:
+        raise failures[0][1]
+    best = min(plans, key=lambda p: (p.predicted.step_s, p.tp))
+    say(f"chose tensor parallel {best.tp}: {plural(best.pp, 'pipeline rank')} x {plural(best.dp, 'replica')} x "
+        f"tp {best.tp}, step {format_seconds(best.predicted.step_s)}")
+    return best
+
+
+def _plan_layout(
+    model: torch.nn.Module,
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    scaled: ScaledCosts,
+    options: PlanOptions,
+    sized: _SizedGraphs,
+    *,
+    say: Status,
+) -> Plan:
+    """Search every pp x dp x M x schedule for ``options.gpus`` devices, simulate the best, build the winner."""
     trials, solved = search(scaled, options, say=say)
     if not solved:
         raise infeasible_error(scaled, options, trials)
     # The closed form ranks every combination; the best few are simulated and the simulation decides.
     by_key = {t.key: t for t in trials}
-    sized = _SizedGraphs(model, example_inputs, captured, micro)
     refined: dict[CombinationKey, Refinement] = {}
     chosen: tuple[Solved, Plan, CapturedModel, GraphCosts] | None = None
     while chosen is None:
@@ -256,6 +328,57 @@ def compile(
         block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
     )
 
+
+
+def check_tp(tp: int | str, *, gpus: int, gpus_per_node: int | None, pp: int | None, dp: int | None) -> int:
+    """The tensor-parallel degree fixed by ``tp`` (1 for ``"auto"``, which searches), checked against the GPUs.
+
+    With ``"auto"`` and both ``pp`` and ``dp`` given, the degree is what they leave.
+
+    >>> check_tp(4, gpus=64, gpus_per_node=8, pp=None, dp=None), check_tp("auto", gpus=64, gpus_per_node=8, pp=8, dp=2)
+    (4, 4)
+    >>> check_tp(16, gpus=64, gpus_per_node=8, pp=None, dp=None)
+    Traceback (most recent call last):
+    ...
+    partitioner.errors.AutopartitionError: --tp 16 must divide --gpus-per-node 8: a tensor-parallel group stays inside a node (NVLink); choose 1, 2, 4 or 8, or --tp auto.
+    """
+    if gpus < 1 or (gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node)):
+        return 1  # check_options says what is wrong with the GPUs
+    per_node = gpus_per_node or default_gpus_per_node(gpus)
+    if tp == AUTO:
+        if pp is not None and dp is not None and pp * dp <= gpus and gpus % (pp * dp) == 0 \
+                and per_node % (gpus // (pp * dp)) == 0:
+            return gpus // (pp * dp)
+        return 1
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise AutopartitionError(f"--tp must be a whole number of GPUs or 'auto', got {tp!r}.")
+    if per_node % tp or gpus % tp:
+        choices = [d for d in range(1, per_node + 1) if per_node % d == 0 and gpus % d == 0]
+        raise AutopartitionError(
+            f"--tp {tp} must divide --gpus-per-node {per_node}: a tensor-parallel group stays inside a node "
+            f"(NVLink); choose {', '.join(map(str, choices[:-1]))} or {choices[-1]}, or --tp auto."
+            if len(choices) > 1 else f"--tp {tp} must divide --gpus-per-node {per_node}; use --tp 1.")
+    return tp
+
+
+def as_tensor_parallel(plan: Plan, scaled: TensorParallelCosts, *, gpus: int, gpus_per_node: int) -> Plan:
+    """A plan searched for ``gpus / tp`` groups as the plan for ``gpus`` GPUs: tp recorded, TP traffic per stage.
+
+    Each stage's ``tp_comm_s`` is the collective seconds inside its forward and
+    backward per micro-batch and its ``send_bytes`` what one GPU sends (``1 / tp``
+    with sequence parallelism); the step is simulated again and the MFU taken over every GPU.
+    """
+    comm = scaled.comm_s(plan.microbatches)
+    # Sequence parallel: each GPU of a group sends its 1/tp of a boundary (the simulator prices it so too).
+    stages = tuple(dataclasses.replace(st, predicted=dataclasses.replace(
+        st.predicted, tp_comm_s=sum(sum(comm.get(n, (0.0, 0.0))) for n in st.nodes) / plan.dp,
+        send_bytes=st.predicted.send_bytes // scaled.tp))
+        for st in plan.stages)
+    flops = plan.predicted.model_flops
+    converted = dataclasses.replace(
+        plan, stages=stages, tp=scaled.tp, gpus=gpus, gpus_per_node=gpus_per_node,
+        predicted=dataclasses.replace(plan.predicted, model_flops=None if flops is None else flops * scaled.tp))
+    return assemble.predict(converted)
 
 
 def _capture(
@@ -514,6 +637,7 @@ def _choose(
             return best, drafts[combination_key(best)], sized.captured, scaled.at(best.microbatches)
         try:
             recaptured, resized, costs = sized.at(size, scaled)
+            costs = _RenamedCosts(scaled, costs.mapping)  # kept per size, priced by this search's costs (tp)
         except AutopartitionError as exc:
             why = f"cannot be planned at {plural(size, 'sample')} per micro-batch: {exc}"
             say(f"skipping every combination of {plural(size, 'sample')} per micro-batch: {exc}")

@@ -45,7 +45,13 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from partitioner.cost.comm import Link, bucket_share, link, shard_step_seconds
+from partitioner.cost.comm import (
+    Link,
+    bucket_share,
+    link,
+    shard_step_seconds,
+    zero3_microbatch_seconds,
+)
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.nodecost import NodeCost, predicted_times
 from partitioner.cost.precision import (
@@ -58,6 +64,7 @@ from partitioner.cost.precision import (
     shard_state_bytes,
     state_bytes,
     weight_bytes,
+    zero3_transient_bytes,
 )
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
 from partitioner.graph.ir import KIND_KEY, VALUE_KEY, ValueInfo, node_parameters
@@ -70,7 +77,9 @@ if TYPE_CHECKING:  # types only: this module imports without torch
 
 __all__ = [
     "WEIGHT_SHARE",
+    "ZERO3",
     "GraphCosts",
+    "Zero3Costs",
     "allreduce_seconds",
     "at_precision",
     "formulate",
@@ -78,9 +87,13 @@ __all__ = [
     "node_times",
     "transfer_seconds",
     "weight_seconds",
+    "zero3_costs",
 ]
 
 WEIGHT_SHARE = 0.5  # of a parameter-reading node's backward: its weight gradient (see the module docstring)
+
+# The planner's name for shard "full" with reshard_after_forward (ZeRO-3, a plan's StagePlan.shard stays "full").
+ZERO3 = "zero3"
 
 @dataclasses.dataclass(frozen=True)
 class GraphCosts:
@@ -355,11 +368,17 @@ def formulate(
     and ``allreduce_s`` the mode's collectives per step
     (:func:`~partitioner.cost.comm.shard_step_seconds`: no buckets, the latency
     in the stage's fixed term, as a ring all-reduce's ``2 (D-1)``).
+    ``shard`` :data:`ZERO3` (a plan's "full" with ``reshard_after_forward``):
+    everything sharded, no per-step collective; each block's time carries what its
+    layer's per-micro-batch all-gathers and reduce-scatter add beyond its compute,
+    ``action_s`` a stage's first unit's all-gather per forward and backward, and
+    ``memory_limit`` loses the gathered units (:func:`zero3_costs`).
     """
     check_precision(precision)
-    if shard not in ("none", "optimizer", "full"):
-        raise ValueError(f"shard is {shard!r}, expected none, optimizer or full")
+    if shard not in ("none", "optimizer", "full", ZERO3):
+        raise ValueError(f"shard is {shard!r}, expected none, optimizer, full or {ZERO3}")
     sharded = shard != "none" and dp > 1
+    zero3 = shard == ZERO3 and dp > 1
     scale = 1.0 / dp
     intra, inter = link(spec), link(spec, inter_node=True)
     readers: dict[str, list[int]] = {}
@@ -375,7 +394,11 @@ def formulate(
         elements = graph.parameter_elements.get(p, nbytes / 4)
         held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=nbytes)
         grads = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
-        if sharded:
+        if zero3:  # everything sharded; its collectives are per micro-batch (zero3_costs, below)
+            held = shard_state_bytes(precision, optimizer_states, "full", shard_degree("full", dp, gpus_per_node),
+                                     elements=elements, model_bytes=nbytes)
+            fast = slow = 0.0
+        elif sharded:
             shards = shard_degree(shard, dp, gpus_per_node)  # HSDP across nodes: the collectives priced over dp
             held = shard_state_bytes(precision, optimizer_states, shard, shards, elements=elements, model_bytes=nbytes)
             if shard == "full":
@@ -424,11 +447,16 @@ def formulate(
         "split_weight": graph.split_weight,
         "action_s": graph.action_s,
     }
+    times = [scale * (sum(graph.node_time_s[m] for m in members) + (sum(graph.loss_s) if b == last else 0.0))
+             for b, members in enumerate(graph.blocks)]
+    if zero3:
+        z = zero3_costs(graph, dp=dp, spec=spec, precision=precision, gpus_per_node=gpus_per_node)
+        times = [t + f + b for t, f, b in zip(times, z.forward_s, z.backward_s, strict=True)]
+        optional["action_s"] = graph.action_s + z.first_gather_s  # every F and B waits for its first unit
+        if memory_limit is not None:
+            memory_limit -= z.transient_bytes  # the gathered units, on every rank whatever its split
     return PartitionProblem(
-        time_s=tuple(
-            scale * (sum(graph.node_time_s[m] for m in members) + (sum(graph.loss_s) if b == last else 0.0))
-            for b, members in enumerate(graph.blocks)
-        ),
+        time_s=tuple(times),
         static_bytes=tuple(static),
         activation_bytes=tuple(scale * graph.saved_bytes(members, precision) for members in graph.blocks),
         allreduce_s=tuple(allreduce),
@@ -450,3 +478,85 @@ def _allreduce(gradient_bytes: float, replicas: int, on: Link, bucket_cap_mb: fl
     return on.allreduce_seconds(
         gradient_bytes, replicas, messages=bucket_share(gradient_bytes, bucket_cap_mb=bucket_cap_mb)
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3Costs:
+    """What ZeRO-3 (shard "full" with ``reshard_after_forward``) adds, per block and per stage.
+
+    ``forward_s`` / ``backward_s``: per block and micro-batch, the seconds its
+    layer's collectives take beyond the block's own compute
+    (:func:`~partitioner.cost.comm.zero3_microbatch_seconds`); ``first_gather_s``:
+    the all-gather of a stage's first unit in a pass, exposed once per forward and
+    per backward (priced as the largest repeated layer's: a stage starts and ends
+    with layers, only the first and last stages with the embedding or the head); ``transient_bytes``: the largest unit's gathered weights and
+    gradients, twice (:func:`~partitioner.cost.precision.zero3_transient_bytes`).
+    """
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    first_gather_s: float
+    transient_bytes: float
+
+
+def zero3_costs(
+    graph: GraphCosts, *, dp: int, spec: DeviceSpec, precision: str, gpus_per_node: int | None
+) -> Zero3Costs:
+    """ZeRO-3's exposed collectives and transient memory for ``graph`` on ``dp`` replicas (see :class:`Zero3Costs`).
+
+    The runtime's units are layers (runtime/shard.py groups a stage's nodes by
+    their layer, ``partitioner.graph.meta.layer_of``); a parameter's layer is its
+    name's prefix up to the first list index (``model.layers.3``), or the name's
+    module (``lm_head``).  The shard collectives run on the intra-node link
+    unless the replicas span nodes without filling them (HSDP keeps them inside
+    a node and all-reduces each shard's gradients across the nodes).
+    """
+    shards = shard_degree("full", dp, gpus_per_node)
+    crosses = gpus_per_node is not None and (dp > gpus_per_node or gpus_per_node % dp != 0)
+    on = link(spec, inter_node=crosses and shards == dp)
+    inter = link(spec, inter_node=True)
+    units: dict[str, tuple[float, float]] = {}  # layer -> (elements, model bytes)
+    for name, nbytes in graph.parameter_bytes.items():
+        elements = graph.parameter_elements.get(name, nbytes / 4)
+        e, b = units.get(_layer_of(name.rpartition(".")[0]), (0.0, 0.0))
+        units[_layer_of(name.rpartition(".")[0])] = (e + elements, b + nbytes)
+    largest = max(units.values(), key=lambda eb: eb[1], default=(0.0, 0.0))
+    # A stage's first unit in a pass is one of its layers (the embedding or the LM head only at the ends).
+    layers = [eb for name, eb in units.items() if any(part.isdigit() for part in name.split("."))]
+    first_unit = max(layers, key=lambda eb: eb[1], default=largest)
+    forward, backward = [], []
+    scale = 1.0 / dp
+    for b, members in enumerate(graph.blocks):
+        elements = sum(graph.parameter_elements.get(p, graph.parameter_bytes[p] / 4) for p in graph.block_parameters[b])
+        nbytes = sum(graph.parameter_bytes[p] for p in graph.block_parameters[b])
+        if not nbytes:
+            forward.append(0.0)
+            backward.append(0.0)
+            continue
+        w = weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True)
+        g = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
+        across = inter.allreduce_seconds(g / shards, dp // shards) if shards < dp else 0.0
+        f = scale * sum(graph.node_forward_s[m] for m in members)
+        total = scale * sum(graph.node_time_s[m] for m in members)
+        fe, be = zero3_microbatch_seconds(shards, on, weight_bytes=w, gradient_bytes=g, forward_s=f,
+                                          backward_s=total - f, across_s=across)
+        forward.append(fe)
+        backward.append(be)
+    e, nb = first_unit
+    first = on.shard_seconds(weight_bytes(precision, elements=e, model_bytes=nb, compute=True), shards) if nb else 0.0
+    e, nb = largest
+    return Zero3Costs(tuple(forward), tuple(backward), first,
+                      zero3_transient_bytes(precision, elements=e, model_bytes=nb) if nb else 0.0)
+
+
+def _layer_of(path: str) -> str:
+    """A module path's layer: up to its first list index (``blocks.3``), else itself (as the runtime groups units).
+
+    >>> _layer_of("model.layers.3.self_attn.q_proj"), _layer_of("lm_head")
+    ('model.layers.3', 'lm_head')
+    """
+    parts = path.split(".") if path else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return path

@@ -58,8 +58,10 @@ def plan_sharded(
 def shard_worker(rank: int, world: int, port: int, spec: str, out_dir: str, cases: list[dict[str, Any]]) -> None:
     """Run every case in turn (see the module docstring); a case that raises records its error."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     from runtime.pipeline import Pipeline
+    from runtime.shard import LayeredStage
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -95,11 +97,14 @@ def shard_worker(rank: int, world: int, port: int, spec: str, out_dir: str, case
             result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
             result["optimizer"] = type(opt).__name__
             result["runtime_modules"] = sorted({type(x).__name__ for m in pipe._runnables for x in m.modules()})
+            result["fsdp_units"] = sum(isinstance(x, FSDPModule) for m in pipe._runnables for x in m.modules())
+            result["layered_recompute"] = [x.recompute for m in pipe._runnables for x in m.modules()
+                                           if isinstance(x, LayeredStage)]
             result["parameter_types"] = sorted({type(p).__name__ for p in pipe.parameters()})
             result["local_numel"] = sum(_local(p).numel() for p in pipe.parameters())
             result["whole_numel"] = sum(p.numel() for p in pipe.parameters())
             if case.get("mesh"):  # the FSDP2 mesh's dimensions: name -> size
-                mesh = next(p.device_mesh for p in pipe.parameters())
+                mesh = next(p.device_mesh for p in pipe.parameters())  # type: ignore[attr-defined]
                 result["mesh"] = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
             result["state"] = {k: v.detach().float().clone() for k, v in pipe.state_dict().items()}
             if case.get("optimizer") == "pipe" and hasattr(opt, "consolidate_state_dict"):
@@ -142,7 +147,9 @@ def reference(
             opt.zero_grad()
             total = []
             for lo in range(0, batch, size):
-                loss = model_file.loss_fn(model(*(x[lo : lo + size] for x in inputs)), target[lo : lo + size])
+                loss_fn = model_file.loss_fn
+                assert loss_fn is not None, f"{spec} has no loss_fn"
+                loss = loss_fn(model(*(x[lo : lo + size] for x in inputs)), target[lo : lo + size])
                 (loss / (dp * microbatches)).backward()
                 total.append(loss.detach() / (dp * microbatches))
             losses.append(float(torch.stack(total).sum()))

@@ -1,0 +1,483 @@
+"""Find the layers tensor parallelism can split in a captured graph (Megatron's column/row pairs).
+
+A *pair* (Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3) is a set
+of linear layers reading one value (the *columns*: an MLP's up and gate
+projections, attention's q, k and v or GPT-2's fused ``c_attn``), the ops
+between them and one linear that narrows back to the columns' input width (the
+*row*: the MLP's down projection, attention's output projection), where every
+value the columns make flows only into the row, through ops that work on each
+column (or head) on its own: elementwise ops, views that split the last
+dimension into heads, transposes, ``matmul``/``bmm`` of two such values,
+softmax over the last dimension, ``scaled_dot_product_attention``, rotary
+embeddings (slices and concatenations within a head), dropout.  Values from
+outside the pair may join only if smaller than what they join (a mask, cos and
+sin tables), never the residual stream itself.  Such a pair splits over ``tp``
+GPUs by columns then rows, and communicates only after the row (forward) and
+before the columns (backward): :mod:`partitioner.cost.tensorparallel`.
+
+Heads: a column whose value is viewed as ``(..., H, D)`` with ``H x D`` its
+width (or a third of it, fused q/k/v) splits by heads: ``tp`` must divide the
+query heads, and divide the key/value heads or be a multiple of them (they are
+then replicated, grouped-query attention).  Other columns (MLPs) split by width.
+
+The vocabulary (Megatron, section 3): the largest embedding table (the token
+embedding; position embeddings stay replicated) is split by rows, and the
+linear that produces vocabulary-sized values (the LM head) by columns, with
+everything after it that still has the vocabulary as last dimension (the
+cross-entropy on the logits: ``loss_parallel``).  Norms, residual adds and
+everything else are replicated (split along the sequence with sequence
+parallelism).
+
+:func:`find_tensor_parallel` writes each split node's :class:`TPRole` under
+:data:`TP_KEY` in ``node.meta`` and returns a :class:`TPLayout` (plain data, no
+torch: the solver's side reads it).  A graph without any pair gets an empty
+layout whose ``reason`` says why (the plan keeps ``tp = 1`` and the report
+says so).  Only names are read here: this module imports without torch.
+
+Example::
+
+    >>> import torch
+    >>> from partitioner.graph.capture import capture
+    >>> from partitioner.graph.values import propagate_values
+    >>> m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    >>> x = torch.randn(2, 8)
+    >>> c = capture(m, (x,)); _ = propagate_values(c.graph_module, (x,))
+    >>> layout = find_tensor_parallel(c)
+    >>> [(p.kind, p.columns, p.row, p.width) for p in layout.patterns], layout.degrees(8)
+    ([('mlp', ('_0',), '_2', 32)], (1, 2, 4, 8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Literal
+
+from partitioner.graph.ir import KIND_KEY, VALUE_KEY, ValueInfo, node_parameters
+
+if TYPE_CHECKING:
+    from torch import fx
+
+    from partitioner.graph.capture import CapturedModel
+
+__all__ = ["TP_KEY", "TPLayout", "TPPattern", "TPRole", "degrees", "find_tensor_parallel"]
+
+TP_KEY = "autopartition_tp"  # node.meta key: the node's TPRole (split nodes only)
+
+PatternKind = Literal["attention", "mlp", "embedding", "head"]
+RoleKind = Literal["column", "row", "inner", "embedding", "head", "vocab"]
+
+# Ops a split value may pass through between a pair's columns and its row (names without overloads).
+_ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "pow", "tanh", "gelu", "silu", "relu", "sigmoid", "exp", "erf", "sqrt",
+    "rsqrt", "abs", "clamp", "where", "masked_fill", "dropout", "native_dropout", "clone", "contiguous", "to",
+    "_to_copy", "type", "type_as", "float", "half", "bfloat16", "alias", "detach", "mul_", "add_", "masked_fill_",
+    "truediv", "iadd", "imul", "lift_fresh_copy", "getattr", "size", "sym_size", "newgeluactivation",
+    "geluactivation", "gelupytorchtanh", "siluactivation", "quickgeluactivation", "relu6", "identity",
+})
+_SHAPE = frozenset({
+    "view", "reshape", "_unsafe_view", "transpose", "permute", "expand", "unsqueeze", "squeeze", "split",
+    "split_with_sizes", "chunk", "getitem", "slice", "cat", "narrow", "repeat_interleave", "flatten",
+    "unflatten", "select", "t",
+})
+_ATTENTION = frozenset({
+    "matmul", "bmm", "baddbmm", "softmax", "_softmax", "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+})
+_ALLOWED = _ELEMENTWISE | _SHAPE | _ATTENTION
+# After the LM head: ops on vocabulary-sized values that a vocabulary-parallel loss computes in place.
+_LOSS = frozenset({"log_softmax", "_log_softmax", "cross_entropy", "nll_loss", "nll_loss_forward",
+                   "nll_loss2d", "crossentropyloss"})
+_LINEAR = frozenset({"linear", "addmm", "mm", "conv1d_hf"})
+_LINEAR_MODULES = frozenset({"linear", "conv1d", "nondynamicallyquantizablelinear"})
+_EMBEDDING = frozenset({"embedding"})
+
+NO_PATTERN = ("no column/row pair of linear layers: no linear is followed, through elementwise ops, views "
+              "or attention, by one that narrows back to its input width")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPRole:
+    """How one node splits: its pattern (index into ``TPLayout.patterns``), role and the units it splits into.
+
+    ``units``: heads (a head-split column and what follows it), columns (an MLP)
+    or vocabulary entries (``embedding``, ``head``, ``vocab``).
+    """
+
+    pattern: int
+    role: RoleKind
+    units: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TPPattern:
+    """One splittable group: a column/row pair (attention or MLP), the token embedding or the LM head.
+
+    ``comm_node``: the node whose value is the ``b x s x h`` tensor the group's
+    collectives move (the row's output; the embedding's output; the head's input).
+    ``heads``: (query, key/value) heads of an attention; ``width``: the split
+    width of an MLP, or the vocabulary.
+    """
+
+    kind: PatternKind
+    columns: tuple[str, ...]
+    row: str | None
+    comm_node: str
+    width: int
+    heads: tuple[int, int] | None = None
+    hidden: int = 0  # last dimension of ``comm_node``'s value (the model width)
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """The splittable nodes and parameters of a graph (plain data; :func:`find_tensor_parallel`).
+
+    ``parameters``: canonical parameter name -> (pattern, units) for every
+    parameter that splits (a row's bias and the norms are not in it: replicated).
+    ``reason``: why nothing splits ("" when something does).
+    """
+
+    roles: Mapping[str, TPRole]
+    patterns: tuple[TPPattern, ...]
+    parameters: Mapping[str, tuple[int, int]]
+    reason: str = ""
+
+    @property
+    def pairs(self) -> tuple[TPPattern, ...]:
+        return tuple(p for p in self.patterns if p.kind in ("attention", "mlp"))
+
+    def degrees(self, gpus_per_node: int) -> tuple[int, ...]:
+        """Tensor-parallel degrees every pair allows inside a node (:func:`degrees`).
+
+        The vocabulary never limits them (it is padded).  Without a pair: ``(1,)``.
+        """
+        if not self.pairs:
+            return (1,)
+        heads = {p.heads for p in self.pairs if p.heads is not None}
+        widths = {p.width for p in self.pairs if p.heads is None}
+        return degrees(gpus_per_node, heads, widths)
+
+    def why_not(self, gpus_per_node: int) -> str:
+        """Why no degree above 1 is allowed on nodes of ``gpus_per_node`` ("" when one is)."""
+        if self.reason:
+            return self.reason
+        if len(self.degrees(gpus_per_node)) > 1:
+            return ""
+        heads = sorted({p.heads for p in self.pairs if p.heads is not None})
+        widths = sorted({p.width for p in self.pairs if p.heads is None})
+        return (f"no divisor of {gpus_per_node} GPUs per node above 1 splits every pair: attention heads "
+                f"(query, key/value) {heads}, MLP widths {widths}")
+
+    def summary(self) -> str:
+        """One line: what splits.
+
+        >>> TPLayout({}, (), {}, reason="no pair").summary()
+        'tensor parallelism: none (no pair)'
+        """
+        if not self.patterns:
+            return f"tensor parallelism: none ({self.reason})"
+        count = {k: sum(p.kind == k for p in self.patterns) for k in ("attention", "mlp", "embedding", "head")}
+        heads = sorted({p.heads for p in self.patterns if p.heads is not None})
+        parts = [f"{count['attention']} attention (heads {', '.join(f'{q}/{kv}' for q, kv in heads)})"
+                 if count["attention"] else "", f"{count['mlp']} MLP" if count["mlp"] else "",
+                 "vocabulary-parallel embedding" if count["embedding"] else "",
+                 "vocabulary-parallel head" if count["head"] else ""]
+        return "tensor parallelism: " + ", ".join(p for p in parts if p)
+
+
+def degrees(gpus_per_node: int, heads: Iterable[tuple[int, int]], widths: Iterable[int] = ()) -> tuple[int, ...]:
+    """The tensor-parallel degrees a model allows on nodes of ``gpus_per_node`` GPUs.
+
+    The divisors of ``gpus_per_node`` (a group stays inside a node) that divide
+    every attention's query heads, whose key/value heads they divide or are a
+    multiple of (``heads``: (query, key/value) per attention), and that divide
+    every other split width (``widths``: an MLP's hidden units).  1 is always one.
+
+    >>> degrees(8, [(64, 8)], [28672])
+    (1, 2, 4, 8)
+    >>> degrees(8, [(12, 12)], [3072]), degrees(8, [(4, 2)], [176]), degrees(6, [(6, 2)])
+    ((1, 2, 4), (1, 2, 4), (1, 2, 6))
+    """
+    heads, widths = list(heads), list(widths)
+    out = []
+    for t in range(1, gpus_per_node + 1):
+        if gpus_per_node % t:
+            continue
+        if all(q % t == 0 and (kv % t == 0 or t % kv == 0) for q, kv in heads) and all(w % t == 0 for w in widths):
+            out.append(t)
+    return tuple(out)
+
+
+def find_tensor_parallel(captured: CapturedModel) -> TPLayout:
+    """Annotate the splittable nodes of ``captured`` (values propagated) and return its :class:`TPLayout`."""
+    gm = captured.graph_module
+    nodes = [n for n in gm.graph.nodes if n.meta.get(KIND_KEY) == "compute"]
+    for n in gm.graph.nodes:
+        n.meta.pop(TP_KEY, None)
+    linears = {n for n in nodes if _is_linear(gm, n)}
+    roles: dict[str, TPRole] = {}
+    patterns: list[TPPattern] = []
+    parameters: dict[str, tuple[int, int]] = {}
+
+    def own(pattern: int, node: fx.Node, role: RoleKind, units: int) -> None:
+        roles[node.name] = TPRole(pattern, role, units)
+        for p in node_parameters(gm, node):
+            if role == "row" and _is_bias(gm, node, p):
+                continue  # a row's bias is added once, after the all-reduce: replicated
+            parameters.setdefault(captured.parameter_names.get(p, p), (pattern, units))
+
+    for row in nodes:
+        if row not in linears or row.name in roles:
+            continue
+        found = _pair(row, linears)
+        if found is None:
+            continue
+        columns, region = found
+        if any(c.name in roles for c in columns):
+            continue
+        heads = {c: _heads(c, region) for c in columns}
+        widths = {c: _width(c) for c in columns}
+        index = len(patterns)
+        counted = [h for h in heads.values() if h is not None]
+        if counted:
+            q, kv = max(counted), min(counted)
+            patterns.append(TPPattern("attention", tuple(c.name for c in columns), row.name, row.name,
+                                      widths[columns[0]] or 0, (q, kv)))
+        else:
+            width = min(w for w in widths.values() if w)
+            patterns.append(TPPattern("mlp", tuple(c.name for c in columns), row.name, row.name, width))
+        pattern = patterns[-1]
+        for c in columns:
+            units = heads[c]
+            own(index, c, "column", units if units is not None else pattern.width)
+        # What follows a key/value column alone splits by its heads; the rest by the query heads.
+        units_of = _region_units(columns, region, heads, pattern)
+        for n in region:
+            roles[n.name] = TPRole(index, "inner", units_of.get(n, pattern.heads[0] if pattern.heads else pattern.width))
+        own(index, row, "row", pattern.heads[0] if pattern.heads else pattern.width)
+    pairs = bool(patterns)
+    _vocabulary(gm, captured, nodes, linears, roles, patterns, own)
+    for n in gm.graph.nodes:
+        if n.name in roles:
+            n.meta[TP_KEY] = roles[n.name]
+    return TPLayout(roles, tuple(patterns), parameters, "" if pairs else NO_PATTERN)
+
+
+# ------------------------------------------------------------------ pairs
+
+
+def _pair(row: fx.Node, linears: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """(columns, the nodes between them and ``row``) if ``row`` closes a column/row pair, else None."""
+    source = _activation(row)
+    if source is None:
+        return None
+    columns: dict[fx.Node, None] = {}
+    seen: set[fx.Node] = set()
+    stack = [source]
+    while stack:  # backwards from the row's input through allowed ops: the linears it reaches are columns
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in linears:
+            columns[n] = None
+            continue
+        if n.meta.get(KIND_KEY) != "compute" or _name(n) not in _ALLOWED:
+            continue
+        stack.extend(n.all_input_nodes)
+    if not columns:
+        return None
+    cols = list(columns)
+    inputs = {_activation(c) for c in cols}
+    if len(inputs) != 1 or None in inputs:
+        return None
+    (x,) = inputs
+    if x is None or _last(x) is None or _last(x) != _last(row):
+        return None  # the row narrows back to the columns' input width
+    region: dict[fx.Node, None] = {}
+    stack = [u for c in cols for u in c.users]
+    while stack:  # forwards from the columns: every value must end in the row
+        n = stack.pop()
+        if n is row or n in region:
+            continue
+        if n in linears or n.op == "output" or n.meta.get(KIND_KEY) != "compute" or _name(n) not in _ALLOWED:
+            return None
+        region[n] = None
+        stack.extend(n.users)
+    inside = set(region) | set(cols)
+    for n in region:  # values joining from outside must be smaller than the split one (masks, rotary tables)
+        own = _numel(n)
+        for a in n.all_input_nodes:
+            if a not in inside and a.meta.get(KIND_KEY) in ("compute", "input") and own is not None:
+                other = _numel(a)
+                if other is not None and other >= own and _info(a).kind == "tensor":
+                    return None
+    if source not in region and source not in columns:
+        return None
+    order = {n: i for i, n in enumerate(row.graph.nodes)}
+    return sorted(cols, key=order.__getitem__), sorted(region, key=order.__getitem__)
+
+
+def _heads(column: fx.Node, region: list[fx.Node]) -> int | None:
+    """Heads of a column: H of the first view of its value (or of a fused third) as (..., H, D), else None."""
+    width = _width(column)
+    if not width:
+        return None
+    inside = set(region)
+    stack, seen = list(column.users), set()
+    while stack:
+        n = stack.pop(0)
+        if n in seen or n not in inside:
+            continue
+        seen.add(n)
+        info = _info(n)
+        if _name(n) in ("view", "reshape", "_unsafe_view", "unflatten") and info.kind == "tensor" and len(info.shape) >= 2:
+            h, d = info.shape[-2], info.shape[-1]
+            if h > 1 and d > 1 and width % (h * d) == 0 and width // (h * d) <= 3:
+                return h
+        if _name(n) in _ELEMENTWISE | {"view", "reshape", "_unsafe_view", "split", "split_with_sizes", "chunk",
+                                      "getitem"}:
+            stack.extend(n.users)
+    return None
+
+
+def _region_units(columns: list[fx.Node], region: list[fx.Node], heads: dict[fx.Node, int | None],
+                  pattern: TPPattern) -> dict[fx.Node, int]:
+    """Per region node, the units it splits into: key/value heads where only key/value columns reach it."""
+    if pattern.heads is None or pattern.heads[0] == pattern.heads[1]:
+        return {}
+    q = pattern.heads[0]
+    inside = set(region)
+    reach: dict[fx.Node, set[int]] = {}
+    for c in columns:
+        stack = list(c.users)
+        while stack:
+            n = stack.pop()
+            if n not in inside:
+                continue
+            got = reach.setdefault(n, set())
+            counted_heads = heads[c]
+            h = counted_heads if counted_heads is not None else q
+            if h in got:
+                continue
+            got.add(h)
+            stack.extend(n.users)
+    return {n: min(hs) if q not in hs else q for n, hs in reach.items()}
+
+
+# ------------------------------------------------------------------ vocabulary
+
+
+def _vocabulary(gm: fx.GraphModule, captured: CapturedModel, nodes: list[fx.Node], linears: set[fx.Node],
+                roles: dict[str, TPRole], patterns: list[TPPattern],
+                claim: Callable[[int, fx.Node, RoleKind, int], None]) -> None:
+    """The token embedding (largest table) by rows, the LM head (vocabulary-wide linear) by columns."""
+    tables = [(n, _table_rows(gm, n)) for n in nodes if _name(n) in _EMBEDDING]
+    tables = [(n, rows) for n, rows in tables if rows]
+    if not tables:
+        return
+    vocab = max(rows for _, rows in tables)
+    weight = {captured.parameter_names.get(p, p) for n, rows in tables if rows == vocab
+              for p in node_parameters(gm, n)}
+    for n, rows in tables:
+        if rows == vocab and n.name not in roles:
+            patterns.append(TPPattern("embedding", (n.name,), n.name, n.name, vocab))
+            claim(len(patterns) - 1, n, "embedding", vocab)
+    for n in nodes:
+        if n not in linears or n.name in roles or _last(n) != vocab:
+            continue
+        tied = {captured.parameter_names.get(p, p) for p in node_parameters(gm, n)} & weight
+        source = _activation(n)
+        if source is None or (not tied and _last(source) == vocab):
+            continue
+        index = len(patterns)
+        patterns.append(TPPattern("head", (n.name,), None, source.name, vocab, hidden=_last(source) or 0))
+        claim(index, n, "head", vocab)
+        stack = list(n.users)
+        while stack:  # the logits and what a vocabulary-parallel loss computes from them
+            u = stack.pop()
+            if u.name in roles or u.meta.get(KIND_KEY) != "compute":
+                continue
+            if _name(u) in _LOSS:
+                roles[u.name] = TPRole(index, "vocab", vocab)
+                continue
+            if _name(u) in _ALLOWED and _last(u) == vocab:
+                roles[u.name] = TPRole(index, "vocab", vocab)
+                stack.extend(u.users)
+
+
+# ------------------------------------------------------------------ node helpers
+
+
+def _name(node: fx.Node) -> str:
+    """The op's name without overload or namespace: ``aten.linear.default`` -> ``linear``; a module's class."""
+    if node.op == "call_module":
+        sub = node.graph.owning_module.get_submodule(str(node.target)) if node.graph.owning_module else None
+        return type(sub).__name__.lower() if sub is not None else ""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return ""
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.split(".")[0]
+
+
+def _is_linear(gm: fx.GraphModule, node: fx.Node) -> bool:
+    name = _name(node)
+    if node.op == "call_module":
+        return name in _LINEAR_MODULES and _matrix_parameter(gm, node)
+    return name in _LINEAR and _matrix_parameter(gm, node) and _activation(node) is not None
+
+
+def _matrix_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return any(_param_dim(gm, p) == 2 for p in node_parameters(gm, node))
+
+
+def _param_dim(gm: fx.GraphModule, name: str) -> int:
+    try:
+        return int(gm.get_parameter(name).dim())
+    except AttributeError:
+        return -1
+
+
+def _is_bias(gm: fx.GraphModule, node: fx.Node, name: str) -> bool:
+    return _param_dim(gm, name) == 1
+
+
+def _table_rows(gm: fx.GraphModule, node: fx.Node) -> int:
+    for p in node_parameters(gm, node):
+        if _param_dim(gm, p) == 2:
+            return int(gm.get_parameter(p).shape[0])
+    return 0
+
+
+def _activation(node: fx.Node) -> fx.Node | None:
+    """The one compute-made tensor a linear reads (not a parameter), if exactly one."""
+    found = [a for a in node.all_input_nodes if a.meta.get(KIND_KEY) in ("compute", "input")
+             and _info(a).kind == "tensor"]
+    return found[0] if len(found) == 1 else None
+
+
+def _info(node: fx.Node) -> ValueInfo:
+    info = node.meta.get(VALUE_KEY)
+    return info if isinstance(info, ValueInfo) else ValueInfo("none")
+
+
+def _last(node: fx.Node) -> int | None:
+    info = _info(node)
+    return info.shape[-1] if info.kind == "tensor" and info.shape else None
+
+
+def _width(node: fx.Node) -> int | None:
+    return _last(node)
+
+
+def _numel(node: fx.Node) -> int | None:
+    info = _info(node)
+    if info.kind != "tensor":
+        return None
+    total = 1
+    for d in info.shape:
+        total *= d
+    return total

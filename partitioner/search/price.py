@@ -1,0 +1,129 @@
+"""Price a fixed layout (pp x tp x dp, sharding, micro-batches, schedule, recomputation) by our cost model.
+
+Published training layouts (Megatron-LM / Megatron-Bridge, torchtitan, the Llama 3
+paper) fix every parallel degree by hand.  :func:`price_layout` plans a model
+under exactly such a layout with the planner's own machinery
+(:func:`partitioner.search.planner.compile` with every choice fixed: only the
+split into stages is solved, then refined and simulated as for any plan), so a
+published layout and the planner's own choice are predicted by the same cost
+model, the same solver and the same simulator, and can be compared.
+
+A layout that does not fit the GPU's memory under our memory model is priced
+anyway, without the memory limit (recomputation ``"auto"`` then recomputes
+nothing), and marked as not fitting, with the peak it would need.
+
+    >>> Layout("x", gpus=64, tp=4, pp=8, dp=2, microbatches=64, schedule="interleaved-1f1b", chunks=5,
+    ...        shard="optimizer").describe()
+    'TP4 x PP8 (5 stages per rank) x DP2 (optimizer-sharded), 64 micro-batches, interleaved-1f1b, recompute auto'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from partitioner.errors import InfeasibleError
+from partitioner.plan import Plan
+from partitioner.search.planner import compile
+
+__all__ = ["UNLIMITED_MEMORY", "Layout", "Priced", "price_layout"]
+
+UNLIMITED_MEMORY = 1e15  # bytes per GPU: a layout that does not fit is priced as if memory were no limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One fixed parallel layout: every degree and choice the planner would otherwise search.
+
+    ``source``: where it was published (for the table).
+    """
+
+    name: str
+    gpus: int
+    tp: int
+    pp: int
+    dp: int
+    microbatches: int
+    schedule: str
+    chunks: int | None = None
+    shard: str = "none"
+    recompute: str = "auto"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tp * self.pp * self.dp != self.gpus:
+            raise ValueError(f"{self.name}: tp x pp x dp = {self.tp} x {self.pp} x {self.dp} is not {self.gpus} GPUs")
+
+    def describe(self) -> str:
+        chunks = f" ({self.chunks} stages per rank)" if self.chunks and self.chunks > 1 else ""
+        shard = {"none": "", "optimizer": " (optimizer-sharded)", "full": " (fully sharded)"}[self.shard]
+        return (f"TP{self.tp} x PP{self.pp}{chunks} x DP{self.dp}{shard}, {self.microbatches} micro-batches, "
+                f"{self.schedule}, recompute {self.recompute}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """A layout's predicted step: the plan, whether it fits, and the throughput it implies."""
+
+    layout: Layout
+    plan: Plan
+    fits: bool
+    tokens_per_sample: int
+
+    @property
+    def step_s(self) -> float:
+        return self.plan.predicted.step_s
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Tokens of one step over the step and every GPU.
+
+        >>> import dataclasses
+        >>> from partitioner.plan import example_plan
+        >>> plan = example_plan()
+        >>> p = Priced(Layout("x", gpus=plan.gpus, tp=1, pp=plan.pp, dp=plan.dp, microbatches=plan.microbatches,
+        ...            schedule=plan.schedule), plan, True, tokens_per_sample=4096)
+        >>> round(p.tokens_per_s_per_gpu) == round(plan.batch_size * 4096 / plan.predicted.step_s / plan.gpus)
+        True
+        """
+        plan = self.plan
+        if plan.predicted.step_s <= 0:
+            return 0.0
+        return plan.batch_size * self.tokens_per_sample / plan.predicted.step_s / plan.gpus
+
+    @property
+    def mfu(self) -> float | None:
+        return self.plan.predicted.mfu
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.plan.predicted.peak_memory_bytes, default=0.0)
+
+
+def price_layout(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    layout: Layout,
+    *,
+    tokens_per_sample: int,
+    memory_per_gpu: float | None = None,
+    **common: Any,
+) -> Priced:
+    """Plan ``model`` under ``layout`` exactly (the split solved for it) and predict its step.
+
+    ``common``: the other :func:`~partitioner.search.planner.compile` keywords
+    (``device``, ``precision``, ``optimizer``, ``gpus_per_node``, ...).  A layout
+    that does not fit ``memory_per_gpu`` (the device's by default) is priced
+    without the limit and returned with ``fits=False``.
+    """
+    fixed: dict[str, Any] = dict(
+        gpus=layout.gpus, tp=layout.tp, pp=layout.pp, dp=layout.dp, microbatches=layout.microbatches,
+        schedule=layout.schedule, chunks=layout.chunks, shard=layout.shard, recompute=layout.recompute, **common)
+    try:
+        plan = compile(model, example_inputs, memory_per_gpu=memory_per_gpu, **fixed)
+        return Priced(layout, plan, True, tokens_per_sample)
+    except InfeasibleError:
+        plan = compile(model, example_inputs, memory_per_gpu=UNLIMITED_MEMORY, **fixed)
+        return Priced(layout, plan, False, tokens_per_sample)
