@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
+from partitioner.cost.tensorparallel import RUNTIME_REFUSAL, refuse_tensor_parallel
 from partitioner.defaults import SCHEDULES, SHARD_MODES
 from partitioner.errors import AutopartitionError
 from partitioner.report.progress import Reporter, hide_library_output
@@ -394,6 +395,9 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"report: {report}")
     quoted = shlex.quote(str(saved))
     stages = "stage_0.py" if len(plan.stages) == 1 else f"stage_0.py … stage_{len(plan.stages) - 1}.py"
+    if plan.tp > 1:  # the runtime refuses it: say so here, not at `run`
+        print(f"plan saved to {saved}{os.sep} (plan.json, {stages}); it has tp={plan.tp}: {RUNTIME_REFUSAL}")
+        return 0
     print(f"plan saved to {saved}{os.sep} (plan.json, {stages}); next:")
     print(f"  autopartition verify {quoted} --model {shlex.quote(args.model)}")
     print(f"  autopartition run {quoted} -- {_training_script(args.model)}")
@@ -562,6 +566,7 @@ def _verify(args: argparse.Namespace) -> int:
     from partitioner.plan import Plan
 
     plan = Plan.load(args.plan)  # a missing or corrupt plan is bad input (exit 2), found before any rank starts
+    refuse_tensor_parallel(plan.tp)  # before any rank starts (issue 22: planned and priced, not run yet)
     try:
         from runtime.verify import verify_plan
     except ImportError as exc:
@@ -609,7 +614,7 @@ def _run(args: list[str]) -> int:
         torchrun_args = ["--nproc-per-node", str(parsed.nproc_per_node)] + torchrun_args
     from partitioner.plan import Plan
 
-    Plan.load(parsed.plan)
+    refuse_tensor_parallel(Plan.load(parsed.plan).tp)
     if parsed.weights is not None:
         weights = Path(parsed.weights)
         if not weights.exists():

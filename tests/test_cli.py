@@ -421,6 +421,20 @@ def test_engine_option_reaches_verify_and_run(tmp_path: Path, monkeypatch: pytes
     assert "invalid choice: 'megatron'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["verify", "run"])
+def test_a_tensor_parallel_plan_is_refused_before_any_rank_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """Found: `verify` of a --tp 2 plan crashed with a KeyError (an internal error) after starting ranks."""
+    base = example_plan()
+    plan_dir = dataclasses.replace(base, tp=2, gpus=base.gpus * 2).save(tmp_path / "plan")
+    monkeypatch.setattr("runtime.verify.verify_plan", lambda *a, **k: pytest.fail("verify started ranks"))
+    monkeypatch.setattr("runtime.launch.run_plan", lambda *a, **k: pytest.fail("run started ranks"))
+    args = [command, str(plan_dir), "--model", "m.py"] if command == "verify" else [command, str(plan_dir), "--", "t.py"]
+    assert main(args) == 2
+    error = _error_of(capsys)
+    assert "tp=2" in error and "plan with --tp 1" in error, error
+
+
 def test_run_needs_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(_saved_plan(tmp_path)), "train.py"]) == 2
     message = _error_of(capsys)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,23 +39,35 @@ def test_each_rank_grows_by_its_stage_not_the_model(tmp_path: Path) -> None:
 
 def test_a_fully_sharded_rank_never_holds_its_whole_stage(tmp_path: Path) -> None:
     """pp=1 x dp=4, ZeRO-3 (per-layer FSDP2 units): each rank keeps a quarter of the stage, built on meta one
-    module at a time, so its peak RSS grows by far less than the whole stage's fp32 bytes (measured alone, this
-    310 MiB stage: 177 MiB per rank, 641 MiB under DDP; after other rank-spawning tests up to 245 MiB)."""
+    module at a time, so its peak RSS grows by far less than under DDP, where each rank holds the stage whole.
+
+    Measured alone on this 310 MiB stage: 177 MiB per rank against 641 MiB under DDP.  The absolute growth
+    moves with what the forked ranks inherited (254 MiB in one CI run, after other rank-spawning tests), so
+    the test compares the two modes, run one after the other from the same server."""
+    cfg = StartupConfig(vocab=8000, width=1536, layers=24)  # 315 MiB, its largest module 47 MiB
+    sharded = _startup(cfg, tmp_path / "full", shard="full", reshard=True)
+    whole_copies = _startup(cfg, tmp_path / "none", shard="none", reshard=False)
+    whole = cfg.parameter_bytes()
+    for r in sharded:
+        assert r["sharded"] and r["stage_bytes"] == whole, r
+        assert r["local_bytes"] <= whole / 4 + 4 * 1024, r  # its shard of every parameter
+        assert r["growth_bytes"] < whole, (r, whole / MIB)  # never the whole stage
+    for r in whole_copies:
+        assert not r["sharded"] and r["growth_bytes"] >= 0.9 * whole, (r, whole / MIB)  # the measurement sees it
+    worst = max(r["growth_bytes"] for r in sharded)
+    least = min(r["growth_bytes"] for r in whole_copies)
+    assert worst < least / 2, (worst / MIB, least / MIB)
+
+
+def _startup(cfg: StartupConfig, work: Path, *, shard: str, reshard: bool) -> list[dict[str, Any]]:
+    """Each rank's start-up report (``tests/models/shard_startup.py``) for a pp=1 x dp=4 plan in ``shard`` mode."""
     import json
 
     from shard_startup import plan_sharded_startup, rank_main
 
     from runtime.verify import free_port, start_ranks
 
-    cfg = StartupConfig(vocab=8000, width=1536, layers=24)  # 315 MiB, its largest module 47 MiB
-    plan_sharded_startup(cfg, tmp_path / "plan", dp=4, shard="full", reshard=True)
-    start_ranks(rank_main, (4, free_port(), str(tmp_path / "plan"), dataclasses.asdict(cfg), str(tmp_path)), 4)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    whole = cfg.parameter_bytes()
-    largest = max(p.nbytes for p in cfg.build().parameters())
-    for r in ranks:
-        assert r["sharded"] and r["stage_bytes"] == whole, r
-        assert r["local_bytes"] <= whole / 4 + 4 * 1024, r  # its shard of every parameter
-        # Its shard, one module initialised whole at a time, and the runtime's own overhead: never the stage.
-        assert r["growth_bytes"] < whole / 4 + 2 * largest + OVERHEAD, (r, whole / MIB)
-        assert r["growth_bytes"] < whole, (r, whole / MIB)  # measured alone: 177 MiB of 310 (DDP: 641)
+    work.mkdir()
+    plan_sharded_startup(cfg, work / "plan", dp=4, shard=shard, reshard=reshard)
+    start_ranks(rank_main, (4, free_port(), str(work / "plan"), dataclasses.asdict(cfg), str(work)), 4)
+    return [json.loads((work / f"rank{r}.json").read_text()) for r in range(4)]
