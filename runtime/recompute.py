@@ -1,7 +1,7 @@
 """Activation recomputation at run time: a stage whose plan says ``recompute == "full"`` checkpoints each block.
 
 A stage module (an ``fx.GraphModule``) is cut into *blocks*: runs of
-consecutive compute nodes of one layer (:func:`partitioner.graph.meta.layer_of` of
+consecutive compute nodes of one layer (:func:`partitioner.graph.ir.layer_of` of
 the node's module: ``layers.3``, ``model.layers.3``, ``lm_head``), with
 root-level glue (a residual add, ``x.view``) joining the block before it (or
 the first block, when it leads).  :class:`Recomputed` runs each block under
@@ -44,8 +44,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from partitioner.errors import InternalError
-from partitioner.graph.ir import module_path
-from partitioner.graph.meta import layer_of
+from partitioner.graph.ir import layer_of, module_path
 
 __all__ = ["Recomputed", "block_nodes", "block_run"]
 

@@ -22,7 +22,8 @@ from partitioner.cli import main
 from partitioner.cost import nodes as cost
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import CapturedModel, capture
-from partitioner.graph.meta import layer_of, layers
+from partitioner.graph.ir import layer_of
+from partitioner.graph.meta import layers
 from partitioner.graph.values import propagate_values
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -43,6 +43,7 @@ __all__ = [
     "dtype_itemsize",
     "dtype_name",
     "graph_fingerprint",
+    "layer_of",
     "module_path",
     "node_parameters",
     "tensor_nbytes",
@@ -84,6 +85,23 @@ class ValueInfo:
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The nodes that do the model's work, in graph order: what stages are cut from."""
     return [n for n in gm.graph.nodes if n.meta.get(KIND_KEY) == "compute"]
+
+
+def layer_of(path: str) -> str:
+    """The layer a module path belongs to: up to the first index of a list (``blocks.3``), else itself.
+
+    Children of ``nn.ModuleList`` and ``nn.Sequential`` are named by their index; they are
+    the repeated layers of a model (transformer blocks, CNN stages).  The runtime recomputes
+    and shards by these layers, and the planner prices them the same way.
+
+    >>> layer_of("model.layers.3.self_attn.q_proj"), layer_of("lm_head"), layer_of("")
+    ('model.layers.3', 'lm_head', '')
+    """
+    parts = path.split(".") if path else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return path
 
 
 def module_path(node: fx.Node) -> str:

@@ -33,7 +33,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from partitioner.graph.ir import KIND_KEY, VALUE_KEY, module_path
+from partitioner.graph.ir import KIND_KEY, VALUE_KEY, layer_of, module_path
 
 __all__ = [
     "FakeState",
@@ -44,7 +44,6 @@ __all__ = [
     "has_meta",
     "home_device",
     "is_meta",
-    "layer_of",
     "layers",
     "materialise",
     "placeholder",
@@ -238,19 +237,6 @@ def attribute(gm: fx.GraphModule, target: str) -> Any:
 
 
 # ----------------------------------------------------------------- layers
-
-
-def layer_of(path: str) -> str:
-    """The layer a module path belongs to: up to the first index of a list (``blocks.3``), else itself.
-
-    Children of ``nn.ModuleList`` and ``nn.Sequential`` are named by their index;
-    they are the repeated layers of a model (transformer blocks, CNN stages).
-    """
-    parts = path.split(".") if path else []
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return path
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,8 +130,8 @@ def _assumptions(plan: Plan) -> str:
         rows.insert(6, ("all-reduce links", ", ".join(f"stage {s.index}: {s.allreduce_link}" for s in plan.stages)))
     note = ("Costs were taken in the model's own dtype and converted to the precision (bytes of float32 "
             "activations halve under bf16; times use the compute dtype's peak). A recomputing stage keeps only "
-            "its blocks' inputs per micro-batch in flight, holds one block's activations again during each "
-            "backward, and runs each block's forward twice (Korthikanti et al. 2022, full recomputation). "
+            "each layer's inputs per micro-batch in flight, holds one layer's activations again during each "
+            "backward, and runs each layer's forward twice (Korthikanti et al. 2022, full recomputation). "
             "Ranks are laid out pipeline-rank-major (rank = pipeline rank x dp + replica), node = rank // GPUs "
             "per node; links follow the ranks of the two stages. A sharded stage group (ZeRO, Rajbhandari et al. "
             "2020) holds its optimizer state (optimizer) or everything (full, FSDP2) over its replicas; under a "

@@ -58,6 +58,7 @@ from partitioner.solve.formulate import ZERO3, GraphCosts, zero3_costs
 from partitioner.solve.problem import (
     allreduce_latencies,
     choose_recompute,
+    recompute_peak,
     split_backward,
     stage_costs,
     stage_memory,
@@ -261,7 +262,7 @@ def _stages(
                 send_bytes=round(sum(b.nbytes * activation_scale(options.precision, b.dtype) for b in outputs)),
                 allreduce_s=allreduce[s] + latency[s],
                 recompute_s=again,
-                recompute_peak_bytes=max((problem.activation_bytes[b] for b in blocks_of[s]), default=0.0)
+                recompute_peak_bytes=max((recompute_peak(problem)[b] for b in blocks_of[s]), default=0.0)
                 if recompute[s] else 0.0,
                 weight_s=min(weight[s], backward),  # the same seconds, summed per block or per node
                 gathered_bytes=units[s] if reshard[s] else 0.0,

@@ -66,8 +66,7 @@ from partitioner.cost.splitcost import split_overhead
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
 from partitioner.errors import AutopartitionError, CaptureError, InfeasibleError, ScheduleError
 from partitioner.graph.capture import CallSpec, CapturedModel, CaptureMethod, capture
-from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, module_path
-from partitioner.graph.meta import layer_of
+from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, layer_of, module_path
 from partitioner.graph.tensorparallel import find_tensor_parallel
 from partitioner.graph.values import propagate_values
 from partitioner.modelfile import forward_failure
@@ -735,6 +734,7 @@ class _RenamedCosts:
             node_weight_s=rename(graph.node_weight_s),
             block_senders=tuple(keep(g) for g in graph.block_senders),
             block_inputs=tuple(keep(g) for g in graph.block_inputs),
+            layer_runs=tuple(keep(g) for g in graph.layer_runs),
         )
 
 

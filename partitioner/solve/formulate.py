@@ -67,7 +67,14 @@ from partitioner.cost.precision import (
     zero3_transient_bytes,
 )
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB
-from partitioner.graph.ir import KIND_KEY, VALUE_KEY, ValueInfo, node_parameters
+from partitioner.graph.ir import (
+    KIND_KEY,
+    VALUE_KEY,
+    ValueInfo,
+    layer_of,
+    module_path,
+    node_parameters,
+)
 from partitioner.solve.problem import PartitionProblem
 
 if TYPE_CHECKING:  # types only: this module imports without torch
@@ -120,7 +127,8 @@ class GraphCosts:
     parameter_elements: dict[str, int] = dataclasses.field(default_factory=dict)  # canonical name -> numel
     node_dtype: dict[str, str] = dataclasses.field(default_factory=dict)  # dtype of each value above
     block_senders: tuple[tuple[str, ...], ...] = ()  # each block's nodes read by other blocks (or the output)
-    block_inputs: tuple[tuple[str, ...], ...] = ()  # values each block reads from other blocks / graph inputs
+    block_inputs: tuple[tuple[str, ...], ...] = ()  # values each block keeps when recomputed: its layer's inputs
+    layer_runs: tuple[tuple[str, ...], ...] = ()  # compute nodes per layer run, as the runtime recomputes them
     node_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # forward + backward FLOPs
     node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
@@ -264,6 +272,9 @@ def graph_costs(
     senders: list[list[str]] = [[] for _ in blocks]
     inputs: list[dict[str, None]] = [{} for _ in blocks]  # insertion-ordered sets
     block_params: list[set[str]] = [set() for _ in blocks]
+    runs = _layer_runs(gm)
+    run_of = {name: r for r, run in enumerate(runs) for name in run}
+    kept_once: set[tuple[int, str]] = set()
     for b, members in enumerate(blocks):
         for name in members:
             node = nodes[name]
@@ -275,8 +286,14 @@ def graph_costs(
             if readers:
                 sends[b] += _nbytes(node)
                 senders[b].append(name)
+            # A recomputed layer keeps what it reads from outside itself, once, however many of the
+            # solver's blocks (about three per transformer layer) split it (runtime/recompute.py).
+            run = run_of.get(name, -1 - b)
             for arg in node.all_input_nodes:
-                if block_of.get(arg.name, b) != b or arg.meta.get(KIND_KEY) == "input":
+                outside = arg.meta.get(KIND_KEY) == "input" or (
+                    block_of.get(arg.name, b) != b and run_of.get(arg.name) != run)
+                if outside and (run, arg.name) not in kept_once:
+                    kept_once.add((run, arg.name))
                     inputs[b][arg.name] = None
     graph_inputs = {name for block in inputs for name in block if name not in block_of}
     values = [*block_of, *sorted(graph_inputs)]
@@ -295,6 +312,7 @@ def graph_costs(
         node_dtype={name: _dtype(nodes[name], costs.get(name)) for name in values},
         block_senders=tuple(tuple(names) for names in senders),
         block_inputs=tuple(tuple(names) for names in inputs),
+        layer_runs=tuple(runs),
         node_flops={k: c.forward_flops + c.backward_flops for k, c in costs.items()},
         node_saved_float32_bytes={
             k: c.saved_float32_bytes for k, c in costs.items() if c.saved_float32_bytes is not None
@@ -432,6 +450,7 @@ def formulate(
         "recompute_s": tuple(
             scale * sum(graph.node_forward_s[m] for m in members) for members in graph.blocks
         ) if recomputable else None,
+        "recompute_peak_bytes": _layer_peaks(graph, scale, precision) if recomputable and graph.layer_runs else None,
         "recompute": recompute,
         "message_host_s": spec.message_host_s,
         "weight_s": tuple(
@@ -505,7 +524,7 @@ def zero3_costs(
     """ZeRO-3's exposed collectives and transient memory for ``graph`` on ``dp`` replicas (see :class:`Zero3Costs`).
 
     The runtime's units are layers (runtime/shard.py groups a stage's nodes by
-    their layer, ``partitioner.graph.meta.layer_of``); a parameter's layer is its
+    their layer, ``partitioner.graph.ir.layer_of``); a parameter's layer is its
     name's prefix up to the first list index (``model.layers.3``), or the name's
     module (``lm_head``).  The shard collectives run on the intra-node link
     unless the replicas span nodes without filling them (HSDP keeps them inside
@@ -518,8 +537,8 @@ def zero3_costs(
     units: dict[str, tuple[float, float]] = {}  # layer -> (elements, model bytes)
     for name, nbytes in graph.parameter_bytes.items():
         elements = graph.parameter_elements.get(name, nbytes / 4)
-        e, b = units.get(_layer_of(name.rpartition(".")[0]), (0.0, 0.0))
-        units[_layer_of(name.rpartition(".")[0])] = (e + elements, b + nbytes)
+        e, b = units.get(layer_of(name.rpartition(".")[0]), (0.0, 0.0))
+        units[layer_of(name.rpartition(".")[0])] = (e + elements, b + nbytes)
     largest = max(units.values(), key=lambda eb: eb[1], default=(0.0, 0.0))
     # A stage's first unit in a pass is one of its layers (the embedding or the LM head only at the ends).
     layers = [eb for name, eb in units.items() if any(part.isdigit() for part in name.split("."))]
@@ -549,14 +568,32 @@ def zero3_costs(
                       zero3_transient_bytes(precision, elements=e, model_bytes=nb) if nb else 0.0)
 
 
-def _layer_of(path: str) -> str:
-    """A module path's layer: up to its first list index (``blocks.3``), else itself (as the runtime groups units).
+def _layer_runs(gm: Any) -> list[tuple[str, ...]]:
+    """The graph's compute nodes in layer runs, as ``runtime.recompute.block_nodes`` groups a stage.
 
-    >>> _layer_of("model.layers.3.self_attn.q_proj"), _layer_of("lm_head")
-    ('model.layers.3', 'lm_head')
+    A run is consecutive nodes of one layer (:func:`~partitioner.graph.ir.layer_of`), root-level
+    glue joining the run before it (or the first run, when it leads).
     """
-    parts = path.split(".") if path else []
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return path
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    keys = [layer_of(module_path(n)) for n in nodes]
+    current = next((k for k in keys if k), "")
+    runs: list[tuple[str, list[str]]] = []
+    for node, key in zip(nodes, keys, strict=True):
+        current = key or current
+        if not runs or runs[-1][0] != current:
+            runs.append((current, []))
+        runs[-1][1].append(node.name)
+    return [tuple(names) for _, names in runs]
+
+
+def _layer_peaks(graph: GraphCosts, scale: float, precision: str) -> tuple[float, ...]:
+    """Per block: the activations of the largest layer run it belongs to, live again while it recomputes.
+
+    The runtime recomputes a whole layer before its backward, so a recomputing stage holds one
+    layer's activations at a time, not one of the solver's smaller blocks'.
+    """
+    run_bytes = [scale * graph.saved_bytes(run, precision) for run in graph.layer_runs]
+    run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}
+    own = [scale * graph.saved_bytes(members, precision) for members in graph.blocks]
+    return tuple(max([own[b], *(run_bytes[run_of[m]] for m in members if m in run_of)])
+                 for b, members in enumerate(graph.blocks))

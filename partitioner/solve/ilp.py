@@ -60,6 +60,7 @@ from partitioner.solve.problem import (
     check_assignment,
     choose_recompute,
     in_flight,
+    recompute_peak,
     stage_links,
     stage_memory,
     step_time,
@@ -251,9 +252,10 @@ def solve_ilp(
             if s in redo:  # recomputed blocks keep their inputs instead, plus the largest block's activations
                 assert problem.recompute_bytes is not None
                 peak = _var(lp, f"P_{s}", 0, None)
+                live = recompute_peak(problem)  # a recomputed layer's activations, during its backward
                 for v in range(n):
-                    if problem.activation_bytes[v] > 0:
-                        lp += peak >= problem.activation_bytes[v] / b_unit * both[v, s]
+                    if live[v] > 0:
+                        lp += peak >= live[v] / b_unit * both[v, s]
                 memory += peak + pulp.lpSum(
                     flight * (problem.recompute_bytes[v] - problem.activation_bytes[v]) / b_unit * both[v, s]
                     for v in range(n)

@@ -54,6 +54,7 @@ from partitioner.solve.problem import (
     can_recompute,
     choose_recompute,
     in_flight,
+    recompute_peak,
     stage_links,
     step_time,
 )
@@ -124,8 +125,8 @@ def _interval_frontiers(problem: PartitionProblem, *, slow: bool, recompute: boo
     for nbytes, _, shared_readers in problem.shared:
         _add_if_reader_inside(static, sorted(set(shared_readers)), nbytes, lo=0)
 
-    def largest() -> np.ndarray:  # peak[i, j] = max(activation_bytes[i:j]): running maxima along rows
-        rows = np.where(np.tri(n + 1, n, k=-1, dtype=bool), 0.0, np.asarray(problem.activation_bytes, dtype=float))
+    def largest() -> np.ndarray:  # peak[i, j] = max(recompute_peak[i:j]): running maxima along rows
+        rows = np.where(np.tri(n + 1, n, k=-1, dtype=bool), 0.0, np.asarray(recompute_peak(problem), dtype=float))
         peak = np.zeros((n + 1, n + 1))
         peak[:, 1:] = np.maximum.accumulate(rows, axis=1)
         return peak

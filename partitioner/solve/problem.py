@@ -17,9 +17,11 @@ force agree):
   (:func:`~partitioner.cost.comm.allreduce_crosses_nodes`).
 * **Recomputation** (Korthikanti et al., "Reducing Activation Recomputation in
   Large Transformer Models", MLSys 2023, full recomputation): a recomputed stage
-  keeps only its blocks' inputs per micro-batch in flight (``recompute_bytes``)
-  plus one block's activations live again during its backward (the largest
-  ``activation_bytes``), and spends ``recompute_s`` more (one more forward).
+  keeps only its blocks' inputs per micro-batch in flight (``recompute_bytes``:
+  what each layer reads from outside itself, charged once to the layer's first
+  block) plus one layer's activations live again during its backward (the
+  largest ``recompute_peak_bytes``, else ``activation_bytes``), and spends
+  ``recompute_s`` more (one more forward).
   :func:`choose_recompute` applies the rule: keep if that fits, else recompute if
   that fits.  Keeping is never slower and the step time only grows with a
   stage's time, so the rule is optimal for any split.
@@ -102,6 +104,7 @@ __all__ = [
     "chunk_memory_limit",
     "in_flight",
     "rank_memory",
+    "recompute_peak",
     "relative_gap",
     "split_backward",
     "stage_costs",
@@ -177,6 +180,8 @@ class PartitionProblem:
     gpus_per_node: int | None = None
     recompute_bytes: tuple[float, ...] | None = None
     recompute_s: tuple[float, ...] | None = None
+    # Live again while a recomputed block's backward runs: its whole layer's activations (None: its own).
+    recompute_peak_bytes: tuple[float, ...] | None = None
     recompute: RecomputeMode = "none"
     weight_s: tuple[float, ...] | None = None
     split_s: tuple[float, ...] | None = None
@@ -202,7 +207,7 @@ class PartitionProblem:
         n = len(self.time_s)
         for field in (
             "static_bytes", "activation_bytes", "allreduce_s", "transfer_s",
-            "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s", "weight_s", "split_s",
+            "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s", "recompute_peak_bytes", "weight_s", "split_s",
         ):
             value = getattr(self, field)
             if value is not None and len(value) != n:
@@ -357,6 +362,11 @@ def within_limit(nbytes: float, limit: float | None) -> bool:
     return limit is None or nbytes <= limit * (1 + MEMORY_TOLERANCE)
 
 
+def recompute_peak(problem: PartitionProblem) -> tuple[float, ...]:
+    """Per block, the activations live again while it is recomputed: its layer's (``recompute_peak_bytes``), else its own."""
+    return problem.recompute_peak_bytes or problem.activation_bytes
+
+
 def can_recompute(problem: PartitionProblem) -> bool:
     """True when some stage may recompute: recomputation costs are given and the mode is not "none"."""
     return problem.recompute != "none" and problem.recompute_bytes is not None
@@ -430,7 +440,7 @@ def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _
     for v, s in enumerate(stage_of):
         parts.static[s] += problem.static_bytes[v]
         parts.activation[s] += problem.activation_bytes[v]
-        parts.peak[s] = max(parts.peak[s], problem.activation_bytes[v])
+        parts.peak[s] = max(parts.peak[s], recompute_peak(problem)[v])
         if problem.recompute_bytes is not None and problem.recompute_s is not None:
             parts.kept[s] += problem.recompute_bytes[v]
             parts.extra[s] += problem.recompute_s[v]
