@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from partitioner.cost.tensorparallel import refuse_tensor_parallel
 from partitioner.errors import AutopartitionError
 from partitioner.plan import Plan
 from partitioner.units import env_seconds, plural
@@ -125,6 +126,7 @@ def run_plan(plan_dir: str, torchrun_args: Sequence[str], script: Sequence[str],
     ``engine`` (``ours``, ``torch``) reaches every rank's ``Pipeline`` as ``$AUTOPARTITION_ENGINE``.
     """
     plan = Plan.load(plan_dir)
+    refuse_tensor_parallel(plan.tp)  # torchrun would start pp x dp ranks for a plan of pp x dp x tp
     if not script:
         raise AutopartitionError("Name the training script after `--`, e.g. `-- train.py`.")
     if script[0].endswith(".py") and not Path(script[0]).exists():

@@ -59,6 +59,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from partitioner.cost.tensorparallel import refuse_tensor_parallel
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import CallSpec, model_loss
 from partitioner.graph.ir import dtype_name
@@ -386,6 +387,7 @@ def verify(
     tol = DTYPES[dtype] if tolerance is None else tolerance
     say = progress or (lambda _: None)
     plan = plan_in_dtype(Plan.load(plan_dir), getattr(torch, dtype))
+    refuse_tensor_parallel(plan.tp)  # before any rank starts (its failure report counts pp x dp ranks)
     model_file = load_model_file(model_spec)
     if model_file.loss_fn is not None and model_file.example_target is None:
         raise AutopartitionError(

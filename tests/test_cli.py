@@ -435,6 +435,21 @@ def test_a_tensor_parallel_plan_is_refused_before_any_rank_starts(
     assert "tp=2" in error and "plan with --tp 1" in error, error
 
 
+def test_the_runtime_entry_points_refuse_a_tensor_parallel_plan_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Called from Python, not only through the CLI: no rank starts for a plan the runtime cannot run."""
+    from runtime import launch, verify
+
+    base = example_plan()
+    plan_dir = dataclasses.replace(base, tp=2, gpus=base.gpus * 2).save(tmp_path / "plan")
+    monkeypatch.setattr(verify, "start_ranks", lambda *a, **k: pytest.fail("verify started ranks"))
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("run started torchrun"))
+    with pytest.raises(AutopartitionError, match="plan with --tp 1"):
+        verify.verify(str(plan_dir), "m.py")
+    with pytest.raises(AutopartitionError, match="plan with --tp 1"):
+        launch.run_plan(str(plan_dir), [], ["t.py"])
+
+
 def test_run_needs_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(_saved_plan(tmp_path)), "train.py"]) == 2
     message = _error_of(capsys)
