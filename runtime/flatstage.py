@@ -110,6 +110,9 @@ class FlatStage(nn.Module):
         if self._probing:
             self._probing = False
             self._saved = [(b, b.detach().clone()) for b in self.buffers()]
+            # torch's shape inference feeds a later stage uninitialised tensors of the received shapes: integer
+            # ones (an MoE's chosen experts) would index out of bounds; zeros index the first row.
+            carried = tuple(t if t.is_floating_point() else torch.zeros_like(t) for t in carried)
         return self._run(carried, keywords[MICROBATCH])
 
     def _run(self, carried: Sequence[torch.Tensor], index: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -122,12 +125,19 @@ class FlatStage(nn.Module):
         outputs = self.stage(*args)
         if self._last:
             return tuple(outputs[len(sig.sent):])
-        # Contiguous: torch sizes receive buffers from what it sees, and gloo receives only into contiguous
-        # tensors (a cut inside attention sends q/k/v slices); a no-op for tensors already contiguous.
-        sent = {n: t.contiguous() for n, t in zip(sig.sent, outputs[: len(sig.sent)])}
+        # Copies, contiguous (_owned): torch sizes receive buffers from what it sees, gloo receives only into
+        # contiguous tensors (a cut inside attention sends q/k/v slices), and a split backward detaches in place.
+        sent = {n: _owned(t) for n, t in zip(sig.sent, outputs[: len(sig.sent)])}
         # A value only passing through leaves as a copy: torch's split backward detaches a stage's outputs in
         # place, which a view (or the received leaf itself) refuses; its gradient flows back unchanged.
         return tuple(sent[n] if n in sent else values[n].clone() for n in self._outgoing)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied, contiguous: torch's split backward detaches stage outputs in place, which a view refuses and
+    which breaks the stage's own backward where autograd saved the output (an MoE layer's sum feeding the next
+    layer); gloo sends only contiguous tensors.  One copy per sent value per micro-batch."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class ContiguousGrad(torch.autograd.Function):
