@@ -82,7 +82,7 @@ def _train(args: argparse.Namespace) -> None:
         loss = pipe.step(inputs, target)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if loss is not None and pipe.replica == 0:
+        if loss is not None and pipe.replica == 0 and pipe.tp_rank == 0:  # one line per step
             print(f"step {step:4d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - start):.1f} ms", flush=True)
     if args.trace:
         written = pipe.write_trace(args.trace)

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, cast
 
 from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
-from partitioner.cost.tensorparallel import RUNTIME_REFUSAL, refuse_tensor_parallel
 from partitioner.defaults import SCHEDULES, SHARD_MODES
 from partitioner.errors import AutopartitionError
 from partitioner.report.progress import Reporter, hide_library_output
@@ -34,7 +33,7 @@ from partitioner.units import SIZE_HELP, parse_size, plural
 
 __all__ = ["main", "parse_size"]  # parse_size lives in partitioner.units
 
-_DEVICES = ("auto", "cpu", "cuda", "a100", "h100", "h200")
+_DEVICES = ("auto", "cpu", "cuda", "a100", "h100", "h100-500w", "h200")
 _CAPTURE = ("auto", "export", "symbolic_trace")
 _DEFAULT_BATCH = 32
 _AUTO = "auto"
@@ -202,7 +201,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=DEFAULT_OPTIMIZER, type=str.lower,
                         help=f"adam (2 state tensors per parameter) or sgd (1) (default {DEFAULT_OPTIMIZER})")
     parser.add_argument("--recompute", choices=_RECOMPUTE, default=_AUTO, type=str.lower,
-                        help="recompute activations in backward: auto (per stage, only where needed to fit), "
+                        help="recompute activations in backward: auto (per stage, only where needed to fit, and only as "
+                        "many of its first layers as needed), "
                         "none, full (default auto)")
     parser.add_argument("--shard", choices=_SHARD, default=_AUTO, type=str.lower,
                         help="how each stage group's replicas hold their state: auto (chosen with pp, dp and the "
@@ -395,8 +395,9 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"report: {report}")
     quoted = shlex.quote(str(saved))
     stages = "stage_0.py" if len(plan.stages) == 1 else f"stage_0.py … stage_{len(plan.stages) - 1}.py"
-    if plan.tp > 1:  # the runtime refuses it: say so here, not at `run`
-        print(f"plan saved to {saved}{os.sep} (plan.json, {stages}); it has tp={plan.tp}: {RUNTIME_REFUSAL}")
+    refusal = _tensor_parallel_refusal(plan)
+    if refusal is not None:  # the runtime refuses it: say so here, not at `run`
+        print(f"plan saved to {saved}{os.sep} (plan.json, {stages}); {refusal}")
         return 0
     print(f"plan saved to {saved}{os.sep} (plan.json, {stages}); next:")
     print(f"  autopartition verify {quoted} --model {shlex.quote(args.model)}")
@@ -562,18 +563,30 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tensor_parallel_refusal(plan: Any, engine: str | None = None) -> str | None:
+    """Why the runtime cannot run this plan's tensor parallelism (None: it can, or no runtime installed)."""
+    try:
+        from runtime.tensorparallel import tensor_parallel_refusal
+    except ImportError:
+        return None
+    return tensor_parallel_refusal(plan, engine=engine or "ours")
+
+
 def _verify(args: argparse.Namespace) -> int:
     from partitioner.plan import Plan
 
     plan = Plan.load(args.plan)  # a missing or corrupt plan is bad input (exit 2), found before any rank starts
-    refuse_tensor_parallel(plan.tp)  # before any rank starts (issue 22: planned and priced, not run yet)
+    refusal = _tensor_parallel_refusal(plan, getattr(args, "engine", None))
+    if refusal is not None:  # before any rank starts
+        raise AutopartitionError(refusal)
     try:
         from runtime.verify import verify_plan
     except ImportError as exc:
         return _runtime_missing("verify", "runtime.verify.verify_plan", exc)
     shape = plural(plan.pp, "stage") if plan.chunks == 1 else f"{plural(plan.pp, 'pipeline rank')} of {plan.chunks} stages"
+    split = f" x {plan.tp} tensor-parallel" if plan.tp > 1 else ""
     print(f"[autopartition] verify: starting {plural(plan.gpus, 'CPU rank')} ({shape} x "
-          f"{plural(plan.dp, 'replica')}) for {plural(args.steps, 'step')} against the unpartitioned "
+          f"{plural(plan.dp, 'replica')}{split}) for {plural(args.steps, 'step')} against the unpartitioned "
           f"{plan.model.class_name}; each rank builds and captures the model first", file=sys.stderr, flush=True)
     options: dict[str, Any] = {"steps": args.steps}
     if args.timeout is not None:  # else the verifier's own default
@@ -614,7 +627,9 @@ def _run(args: list[str]) -> int:
         torchrun_args = ["--nproc-per-node", str(parsed.nproc_per_node)] + torchrun_args
     from partitioner.plan import Plan
 
-    refuse_tensor_parallel(Plan.load(parsed.plan).tp)
+    refusal = _tensor_parallel_refusal(Plan.load(parsed.plan), parsed.engine)  # a corrupt plan: exit 2 here
+    if refusal is not None:  # before torchrun starts any rank
+        raise AutopartitionError(refusal)
     if parsed.weights is not None:
         weights = Path(parsed.weights)
         if not weights.exists():

@@ -16,7 +16,9 @@ rank (each action names its stage), and each stage's weight-gradient seconds
 state), one node of all its GPUs, no recomputation; versions 1 and 2 as one
 stage per rank, stage s on rank s.  Fields added within version 2 (marked
 ``ADDED_IN_VERSION``: ``solver.refinement``, ``model.call``) may be absent from
-a version-2 plan and take their defaults.
+a version-2 plan and take their defaults; so may those added within version 3
+(among them a stage's ``shard`` and its selective recomputation's
+``recompute_layers``, read as 0: a stage recomputes all its layers or none).
 
 Example::
 
@@ -69,7 +71,9 @@ LINKS = ("intra", "inter")  # a message or all-reduce inside one node, or betwee
 # Field metadata: a field added within the current format version, which a plan saved before it
 # may lack (it loads with the field's default).
 ADDED_IN_VERSION = "added_in_version"
-STAGE_RECOMPUTE = ("none", "full")  # keep activations, or recompute each block's forward in backward
+# Keep activations; recompute the forward of the stage's first ``recompute_layers`` layers in backward (Megatron-LM's
+# --recompute-method block --recompute-num-layers), keeping the others'; or recompute every layer's.
+STAGE_RECOMPUTE = ("none", "selective", "full")
 # How a stage group's replicas hold their state (ZeRO, Rajbhandari et al., SC 2020): "none" whole on every replica
 # (DDP); "optimizer" optimizer state sharded (gradients reduce-scattered, parameters all-gathered after the step);
 # "full" parameters, gradients and optimizer state sharded (FSDP2 fully_shard).
@@ -131,7 +135,7 @@ class StagePlan:
     outputs: tuple[Boundary, ...]  # sent
     modules: tuple[str, ...]  # first and last module path of its compute nodes
     predicted: StagePrediction
-    recompute: str = "none"  # "full": activations dropped after forward, remade in backward
+    recompute: str = "none"  # "full": activations dropped after forward, remade in backward; "selective": some layers'
     allreduce_link: str = "intra"  # the link its replicas' gradient all-reduce crosses
     rank: int = 0  # the pipeline rank (0 .. pp - 1) holding this stage; several with chunks > 1
     shard: str = dataclasses.field(default="none", metadata={ADDED_IN_VERSION: 3})  # one of STAGE_SHARD
@@ -139,6 +143,10 @@ class StagePlan:
     # reduce-scattered after every micro-batch's backward) rather than the stage kept gathered from the first
     # forward to the last backward with its gradients accumulated whole (runtime/shard.py).
     reshard_after_forward: bool = dataclasses.field(default=False, metadata={ADDED_IN_VERSION: 3})
+    # recompute "selective" only: how many of the stage's layer runs (its first ones, as runtime/recompute.py cuts the
+    # stage graph: a layer's ops, or root-level code such as a mask the stage computes) recompute; the others keep
+    # their activations. 0 otherwise.
+    recompute_layers: int = dataclasses.field(default=0, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +295,7 @@ class Plan:
     gpus_per_node: int | None = None  # node of rank r: r // gpus_per_node; None: one node
     chunks: int = 1  # stages per pipeline rank (interleaved-1f1b: v; zbv: 2)
     # GPUs per tensor-parallel group (gpus = pp x dp x tp); with tp > 1 each entry of a stage's ``ranks`` is a
-    # group: global ranks ``g x tp .. g x tp + tp - 1``, inside one node.  Planned and priced, not run yet.
+    # group: global ranks ``g x tp .. g x tp + tp - 1``, inside one node (runtime.tensorparallel).
     tp: int = dataclasses.field(default=1, metadata={ADDED_IN_VERSION: 3})
 
     @property
@@ -307,9 +315,10 @@ class Plan:
     def rank_layout(self) -> dict[int, tuple[int, int]]:
         """Global rank -> (pipeline rank, replica).  Rank-major: a pipeline rank's replicas are consecutive.
 
-        With one stage per rank (``chunks == 1``) the pipeline rank is the stage index.
+        With one stage per rank (``chunks == 1``) the pipeline rank is the stage index.  With
+        ``tp > 1`` the ``tp`` ranks of each group (``g x tp + t``) share its position.
         """
-        return {r: (s.rank, i) for s in self.stages for i, r in enumerate(s.ranks)}
+        return {g * self.tp + t: (s.rank, i) for s in self.stages for i, g in enumerate(s.ranks) for t in range(self.tp)}
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages pipeline rank ``rank`` holds, ascending.
@@ -496,6 +505,10 @@ def _check_names(plan: Plan) -> None:
         if value not in allowed:
             raise ValueError(f"{where} is {value!r}, expected one of {', '.join(allowed)}")
     for st in plan.stages:
+        selective = st.recompute == "selective"
+        if selective != (st.recompute_layers > 0) or st.recompute_layers < 0:
+            raise ValueError(f"plan.stages[{st.index}].recompute_layers is {st.recompute_layers} with recompute "
+                             f"{st.recompute!r}: a count of at least 1 goes with (and only with) 'selective'")
         if st.reshard_after_forward and st.shard != "full":
             raise ValueError(f"plan.stages[{st.index}].reshard_after_forward is true, but its shard is "
                              f"{st.shard!r}: only a fully sharded stage reshards")

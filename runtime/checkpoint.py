@@ -37,7 +37,7 @@ canonical name, the first in ``model.named_parameters()``):
 
 ``checkpoint.json`` (JSON, format ``autopartition-checkpoint`` version 2; version 1,
 without ``files``, is still read): ``step`` (>= 0), ``model`` (class name),
-``saved_by`` (pp, dp, chunks, schedule, gpus), ``tied`` (the alias groups), and ``optimizer``: null, or ``class``, ``groups``
+``saved_by`` (pp, dp, chunks, schedule, gpus, tp), ``tied`` (the alias groups), and ``optimizer``: null, or ``class``, ``groups``
 (each distinct param group's hyperparameters, ``params`` left out) and
 ``group_of`` (parameter name -> index into ``groups``), and ``files`` (file name ->
 ``{"bytes", "crc32"}``, every other file of the folder).  On load a param group
@@ -533,7 +533,7 @@ def _manifest(plan: Plan, step: int, optimizer: tuple[str, list[dict[str, dict[s
         "step": int(step),
         "model": plan.model.class_name,
         "saved_by": {"pp": plan.pp, "dp": plan.dp, "chunks": plan.chunks, "schedule": plan.schedule,
-                     "gpus": plan.gpus},
+                     "gpus": plan.gpus, "tp": plan.tp},
         "tied": [sorted(t.aliases) for t in plan.tied],
         "optimizer": saved,
     }

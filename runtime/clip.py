@@ -10,6 +10,9 @@ scales all of its gradients, every copy and replica alike, by the same factor,
 so replicas and tied copies stay equal.  A fully sharded stage's gradients are
 ``DTensor`` shards, each replica holding a different part: every replica counts
 (and scales) its own shard, so the sum over ranks is still the whole stage once.
+Tensor-parallel stages (:mod:`runtime.tensorparallel`) likewise: a split
+parameter's shards count on every rank of the group, a replicated one (a norm)
+on the group's first rank only.
 
 Example (one process; a pipeline passes its stages and a process group)::
 
@@ -59,7 +62,7 @@ def local_gradients(
             seen.add(id(param))
             grad = _local(param.grad)
             held.append(grad)
-            if (sharded or replica == 0) and owner.get(name, index) == index:
+            if (sharded or replica == 0) and owner.get(name, index) == index and _first_copy(param.grad):
                 counted.append(grad)
     return counted, held
 
@@ -126,6 +129,17 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _first_copy(grad: torch.Tensor) -> bool:
+    """Whether this rank's part of ``grad`` counts: a ``DTensor`` replicated over a mesh dimension (a
+    tensor-parallel group's norm weights, HSDP's nodes) counts on that dimension's first rank only."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return True
+    coordinate: Sequence[int] = grad.device_mesh.get_coordinate() or ()
+    return all(c == 0 for c, p in zip(coordinate, grad.placements) if p.is_replicate())
 
 
 def _check_norm_type(norm_type: float) -> float:

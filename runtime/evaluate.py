@@ -42,6 +42,7 @@ from partitioner.plan import Boundary, Plan
 from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
 from runtime.execute import StepFailure
 from runtime.stage import LocalStage
+from runtime.tensorparallel import gathered, group_rank, wire_shape
 
 __all__ = ["concat_microbatches", "evaluate", "evaluation_mode", "forward_tag", "send_order"]
 
@@ -66,6 +67,7 @@ def send_order(plan: Plan, *, replica: int, source: int, target: int) -> list[Bo
     plan lists its outputs.
     """
     order: list[Boundary] = []
+    source, target = source // plan.tp, target // plan.tp  # tp > 1: ranks of one tensor-parallel rank pair up
     for stage in plan.stages:
         if stage.ranks[replica] != source:
             continue
@@ -125,8 +127,8 @@ def evaluate(
                         loss = _loss(model_out, target, loss_fn)
                         if loss is not None:
                             losses.append(loss.detach() / plan.microbatches)
-                        if keep_outputs:
-                            outputs.append(model_out)
+                        if keep_outputs:  # whole (tp > 1: logits may be split by vocabulary)
+                            outputs.append(stage.captured.unflatten_outputs(gathered(out)))
                 except PeerFailure as exc:
                     raise StepFailure(f"{where}: peer failure: {exc}") from exc
                 except StepFailure:
@@ -193,18 +195,22 @@ class _Chain:
         for b in stage.plan.inputs:
             if b.producer in received:
                 continue
-            source = self.plan.stages[b.source].ranks[self.replica]
+            source = self._rank_of(b.source)
             received[b.producer] = produced[b.producer] if source == self.rank else self._take(source, mb, b)
         args = [inputs[names.index(n)] for n in sig.model_inputs] + [received[n] for n in sig.received]
         out = module(*args)
         sent = dict(zip(sig.sent, out[: len(sig.sent)]))
         produced.update(sent)
         for b in sorted(stage.plan.outputs, key=lambda b: b.target):  # send_order's order
-            peer = self.plan.stages[b.target].ranks[self.replica]
+            peer = self._rank_of(b.target)
             if peer != self.rank:
                 self.pending += self.comm.send_tensors(
                     [sent[b.producer]], peer=peer, tag=forward_tag(self.plan, b.target, mb))
         return tuple(out[len(sig.sent):])
+
+    def _rank_of(self, stage: int) -> int:
+        """The rank of ``stage`` this rank exchanges with: same replica, same tensor-parallel rank."""
+        return group_rank(self.plan.stages[stage].ranks[self.replica], self.rank % self.plan.tp, self.plan.tp)
 
     def _take(self, peer: int, mb: int, wanted: Boundary) -> torch.Tensor:
         """``wanted`` from ``peer``; whatever ``peer`` sent before it in this micro-batch is received and kept."""
@@ -218,7 +224,7 @@ class _Chain:
                 raise InternalError(f"rank {self.rank} expects {wanted.producer} from rank {peer}, which never sends it")
             b = self._expected[key].pop(0)
             buffers, works = self.comm.post_recv(
-                [RecvSpec(b.shape, b.dtype)], peer=peer, tag=forward_tag(self.plan, b.target, mb), device=self.device)
+                [RecvSpec(wire_shape(b.shape, b.dtype, self.plan.tp), b.dtype)], peer=peer, tag=forward_tag(self.plan, b.target, mb), device=self.device)
             try:
                 wait_all(works, timeout=self.timeout)
             except PeerFailure as exc:

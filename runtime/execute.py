@@ -57,6 +57,7 @@ from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, 
 from runtime.meetings import MarkedGraph, inputs_written_in_place, mark_meetings
 from runtime.splitbackward import SplitBackward
 from runtime.stage import LocalStage
+from runtime.tensorparallel import group_rank, wire_shape
 
 __all__ = ["ActionRecord", "StepFailure", "StepRunner", "gradient_order"]
 
@@ -399,7 +400,8 @@ class StepRunner:
         return [(p, [b for b in self.plan.stages[p].outputs if b.target == stage]) for p in producers]
 
     def _peer_rank(self, stage: int) -> int:
-        return self.plan.stages[stage].ranks[self.replica]
+        # tp > 1: this rank's counterpart in the peer's tensor-parallel group (runtime.tensorparallel)
+        return group_rank(self.plan.stages[stage].ranks[self.replica], self.rank % self.plan.tp, self.plan.tp)
 
     def _tag(self, stage: int, direction: str, mb: int) -> int:
         return (2 * stage + (direction == "B")) * self.plan.microbatches + mb
@@ -480,7 +482,7 @@ class StepRunner:
             boundaries = [b for b in self.plan.stages[src].outputs if b.target == dst]
         else:
             boundaries = [b for b in self.plan.stages[dst].outputs if b.target == src and _is_float(b)]
-        specs = [RecvSpec(b.shape, b.dtype) for b in boundaries]
+        specs = [RecvSpec(wire_shape(b.shape, b.dtype, self.plan.tp), b.dtype) for b in boundaries]
         tensors, works = self.comm.post_recv(specs, peer=self._peer_rank(src), tag=self._tag(dst, direction, mb),
                                              device=self.device)
         return _Posted(tuple(boundaries), tensors, works)

@@ -46,7 +46,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from partitioner.cost.tensorparallel import refuse_tensor_parallel
 from partitioner.errors import AutopartitionError
 from partitioner.plan import Plan
 from partitioner.units import env_seconds, plural
@@ -125,8 +124,12 @@ def run_plan(plan_dir: str, torchrun_args: Sequence[str], script: Sequence[str],
 
     ``engine`` (``ours``, ``torch``) reaches every rank's ``Pipeline`` as ``$AUTOPARTITION_ENGINE``.
     """
+    # Imported here: DTensor's import sets up logging that would send torchrun's own lines (in the
+    # ``--job`` process, which imports this module) to the terminal instead of its log.
+    from runtime.tensorparallel import refuse_unrunnable_tp
+
     plan = Plan.load(plan_dir)
-    refuse_tensor_parallel(plan.tp)  # torchrun would start pp x dp ranks for a plan of pp x dp x tp
+    refuse_unrunnable_tp(plan, engine=engine)  # before torchrun starts any rank
     if not script:
         raise AutopartitionError("Name the training script after `--`, e.g. `-- train.py`.")
     if script[0].endswith(".py") and not Path(script[0]).exists():
@@ -142,8 +145,9 @@ def run_plan(plan_dir: str, torchrun_args: Sequence[str], script: Sequence[str],
     # CPU ranks are costed with too.  A value the user set is kept.
     threads = env.setdefault("OMP_NUM_THREADS", "1")
     nproc = _option(args, "--nproc-per-node", "--nproc_per_node")
+    split = f" x {plan.tp} tensor-parallel" if plan.tp > 1 else ""
     print(f"[autopartition] run: starting {nproc} ranks per node with torchrun for {plural(plan.pp, 'stage')} x "
-          f"{plural(plan.dp, 'replica')} (OMP_NUM_THREADS={threads}); each rank builds and captures the model "
+          f"{plural(plan.dp, 'replica')}{split} (OMP_NUM_THREADS={threads}); each rank builds and captures the model "
           "before its first step", file=sys.stderr, flush=True)
     shown = [sys.executable, "-m", "torch.distributed.run", *args, *script]
     print("[autopartition] " + " ".join(shlex.quote(c) for c in shown) + f"  (torchrun's own output: {log})",

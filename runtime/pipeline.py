@@ -28,7 +28,6 @@ from torch.utils import _pytree as pytree
 
 from partitioner import errors
 from partitioner.agree import plan_digest, plan_sections
-from partitioner.cost.tensorparallel import refuse_tensor_parallel
 from partitioner.errors import AutopartitionError, PlanMismatchError
 from partitioner.graph.capture import split_call
 from partitioner.orders import Action
@@ -78,6 +77,17 @@ from runtime.shard import (
     stage_meshes,
 )
 from runtime.stage import LocalStage, build_local_stages, example_microbatch
+from runtime.tensorparallel import (
+    TensorParallelStage,
+    group_rank,
+    has_vocabulary_head,
+    match_gradients,
+    parallelize_stages,
+    tensor_parallel_loss,
+    tensor_parallel_mesh,
+    tensor_parallel_refusal,
+    tensor_parallel_step,
+)
 from runtime.torch_engine import TorchEngine, engine_from_env, torch_engine_refusal
 from runtime.weights import load_weights, weights_from_env
 
@@ -183,11 +193,14 @@ class Pipeline:
         failure: Exception | None = None
         deferred: dict[str, torch.Tensor] | None = None  # shards of a meta model's stage, put in once sharded
         try:
-            refuse_tensor_parallel(plan.tp)  # issue 22: planned and priced, not run yet (before _place counts ranks)
+            self.engine = engine_from_env(engine)
+            refusal = tensor_parallel_refusal(plan, engine=self.engine)  # before _place counts the ranks
+            if refusal is not None:
+                raise AutopartitionError(refusal)
             self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
             check_shard_plan(plan)  # a shard mode the runtime cannot run: refused on every rank alike
-            self.engine = engine_from_env(engine)
-            refusal = torch_engine_refusal(plan, trace=trace) if self.engine == "torch" else None
+            if self.engine == "torch":
+                refusal = torch_engine_refusal(plan, trace=trace)
             if refusal is not None:
                 raise AutopartitionError(refusal)
             validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from(),
@@ -230,9 +243,17 @@ class Pipeline:
             sync_tied_weights(modules, self._groups)
         for module in modules:
             cast_parameters(module, plan.precision)  # bf16: parameters in bfloat16; else unchanged
+        tp_mesh = tensor_parallel_mesh(plan, self.device) if plan.tp > 1 else None  # collective: every rank
+        if tp_mesh is not None:  # each stage's layers split over this rank's tensor-parallel group (DTensor)
+            parallelize_stages(modules, tp_mesh)
         # What runs each stage's forward: precision and recomputation wrappers around the stage module
         # (made after every .to(): they read the stage's state through it, never copies).
         self._runnables = tuple(_runnable(local, plan.precision, self.device) for local in self._stages)
+        if tp_mesh is not None:
+            self._runnables = tuple(
+                TensorParallelStage(r, tp_mesh, model_inputs=len(local.signature.model_inputs),
+                                    received=_received_shapes(local), sent=len(local.signature.sent))
+                for r, local in zip(self._runnables, self._stages, strict=True))
         # shard "full": each stage's runnable becomes one FSDP2 unit over its stage group (runtime.shard).
         self._sharded: ShardedStep | None = None
         self._built_optimizer = False
@@ -247,6 +268,10 @@ class Pipeline:
             self._sharded = ShardedStep(self._runnables, policy,
                                         splits_backward=plan.schedule_data().splits_backward)
         self._run_loss = precision_loss(loss_fn, plan.precision, self.device.type)
+        self._vocabulary_parallel = False  # tp > 1 and this rank holds the LM head: loss_parallel in each step
+        if tp_mesh is not None:
+            self._run_loss = tensor_parallel_loss(self._run_loss)
+            self._vocabulary_parallel = has_vocabulary_head(modules)
         self._reducer = None
         self._modules: tuple[torch.nn.Module, ...] = self._runnables  # "full": FSDP2 reduces the gradients
         self._torch: TorchEngine | None = None  # engine="torch": it replicates and reduces itself
@@ -272,7 +297,8 @@ class Pipeline:
         )
         # batch="replica": the target travels from the rank that read the inputs (stage 0) to the last
         # stage, so that every sample's target meets its own inputs whatever sampler fed the last stage.
-        first, last = plan.stages[0].ranks[self.replica], plan.stages[-1].ranks[self.replica]
+        tp_rank = self.rank % plan.tp  # tp > 1: the target goes to this rank's counterpart
+        first, last = (group_rank(plan.stages[s].ranks[self.replica], tp_rank, plan.tp) for s in (0, -1))
         ships = batch == "replica" and loss_fn is not None and first != last and self.rank in (first, last)
         self._ship = (first, last) if ships else None
         self._fed: set[str] = set()  # step / eval_step: whose first feeding the ranks compared
@@ -343,6 +369,16 @@ class Pipeline:
         return self.plan.dp
 
     @property
+    def tp_rank(self) -> int:
+        """This rank's place (0..tp-1) in its stage's tensor-parallel group; 0 without tensor parallelism."""
+        return self.rank % self.plan.tp
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks each stage's layers are split over (the plan's ``tp``)."""
+        return self.plan.tp
+
+    @property
     def needs_inputs(self) -> bool:
         """Whether a stage of this rank reads a model input; if not, step() and eval_step() take ``inputs=None``."""
         return any(local.signature.model_inputs for local in self._stages)
@@ -373,7 +409,8 @@ class Pipeline:
         micro = self._feed(inputs, target, call="step")
         if self._sharded is not None:
             self._sharded.begin()
-        loss = self._runner.run(micro, record=self.trace) if self._torch is None else self._torch.run(micro)
+        with tensor_parallel_step(self.plan, vocabulary_parallel=self._vocabulary_parallel):  # tp > 1: DTensors
+            loss = self._runner.run(micro, record=self.trace) if self._torch is None else self._torch.run(micro)
         if self._sharded is not None:
             self._sharded.end()  # one reduce-scatter per stage, averaged over the replicas
         elif self.shard_mode == "optimizer" and not self._built_optimizer and not self._warned_optimizer:
@@ -389,6 +426,8 @@ class Pipeline:
         if self._reducer is not None:
             self._reducer.finish()
         sum_tied_grads([local.module for local in self._stages], self._groups)
+        if self.plan.tp > 1:  # each rank's part of the whole gradient, as its parameter is laid out
+            match_gradients([local.module for local in self._stages])
         if loss is not None and self._groups.stage is not None:
             dist.all_reduce(loss, group=self._groups.stage)
             loss = loss / self.plan.dp
@@ -406,7 +445,8 @@ class Pipeline:
         Every rank must call it.
         """
         micro = self._feed(inputs, target, call="eval_step")
-        with evaluation_mode([local.module for local in self._stages]):
+        with evaluation_mode([local.module for local in self._stages]), \
+                tensor_parallel_step(self.plan, vocabulary_parallel=self._vocabulary_parallel):
             loss, outputs = evaluate(
                 self._run_plan, list(zip(self._stages, self._runnables)), micro, replica=self.replica,
                 rank=self.rank, loss_fn=self._run_loss, device=self.device, timeout=self.timeout,
@@ -782,8 +822,8 @@ def _unsent_message(rank: int, replica: int) -> str:
 def _runnable(local: LocalStage, precision: str, device: torch.device) -> torch.nn.Module:
     """What runs a stage's forward: its module, each layer recomputed if planned, under the plan's precision."""
     module: torch.nn.Module = local.module
-    if local.plan.recompute == "full":
-        module = Recomputed(local.module)
+    if local.plan.recompute in ("full", "selective"):  # selective: only the first recompute_layers layers
+        module = Recomputed(local.module, layers=local.plan.recompute_layers or None)
     if precision != "fp32":
         module = PrecisionForward(module, precision=precision, device_type=device.type,
                                   model_inputs=len(local.signature.model_inputs))
@@ -800,11 +840,18 @@ _SAFE_PATTERN = (
 )
 
 
+def _received_shapes(local: LocalStage) -> list[tuple[tuple[int, ...], str]]:
+    """(whole shape, dtype) of each tensor the stage receives, in its signature's order."""
+    planned = {b.producer: b for b in local.plan.inputs}
+    return [(planned[name].shape, planned[name].dtype) for name in local.signature.received]
+
+
 def _place(plan: Plan, rank: int, world: int) -> tuple[int, int]:
     """This rank's (stage, replica), once the job has the plan's rank count."""
     if world != plan.gpus:
         raise AutopartitionError(
-            f"The plan needs {plan.gpus} ranks ({plan.pp} stages x {plan.dp} replicas) but "
+            f"The plan needs {plan.gpus} ranks ({plan.pp} stages x {plan.dp} replicas"
+            f"{f' x {plan.tp} tensor-parallel' if plan.tp > 1 else ''}) but "
             f"{world} were started. Launch with --nproc-per-node {plan.gpus} (or nodes x procs = {plan.gpus})."
         )
     return plan.rank_layout()[rank]

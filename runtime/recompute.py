@@ -1,4 +1,5 @@
-"""Activation recomputation at run time: a stage whose plan says ``recompute == "full"`` checkpoints each block.
+"""Activation recomputation at run time: a stage whose plan says ``recompute == "full"`` checkpoints each block,
+one whose plan says ``"selective"`` its first ``recompute_layers`` blocks.
 
 A stage module (an ``fx.GraphModule``) is cut into *blocks*: runs of
 consecutive compute nodes of one layer (:func:`partitioner.graph.ir.layer_of` of
@@ -9,6 +10,10 @@ the first block, when it leads).  :class:`Recomputed` runs each block under
 its inputs after the forward and computes its activations again during the
 backward, which is what the planner charges a recomputing stage (its blocks'
 inputs per micro-batch, plus one block's activations during each backward).
+With ``layers=N`` (selective recomputation, the plan's ``recompute_layers``;
+Megatron-LM's ``--recompute-method block --recompute-num-layers N``) only the
+first N blocks run under checkpoint and the others keep their activations,
+which the planner charges as their activations plus the first N blocks' inputs.
 
 Numbers do not change: the backward re-runs the same ops on the same inputs,
 and checkpoint restores the random-number state (CPU and the inputs' devices)
@@ -31,6 +36,8 @@ Example::
     >>> x = torch.randn(3, 4)
     >>> torch.equal(run(x)[0], gm(x)[0])  # a captured graph returns its flat outputs
     True
+    >>> Recomputed(gm, layers=2).recomputed  # the first two blocks only
+    2
 """
 
 from __future__ import annotations
@@ -43,10 +50,10 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from partitioner.errors import InternalError
+from partitioner.errors import InternalError, PlanMismatchError
 from partitioner.graph.ir import layer_of, module_path
 
-__all__ = ["Recomputed", "block_nodes", "block_run"]
+__all__ = ["Recomputed", "block_nodes", "block_run", "recomputed_layers"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 _OWNER = "stage"  # the attribute through which a block reads the stage module's state
@@ -81,14 +88,18 @@ class Recomputed(nn.Module):
     Calls and returns exactly as ``stage`` does.  Without gradients (evaluation)
     the blocks simply run.  ``blocks``: node names per block (default
     :func:`block_nodes`), in graph order, covering every compute node.
+    ``layers``: checkpoint only the first ``layers`` blocks (selective; None: every
+    block); more than the stage has is a plan made for another model.
     """
 
-    def __init__(self, stage: fx.GraphModule, *, blocks: Sequence[Sequence[str]] | None = None) -> None:
+    def __init__(self, stage: fx.GraphModule, *, blocks: Sequence[Sequence[str]] | None = None,
+                 layers: int | None = None) -> None:
         super().__init__()
         self.stage = stage
         groups = [tuple(b) for b in (blocks if blocks is not None else block_nodes(stage))]
         # A plain list: the blocks are not submodules, so parameters are not listed twice.
         self._segments: list[_Segment] = _segments(stage, groups)
+        self.recomputed = recomputed_layers(len(groups), layers)
         graph = stage.graph
         self._inputs = tuple(n.name for n in graph.nodes if n.op == "placeholder")
         output = next(n for n in graph.nodes if n.op == "output")
@@ -101,11 +112,29 @@ class Recomputed(nn.Module):
     def forward(self, *args: Any) -> Any:
         env: dict[str, Any] = dict(zip(self._inputs, args, strict=True))
         grad = torch.is_grad_enabled()
-        for seg in self._segments:
+        for i, seg in enumerate(self._segments):
             inputs = [env[name] for name in seg.inputs]
-            outputs = checkpoint(seg.module, *inputs, use_reentrant=False) if grad else seg.module(*inputs)
+            again = grad and i < self.recomputed
+            outputs = checkpoint(seg.module, *inputs, use_reentrant=False) if again else seg.module(*inputs)
             env.update(zip(seg.outputs, outputs, strict=True))
         return fx.node.map_aggregate(self._template, lambda v: env[v.name] if isinstance(v, fx.Node) else v)
+
+
+def recomputed_layers(blocks: int, layers: int | None) -> int:
+    """How many of a stage's ``blocks`` (its first ones) recompute: ``layers`` (None: all), checked.
+
+    >>> recomputed_layers(5, None), recomputed_layers(5, 2)
+    (5, 2)
+    """
+    if layers is None:
+        return blocks
+    if not 0 < layers <= blocks:
+        raise PlanMismatchError(
+            f"The plan recomputes {layers} layers of a stage that has {blocks} (recompute_layers, selective "
+            "recomputation); the plan was made for another model or edited by hand: plan the model again "
+            "with `autopartition model.py`."
+        )
+    return layers
 
 
 def _segments(stage: fx.GraphModule, blocks: list[tuple[str, ...]]) -> list[_Segment]:

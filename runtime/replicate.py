@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -87,33 +88,45 @@ def needs_explicit_reduce(plan: Plan) -> bool:
 
     DDP's reducer fires on gradient accumulation hooks during ``backward()``: it
     cannot see W actions (``torch.autograd.grad``), and one DDP per stage of a rank
-    would interleave their reductions.
+    would interleave their reductions; and DDP takes no DTensor parameters
+    (tensor-parallel stages average their local shards).
     """
-    return plan.chunks > 1 or plan.schedule_data().splits_backward
+    return plan.tp > 1 or plan.chunks > 1 or plan.schedule_data().splits_backward
 
 
 def make_groups(plan: Plan, rank: int) -> Groups:
-    """This rank's replica group and tied-parameter groups (every rank creates all of them, in one order)."""
+    """This rank's replica group and tied-parameter groups (every rank creates all of them, in one order).
+
+    With ``tp > 1`` tensor-parallel rank ``t`` of a group averages and ties with rank
+    ``t`` of the others only (:mod:`runtime.tensorparallel`): they hold the same shards.
+    """
     pipeline_rank, _ = plan.rank_layout()[rank]
+    here = rank % plan.tp
+
+    def spread(groups: Sequence[int], tp_rank: int) -> list[int]:
+        return [g * plan.tp + tp_rank for g in groups]
+
     stage_group = None
-    replicas = tuple(pipeline_rank * plan.dp + r for r in range(plan.dp))
+    replicas = tuple(spread([pipeline_rank * plan.dp + r for r in range(plan.dp)], here))
     if plan.dp > 1:
         for p in range(plan.pp):
-            group = dist.new_group([p * plan.dp + r for r in range(plan.dp)])
-            if p == pipeline_rank:
-                stage_group = group
+            for t in range(plan.tp):
+                group = dist.new_group(spread([p * plan.dp + r for r in range(plan.dp)], t))
+                if p == pipeline_rank and t == here:
+                    stage_group = group
     mine = {name for s in plan.stages_of(pipeline_rank) for name in plan.stages[s].parameters}
     tied: list[TiedCopy] = []
-    for t in plan.tied:
+    for tie in plan.tied:
         # Pipeline ranks holding a copy, in the order of the stages holding it: one copy per rank.
-        holders = list(dict.fromkeys(plan.stages[s].rank for s in t.stages))
+        holders = list(dict.fromkeys(plan.stages[s].rank for s in tie.stages))
         if len(holders) < 2:
             continue
         for r in range(plan.dp):
-            ranks = [h * plan.dp + r for h in holders]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                tied.append(TiedCopy(t.name, min(set(t.aliases) & mine), group, ranks[0]))
+            for t in range(plan.tp):
+                ranks = spread([h * plan.dp + r for h in holders], t)
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    tied.append(TiedCopy(tie.name, min(set(tie.aliases) & mine), group, ranks[0]))
     return Groups(stage=stage_group, tied=tuple(tied), replicas=replicas)
 
 
@@ -146,7 +159,7 @@ def broadcast_replicas(modules: Modules, groups: Groups) -> None:
     with torch.no_grad():
         for tensor in _unique((*(p for m in _listed(modules) for p in m.parameters()),
                                *(b for m in _listed(modules) for b in m.buffers()))):
-            dist.broadcast(tensor.data, src=groups.replicas[0], group=groups.stage)
+            dist.broadcast(_local(tensor.data), src=groups.replicas[0], group=groups.stage)
 
 
 class ReplicaReducer:
@@ -170,7 +183,7 @@ class ReplicaReducer:
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, Work | None]] = []
 
     def start(self, stage: int) -> None:
-        grads = [p.grad for p in self._owned.get(stage, ()) if p.grad is not None]
+        grads = [_local_grad(p) for p in self._owned.get(stage, ()) if p.grad is not None]
         for bucket in _buckets(grads, self._cap):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             work = dist.all_reduce(flat, group=self._group, async_op=True)
@@ -258,7 +271,7 @@ def sum_tied_grads(modules: Modules, groups: Groups) -> None:
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        dist.all_reduce(_local(param.grad), op=dist.ReduceOp.SUM, group=t.group)
+        dist.all_reduce(_local_grad(param), op=dist.ReduceOp.SUM, group=t.group)
 
 
 # ------------------------------------------------------------------ helpers
@@ -274,6 +287,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_grad(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient laid out as ``param`` is (a DTensor gradient may come back a pending sum or
+    whole: made a shard like its parameter first, so every copy reduces the same slice), local part."""
+    from torch.distributed.tensor import DTensor
+
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+    return _local(cast(torch.Tensor, grad))  # callers skip parameters without a gradient
 
 
 def _listed(modules: Modules) -> list[torch.nn.Module]:

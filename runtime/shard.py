@@ -81,7 +81,7 @@ from partitioner.defaults import splits_backward
 from partitioner.errors import InternalError, ScheduleError
 from partitioner.plan import Plan
 from runtime.precision import PrecisionForward
-from runtime.recompute import Recomputed, block_nodes, block_run
+from runtime.recompute import Recomputed, block_nodes, block_run, recomputed_layers
 
 __all__ = [
     "LayerUnit",
@@ -242,19 +242,23 @@ class LayeredStage(nn.Module):
     Each run that owns parameters alone (read by no other run, their owning
     modules holding nothing else) is a :class:`LayerUnit`; the others read the
     stage's parameters through the stage module (the root unit's).  With
-    ``recompute`` each run goes under non-reentrant ``torch.utils.checkpoint``
+    ``recompute`` each run (an ``int``: the first ``recompute`` runs, selective
+    recomputation) goes under non-reentrant ``torch.utils.checkpoint``
     while gradients are on, as :class:`runtime.recompute.Recomputed` does (the
     same blocks, so the same numbers and memory): FSDP2 then gathers a unit
     again for its recomputation inside the backward (its pre-backward state).
     """
 
-    def __init__(self, stage: fx.GraphModule, *, recompute: bool) -> None:
+    def __init__(self, stage: fx.GraphModule, *, recompute: bool | int) -> None:
         super().__init__()
         self.stage = stage
         self.recompute = recompute
         graph = stage.graph
         nodes = {n.name: n for n in graph.nodes}
         blocks = block_nodes(stage)
+        # How many runs (the first ones) recompute: all, none, or the plan's selective count.
+        self.recomputed = len(blocks) if recompute is True else 0 if recompute is False else \
+            recomputed_layers(len(blocks), recompute)
         readers: dict[nn.Parameter, set[int]] = {}
         reads: list[dict[str, nn.Parameter]] = []
         for i, block in enumerate(blocks):
@@ -305,9 +309,10 @@ class LayeredStage(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         env: dict[str, Any] = dict(zip(self._inputs, args, strict=True))
-        again = self.recompute and torch.is_grad_enabled()
-        for run, (inputs, outputs) in zip(self._runs, self._steps, strict=True):
+        grad = torch.is_grad_enabled()
+        for i, (run, (inputs, outputs)) in enumerate(zip(self._runs, self._steps, strict=True)):
             values = [env[name] for name in inputs]
+            again = grad and i < self.recomputed
             result = checkpoint(run, *values, use_reentrant=False) if again else run(*values)
             env.update(zip(outputs, result, strict=True))
         return fx.node.map_aggregate(self._template, lambda v: env[v.name] if isinstance(v, fx.Node) else v)
@@ -336,8 +341,9 @@ def _layered(runnable: nn.Module) -> tuple[nn.Module, LayeredStage | None]:
     """
     outer = runnable if isinstance(runnable, PrecisionForward) else None
     inner = outer.module if outer is not None else runnable
-    if isinstance(inner, Recomputed):
-        stage, recompute = inner.stage, True
+    recompute: bool | int
+    if isinstance(inner, Recomputed):  # every layer, or the first ones (selective): the same runs here
+        stage, recompute = inner.stage, True if inner.recomputed == inner.blocks else inner.recomputed
     elif isinstance(inner, fx.GraphModule):
         stage, recompute = inner, False
     else:

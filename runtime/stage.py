@@ -22,6 +22,7 @@ from torch import fx
 from partitioner.errors import PlanMismatchError
 from partitioner.graph.capture import CallSpec, CapturedModel, capture
 from partitioner.graph.ir import ValueInfo, dtype_from_name, graph_fingerprint
+from partitioner.graph.tensorparallel import find_tensor_parallel
 from partitioner.graph.values import propagate_values
 from partitioner.plan import Plan, StagePlan
 from partitioner.stagegraph import StageSignature, build_stage, stage_signature
@@ -86,6 +87,8 @@ def build_local_stage(plan: Plan, model: torch.nn.Module, stage_index: int) -> L
 def build_local_stages(plan: Plan, model: torch.nn.Module, indices: Sequence[int]) -> tuple[LocalStage, ...]:
     """Several stages of one rank from one capture (a parameter two of them use stays one object)."""
     captured, infos = recapture(plan, model)
+    if plan.tp > 1:  # the split layers' roles, in node.meta, for runtime.tensorparallel
+        find_tensor_parallel(captured)
     return tuple(_local_stage(plan, captured, infos, i) for i in indices)
 
 

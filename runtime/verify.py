@@ -59,7 +59,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from partitioner.cost.tensorparallel import refuse_tensor_parallel
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import CallSpec, model_loss
 from partitioner.graph.ir import dtype_name
@@ -77,6 +76,7 @@ from runtime.failure import (
 from runtime.materialise import InitWeights, materialise_model
 from runtime.shard import plain_tensor
 from runtime.stage import call_spec, recapture
+from runtime.tensorparallel import refuse_unrunnable_tp
 
 __all__ = [
     "DTYPES",
@@ -387,7 +387,7 @@ def verify(
     tol = DTYPES[dtype] if tolerance is None else tolerance
     say = progress or (lambda _: None)
     plan = plan_in_dtype(Plan.load(plan_dir), getattr(torch, dtype))
-    refuse_tensor_parallel(plan.tp)  # before any rank starts (its failure report counts pp x dp ranks)
+    refuse_unrunnable_tp(plan, engine=engine)  # before any rank starts
     model_file = load_model_file(model_spec)
     if model_file.loss_fn is not None and model_file.example_target is None:
         raise AutopartitionError(
@@ -400,7 +400,8 @@ def verify(
     chunks = f", {plan.chunks} per rank, {plan.schedule}" if plan.chunks > 1 else ""
     on = "" if engine == "ours" else f", engine {engine}"
     say(f"verify: training {_plural(steps, 'step')} on {plan.gpus} CPU ranks "
-        f"({_plural(len(plan.stages), 'stage')}{chunks} x {_plural(plan.dp, 'replica')}{on})")
+        f"({_plural(len(plan.stages), 'stage')}{chunks} x {_plural(plan.dp, 'replica')}"
+        f"{f' x {plan.tp} tensor-parallel' if plan.tp > 1 else ''}{on})")
     if plan.precision != "fp32":
         say(f"verify: the plan trains in {plan.precision}; verify runs it in {dtype} against the whole model "
             "in the same precision (autocast runs are compared by the test suite)")

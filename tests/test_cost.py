@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -100,7 +102,7 @@ def test_progress_reports_every_node() -> None:
 
 
 def test_roofline_matmul_heavy_is_compute_bound() -> None:
-    spec = device_spec("h100")
+    spec = dataclasses.replace(device_spec("h100"), efficiency=())  # the bare roofline (efficiencies: test_devices_efficiency)
     cost = NodeCost(0.0, 0.0, forward_flops=2e12, backward_flops=4e12, saved_bytes=10**6,
                     io_bytes=10**6, dtype="float32")
     forward, backward = predicted_times(cost, spec)

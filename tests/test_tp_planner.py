@@ -21,7 +21,7 @@ from partitioner.cost.devices import DEVICES
 from partitioner.cost.nodecost import NodeCost
 from partitioner.cost.nodes import profile
 from partitioner.cost.precision import activation_scale
-from partitioner.cost.tensorparallel import RUNTIME_REFUSAL, pair_seconds
+from partitioner.cost.tensorparallel import pair_seconds
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import CapturedModel, capture
 from partitioner.graph.tensorparallel import TPLayout, find_tensor_parallel
@@ -174,10 +174,12 @@ def test_cli_tp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main([str(GPT), "--gpus", "4", "--tp", "0", "--out", str(tmp_path / "x")]) == 2
 
 
-def test_runtime_refuses_tensor_parallel_plans(tmp_path: Path) -> None:
+def test_runtime_refuses_tensor_parallel_plans_it_cannot_run(tmp_path: Path) -> None:
+    """A tp > 1 plan with sharded replicas is refused by the Pipeline itself, before any rank counting."""
     gpt = example("gpt")
     plan = compile(gpt.build_model(), gpt.example_inputs(4), gpus=2, tp=2, microbatches=2, schedule="1f1b",
                    device="h100")
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard="optimizer") for s in plan.stages))
     from runtime import Pipeline
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
@@ -187,7 +189,7 @@ def test_runtime_refuses_tensor_parallel_plans(tmp_path: Path) -> None:
             Pipeline(plan, gpt.build_model(), gpt.loss_fn, device=torch.device("cpu"), timeout=30)
     finally:
         dist.destroy_process_group()
-    assert RUNTIME_REFUSAL in str(info.value) and "tp=2" in str(info.value)
+    assert "tp=2" in str(info.value) and "--shard none" in str(info.value)
 
 
 def test_full_sharding_spans_nodes_with_tensor_parallelism(

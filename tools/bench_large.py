@@ -62,7 +62,8 @@ each priced by our own cost model (``partitioner.search.price.price_layout``: ev
 degree fixed, the split solved for it, simulated as any plan) beside the best plan
 ``--tp auto`` finds and today's best (``--tp 1``), at the published GPUs, batch and
 sequence length, bf16-mixed with Adam on 80 GB H100s (a layout that does not fit is
-priced without the limit and marked).  What is priced (:data:`PUBLISHED`):
+priced without the limit and marked).  What is priced (:data:`PUBLISHED`, from
+``tools/published_runs.py``, which also holds each published figure):
 
 ====================  ======  =================  =========================================================
 group                 GPUs    batch x seq        published layout (source)
@@ -70,7 +71,7 @@ group                 GPUs    batch x seq        published layout (source)
 70b-64-megatron           64    128 x 8,192      TP4 x PP8 (VP5) x DP2, distributed optimizer, MBS 1
                                                  (Megatron-Bridge performance summary, 25.11, DGX-H100)
 70b-256-torchtitan       256    512 x 8,192      TP8 x FSDP32, local batch 16, full AC
-                                                 (torchtitan benchmarks/llama3_h100_202412, Table 4)
+                                                 (torchtitan benchmarks/asyncTP_llama3_h100_2025-06, bf16)
 405b-8k-llama3         8,192  2,048 x 8,192      TP8 x PP16 x FSDP64, 32 sequences per replica: the Llama 3
                                                  paper's 8K-GPU row (Table 4; the 16K row doubles DP)
 405b-512-torchtitan      512    256 x 8,192      TP8 x PP8 x FSDP8, interleaved 1F1B, local batch 32, full AC
@@ -78,7 +79,7 @@ group                 GPUs    batch x seq        published layout (source)
 405b-1024-megatron     1,024  1,024 x 4,096      TP8 x PP8 (VP8) x DP8 x CP2, distributed optimizer: CP2 is
                                                  priced as DP16 on half-length sequences (the same 4 M
                                                  tokens; Megatron-Bridge 25.11, DGX-H100: 512 x 8,192)
-8b-8-torchtitan            8     16 x 8,192      FSDP8, local batch 2, selective AC priced as none
+8b-8-torchtitan            8     16 x 8,192      FSDP8, local batch 2, selective AC priced as full
                                                  (torchtitan benchmarks, Table 1)
 ====================  ======  =================  =========================================================
 
@@ -115,6 +116,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.benchplanner.baselines import equal_layers, format_runs
+from tools.published_runs import run_named
 
 __all__ = [
     "CASES",
@@ -191,34 +193,20 @@ class PublishedGroup:
     search_tp: bool = True  # also plan it ourselves with --tp auto and --tp 1 (the larger ones take minutes)
 
 
-PUBLISHED: tuple[PublishedGroup, ...] = (
-    PublishedGroup("70b-64-megatron", "examples/llama.py:llama3_70b", 64, 128, 8192, (
-        {"name": "Megatron-Bridge TP4 PP8 VP5 DP2", "tp": 4, "pp": 8, "dp": 2, "microbatches": 64,
-             "schedule": "interleaved-1f1b", "chunks": 5, "shard": "optimizer", "recompute": "auto",
-             "source": "Megatron-Bridge performance summary (25.11, DGX-H100): 1,602 tokens/s/GPU, FP8"},)),
-    PublishedGroup("70b-256-torchtitan", "examples/llama.py:llama3_70b", 256, 512, 8192, (
-        {"name": "torchtitan TP8 FSDP32", "tp": 8, "pp": 1, "dp": 32, "microbatches": 1, "schedule": "1f1b",
-             "shard": "full", "recompute": "full",
-             "source": "torchtitan llama3_h100_202412 Table 4: 829 tokens/s/GPU, Float8 + compile"},)),
-    PublishedGroup("405b-8k-llama3", "examples/llama.py:llama3_405b", 8192, 2048, 8192, (
-        {"name": "Llama 3 TP8 PP16 FSDP64", "tp": 8, "pp": 16, "dp": 64, "microbatches": 32,
-             "schedule": "interleaved-1f1b", "chunks": 2, "shard": "full", "recompute": "auto",
-             "source": "Llama 3 paper Table 4 (8,192 GPUs): 430 TFLOPs/GPU, 43% MFU, BF16"},),
-        note="the 16,384-GPU row (DP128, 16 sequences per replica) is the same layout twice as wide", search_tp=False),
-    PublishedGroup("405b-512-torchtitan", "examples/llama.py:llama3_405b", 512, 256, 8192, (
-        {"name": "torchtitan TP8 PP8 FSDP8", "tp": 8, "pp": 8, "dp": 8, "microbatches": 32, "schedule": "interleaved-1f1b",
-             "chunks": 2, "shard": "full", "recompute": "full",
-             "source": "torchtitan llama3_h100_202412 Table 5: 128 tokens/s/GPU, Float8 + compile"},)),
-    PublishedGroup("405b-1024-megatron", "examples/llama.py:llama3_405b", 1024, 1024, 4096, (
-        {"name": "Megatron-Bridge TP8 PP8 VP8 DP8 CP2", "tp": 8, "pp": 8, "dp": 16, "microbatches": 64,
-             "schedule": "interleaved-1f1b", "chunks": 8, "shard": "optimizer", "recompute": "auto",
-             "source": "Megatron-Bridge performance summary (25.11, DGX-H100): 292 tokens/s/GPU, FP8"},),
-        note="CP2 priced as DP16 on 4,096-token halves of the published 512 x 8,192"),
-    PublishedGroup("8b-8-torchtitan", "examples/llama.py:llama3_8b", 8, 16, 8192, (
-        {"name": "torchtitan FSDP8", "tp": 1, "pp": 1, "dp": 8, "microbatches": 1, "schedule": "1f1b", "shard": "full",
-             "recompute": "none", "source": "torchtitan llama3_h100_202412 Table 1: 5,762 tokens/s/GPU (bf16, no compile)"},),
-        note="selective activation checkpointing priced as none (we recompute whole stages or nothing)"),
+# The layouts are tools/published_runs.py's (one list for this tool and tools/calibrate_published.py).
+_PUBLISHED_HERE: tuple[tuple[str, str, bool], ...] = (  # (run, note, search_tp)
+    ("70b-64-megatron", "", True),
+    ("70b-256-torchtitan", "", True),
+    ("405b-8k-llama3", "the 16,384-GPU row (DP128, 16 sequences per replica) is the same layout twice as wide", False),
+    ("405b-512-torchtitan", "", True),
+    ("405b-1024-megatron", "CP2 priced as DP16 on 4,096-token halves of the published 512 x 8,192", True),
+    ("8b-8-torchtitan", ("per-op selective activation checkpointing priced as full recomputation here "
+     "(tools/calibrate_published.py prices it as full less half the recomputed forward)"), True),
 )
+PUBLISHED: tuple[PublishedGroup, ...] = tuple(
+    PublishedGroup(run.name, run.spec, run.gpus, run.batch, run.seq, ({**run.layout, "source": run.cite()},),
+                   note=note, search_tp=search_tp)
+    for run, note, search_tp in ((run_named(name), note, search_tp) for name, note, search_tp in _PUBLISHED_HERE))
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
 _HEAD = ("lm_head", "ln_f", "norm", "model.norm", "output", "final_layernorm")

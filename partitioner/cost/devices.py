@@ -9,6 +9,13 @@ Peak numbers are the vendors' dense (no sparsity) figures:
   989 TFLOP/s, HBM3 3.35 TB/s, NVLink 4 900 GB/s total (450 GB/s each way).
 * H200 SXM 141GB: NVIDIA H200 datasheet (2024): compute as H100, HBM3e
   4.8 TB/s, 141 GB, NVLink 900 GB/s total.
+* ``h100-500w``: the H100 of Meta's Grand Teton hosts that torchtitan's published
+  benchmarks ran on (torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``,
+  "Hardware"): 96 GB HBM2e at 2.4 TB/s, NVLink within 8-GPU hosts, 400 Gb/s RDMA per
+  GPU, held at the default 500 W power limit.  Its peak is "between SXM and NVL, and we
+  don't know its exact value" (same file, footnote 2): the H100 NVL datasheet gives
+  835 dense BF16 TFLOP/s against the SXM's 989, so :data:`H100_500W_PEAK_SHARE` (the
+  share of the SXM peak) lies in [0.844, 1]; fitted to torchtitan's runs, it is 835.
 
 FP32 uses the non-tensor-core peak because PyTorch leaves TF32 matmuls off by
 default (``torch.backends.cuda.matmul.allow_tf32 = False``).  BF16 (and FP16) is
@@ -30,6 +37,14 @@ more, which we add to our intra-node assumption.
 loopback); its numbers are rough measurements, not a datasheet, and its
 "nodes" talk over the same link.
 
+What the kernels reach of those peaks (``DeviceSpec.efficiency``, per op class of
+:func:`partitioner.cost.nodecost.op_class`) is fitted to published bf16 training runs
+by ``tools/calibrate_published.py --fit`` (README, "How far the predictions are from
+measured runs"): :data:`H100_EFFICIENCY`, for every Hopper GPU here (the same
+die and the same cuBLAS / FlashAttention kernels; H200 and the 500 W H100 differ in
+memory and power, priced by their own bandwidth and peak).  Other devices keep the bare
+roofline (1.0): no published run calibrates them.
+
 Example::
 
     >>> h100 = device_spec("h100")
@@ -45,7 +60,17 @@ import dataclasses
 
 from partitioner.units import GIB
 
-__all__ = ["DEVICES", "GIB", "DeviceSpec", "device_spec"]
+__all__ = ["DEVICES", "GIB", "H100_500W_PEAK_SHARE", "H100_EFFICIENCY", "DeviceSpec", "device_spec"]
+
+# Share of the datasheet peak each op class reaches on a Hopper GPU (partitioner.cost.nodecost.op_class):
+# matmul fitted by ``tools/calibrate_published.py --fit`` to torchtitan's 8B/8 and 70B/256 and the Llama 3
+# 405B/8K runs (each within 9%); attention from FlashAttention-2's published ~35% of the H100 peak on causal
+# attention, twice that of our count, which prices the whole square (FlashAttention-3 paper,
+# arXiv:2407.08608); memory-bound ops at the datasheet bandwidth (no run tells that share apart).
+H100_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 0.56), ("attention", 0.70), ("memory", 1.0))
+# The 500 W Grand Teton H100's tensor-core peak over the SXM datasheet's, in [835 / 989, 1] (see above):
+# the fit runs into the lower end, the H100 NVL's 835 TFLOP/s, so that is what it is.
+H100_500W_PEAK_SHARE = 835e12 / 989e12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +105,8 @@ class DeviceSpec:
 
 
 def _gpu(
-    name: str, fp32: float, half: float, hbm: float, mem_gb: float, link: float, network: float
+    name: str, fp32: float, half: float, hbm: float, mem_gb: float, link: float, network: float,
+    efficiency: tuple[tuple[str, float], ...] = (),
 ) -> DeviceSpec:
     return DeviceSpec(
         name=name,
@@ -92,13 +118,16 @@ def _gpu(
         kernel_overhead=5e-6,
         inter_node_bandwidth=network,
         inter_node_latency=15e-6,
+        efficiency=efficiency,
     )
 
 
 DEVICES: dict[str, DeviceSpec] = {
     "a100": _gpu("a100", 19.5e12, 312e12, 2.039e12, 80, 300e9, 25e9),  # HDR 200 Gb/s per GPU
-    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9),  # NDR 400 Gb/s per GPU
-    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9),
+    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9, H100_EFFICIENCY),  # NDR 400 Gb/s per GPU
+    "h100-500w": _gpu("h100-500w", 67e12 * H100_500W_PEAK_SHARE, 989e12 * H100_500W_PEAK_SHARE, 2.4e12, 96,
+                      450e9, 50e9, H100_EFFICIENCY),
+    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, H100_EFFICIENCY),
     # CPU ranks talking over gloo/loopback on this 2-core machine.
     "cpu": DeviceSpec(
         name="cpu",
@@ -116,7 +145,7 @@ DEVICES: dict[str, DeviceSpec] = {
 
 
 def device_spec(name: str) -> DeviceSpec:
-    """Look up a device by name (``a100``, ``h100``, ``h200``, ``cpu``)."""
+    """Look up a device by name (``a100``, ``h100``, ``h100-500w``, ``h200``, ``cpu``)."""
     key = name.lower()
     if key not in DEVICES:
         from partitioner.errors import AutopartitionError

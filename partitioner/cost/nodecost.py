@@ -11,10 +11,15 @@ Times for a GPU we are not on come from :func:`predicted_times`, a roofline:
 
 Example::
 
+    >>> import dataclasses
     >>> from partitioner.cost.devices import device_spec
-    >>> forward, backward = predicted_times(NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 0, "bfloat16"), device_spec("h100"))
+    >>> bare = dataclasses.replace(device_spec("h100"), efficiency=())  # the datasheet's roofline
+    >>> forward, backward = predicted_times(NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 0, "bfloat16"), bare)
     >>> round(forward * 1e3, 3), round(backward * 1e3, 3)   # 1 ms and 2 ms of FLOPs at 989 TFLOP/s, + launch
     (1.005, 2.005)
+    >>> matmul = NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 0, "bfloat16", weight_bytes=1)
+    >>> round(predicted_times(matmul, device_spec("h100"))[0] * 1e3, 3)  # at the fitted share of the peak (0.56)
+    1.791
 """
 
 from __future__ import annotations

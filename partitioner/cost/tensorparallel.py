@@ -63,13 +63,11 @@ from __future__ import annotations
 import math
 
 from partitioner.cost.comm import Link
-from partitioner.errors import AutopartitionError
 from partitioner.graph.tensorparallel import degrees  # the rule lives with the patterns it reads
 
 __all__ = [
     "LOSS_PARALLEL_ALLREDUCES",
     "PAIRS_PER_LAYER",
-    "RUNTIME_REFUSAL",
     "degrees",
     "head_share",
     "layer_activation_bytes",
@@ -77,12 +75,9 @@ __all__ = [
     "loss_parallel_seconds",
     "padded_units",
     "pair_seconds",
-    "refuse_tensor_parallel",
     "split_bytes",
     "split_seconds",
 ]
-
-RUNTIME_REFUSAL = "tensor-parallel plans are planned and priced but not run yet; plan with --tp 1"
 
 PAIRS_PER_LAYER = 2  # attention and MLP: two column/row pairs per transformer layer (Megatron, figure 3)
 
@@ -221,16 +216,3 @@ def layer_activation_bytes(
     if sequence_parallel:
         return sbh / tp * (34 + attention)
     return sbh * (10 + 24 / tp + attention / tp)
-
-
-def refuse_tensor_parallel(tp: int) -> None:
-    """The runtime's check (``runtime.Pipeline``): a plan with ``tp > 1`` cannot run yet.
-
-    >>> refuse_tensor_parallel(1)
-    >>> refuse_tensor_parallel(4)
-    Traceback (most recent call last):
-    ...
-    partitioner.errors.AutopartitionError: this plan has tp=4: tensor-parallel plans are planned and priced but not run yet; plan with --tp 1
-    """
-    if tp > 1:
-        raise AutopartitionError(f"this plan has tp={tp}: {RUNTIME_REFUSAL}")

@@ -393,8 +393,11 @@ def _recompute_mode(plan: Plan, notes: list[str]) -> str:
     if modes == {"none"}:
         return "none"
     if modes != {"full"}:
+        redo = [str(s.index) for s in plan.stages if s.recompute != "none"]  # "selective": its first layers only
+        selective = " (some only their first layers)" if "selective" in modes else ""
         notes.append(
-            f"the plan recomputes {_stages_with(plan.stages, 'recompute', 'full')} only; torchtitan's activation "
+            f"the plan recomputes stage{'s' if len(redo) > 1 else ''} {', '.join(redo)}{selective} only; "
+            "torchtitan's activation "
             "checkpointing is one mode for every stage: nearest is full everywhere (fits where the plan fits, "
             "at the cost of recomputing the other stages' forwards too).")
     return "full"

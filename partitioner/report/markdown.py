@@ -38,6 +38,7 @@ from partitioner.report.table import (
     assumptions,
     is_chosen,
     ranked_candidates,
+    recompute_label,
     schedule_label,
     shard_label,
 )
@@ -123,7 +124,7 @@ def _summary(plan: Plan, sim: Simulation) -> str:
 def _assumptions(plan: Plan) -> str:
     """Every assumption behind the prediction, in one place."""
     rows = [(topic, text) for topic, text in assumptions(plan)]
-    rows.insert(3, ("recomputation per stage", ", ".join(f"{s.index}: {s.recompute}" for s in plan.stages)))
+    rows.insert(3, ("recomputation per stage", ", ".join(f"{s.index}: {recompute_label(s)}" for s in plan.stages)))
     links = [f"{b.source}->{b.target} `{b.producer}`: {b.link}" for s in plan.stages for b in s.outputs]
     rows.insert(5, ("boundary links", "; ".join(links) or "none (one stage)"))
     if plan.dp > 1:
@@ -161,7 +162,7 @@ def _stage_table(plan: Plan) -> str:
             f"{len(st.parameters)} ({format_bytes(p.parameter_bytes)})",
             format_ms(p.forward_s),
             format_ms(p.backward_s) + (f" (recompute {format_ms(p.recompute_s)})" if p.recompute_s else ""),
-            st.recompute,
+            recompute_label(st),
             format_bytes(p.send_bytes) if st.outputs else "-",
             f"{format_ms(p.allreduce_s)} ({st.allreduce_link})" if plan.dp > 1 else "-",
             shard_label(st) if plan.dp > 1 else "-",

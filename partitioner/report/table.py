@@ -31,6 +31,7 @@ __all__ = [
     "is_chosen",
     "rank_layout_lines",
     "ranked_candidates",
+    "recompute_label",
     "recompute_summary",
     "schedule_label",
     "shard_label",
@@ -112,11 +113,34 @@ def recompute_summary(plan: Plan) -> str:
     'none'
     """
     full = [s.index for s in plan.stages if s.recompute == "full"]
-    if not full:
+    some = [s for s in plan.stages if s.recompute == "selective"]
+    if not full and not some:
         return "none"
     if len(full) == len(plan.stages):
         return "every stage (full)"
-    return f"full on stage{'s' if len(full) > 1 else ''} {_ranges(full)}"
+    parts = [f"full on stage{'s' if len(full) > 1 else ''} {_ranges(full)}"] if full else []
+    if some:
+        counts = sorted({s.recompute_layers for s in some})
+        layers = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+        parts.append(f"the first {layers} layer runs on stage{'s' if len(some) > 1 else ''} "
+                     f"{_ranges([s.index for s in some])} (selective)")
+    return "; ".join(parts)
+
+
+def recompute_label(stage: StagePlan) -> str:
+    """A stage's recomputation in a word or two: ``none``, ``full`` or ``first N runs`` (selective).
+
+    A run is what the runtime checkpoints as one: a layer's consecutive ops, or root-level code
+    of the model (a mask, rotary tables) a stage computes itself (``runtime.recompute.block_nodes``).
+
+    >>> from partitioner.plan import example_plan
+    >>> import dataclasses
+    >>> recompute_label(dataclasses.replace(example_plan().stages[0], recompute="selective", recompute_layers=3))
+    'first 3 runs'
+    """
+    if stage.recompute == "selective":
+        return f"first {plural(stage.recompute_layers, 'run')}"
+    return stage.recompute
 
 
 def shard_summary(plan: Plan) -> str:
@@ -316,7 +340,7 @@ def _stage_table(plan: Plan) -> list[str]:
             _memory(p.memory_bytes, plan.cost_model.memory_limit),
             _ms(p.forward_s),
             _ms(p.backward_s),
-            "full" if stage.recompute == "full" else "-",
+            "-" if stage.recompute == "none" else recompute_label(stage),
             format_bytes(p.send_bytes) if p.send_bytes else "-",
         ]
         if replicated:

@@ -63,10 +63,12 @@ from partitioner.schedule.lower import compute_order, lower
 from partitioner.solve.problem import (
     PartitionProblem,
     ScheduleKind,
+    StageRecompute,
     allreduce_latencies,
     check_assignment,
     choose_recompute,
     rank_memory,
+    recomputed_blocks,
     split_backward,
     stage_costs,
     stage_memory,
@@ -127,7 +129,7 @@ class RefinedSplit:
     """What :func:`refine_split` found: the split, its recomputation, and the simulated steps."""
 
     stage_of: tuple[int, ...]
-    recompute: tuple[bool, ...]
+    recompute: tuple[StageRecompute, ...]  # per stage (partitioner.solve.problem.StageRecompute)
     before_s: float  # simulated step of the starting split
     after_s: float  # simulated step of ``stage_of`` (<= before_s)
     moves: int  # accepted boundary moves
@@ -203,15 +205,15 @@ class SplitSimulator:
             self._warmup = tuple(next(i for i, a in enumerate(row) if "B" in a) for row in rows)
         self._rows: dict[tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]], _Rows] = {}
         # Steps already simulated: (split, recomputation) -> (step, the limit it was cut off at, or inf).
-        self._steps: dict[tuple[tuple[int, ...], tuple[bool, ...]], tuple[float, float]] = {}
+        self._steps: dict[tuple[tuple[int, ...], tuple[StageRecompute, ...]], tuple[float, float]] = {}
         self.simulations = 0
 
-    def recompute(self, stage_of: Sequence[int]) -> tuple[bool, ...]:
+    def recompute(self, stage_of: Sequence[int]) -> tuple[StageRecompute, ...]:
         """The per-stage recomputation the planner would take for ``stage_of``."""
         return choose_recompute(self.problem, stage_of, self.stages,
                                 microbatches=self.microbatches, schedule=self.schedule)
 
-    def fits(self, stage_of: Sequence[int], recompute: Sequence[bool]) -> bool:
+    def fits(self, stage_of: Sequence[int], recompute: Sequence[StageRecompute]) -> bool:
         """Every stage within the memory limit (its cap), and every rank within the GPU's where that is apart."""
         p, n, m, kind = self.problem, self.stages, self.microbatches, self.schedule
         memory = stage_memory(p, stage_of, n, microbatches=m, schedule=kind, recompute=recompute)
@@ -221,7 +223,7 @@ class SplitSimulator:
         return limit is None or all(
             within_limit(x, limit) for x in rank_memory(p, stage_of, n, microbatches=m, schedule=kind, recompute=recompute))
 
-    def step(self, stage_of: Sequence[int], recompute: Sequence[bool] | None = None, *,
+    def step(self, stage_of: Sequence[int], recompute: Sequence[StageRecompute] | None = None, *,
              limit: float = math.inf) -> float:
         """Simulated step seconds of ``stage_of`` (a valid assignment).
 
@@ -239,10 +241,11 @@ class SplitSimulator:
         if known is not None and (known[1] == math.inf or known[1] >= limit):
             return known[0] if known[0] < limit else math.inf
         forward, backward = [p.action_s] * n, [p.action_s] * n  # the runtime's host time per F and B
+        redo = recomputed_blocks(stage_of, n, chosen)  # a stage's first blocks (selective), all or none
         for v, s in enumerate(stage_of):
             forward[s] += model.forward_s[v]
             backward[s] += p.time_s[v] - model.forward_s[v]
-            if chosen[s]:
+            if redo[v]:
                 assert p.recompute_s is not None
                 backward[s] += p.recompute_s[v]
         weight = [0.0] * n

@@ -54,11 +54,13 @@ from partitioner.schedule.lower import compute_order, lower, validate
 from partitioner.schedule.simulate import simulate
 from partitioner.search.layouts import Solved
 from partitioner.search.options import PlanOptions, batch_size_of
-from partitioner.solve.formulate import ZERO3, GraphCosts, zero3_costs
+from partitioner.solve.formulate import ZERO3, GraphCosts, layer_runs, zero3_costs
 from partitioner.solve.problem import (
+    StageRecompute,
     allreduce_latencies,
     choose_recompute,
     recompute_peak,
+    recomputed_blocks,
     split_backward,
     stage_costs,
     stage_memory,
@@ -155,7 +157,9 @@ def _stages(
     optimised: a recomputing stage's backward includes its blocks' forward again
     (``recompute_s``) and it keeps only its blocks' inputs per micro-batch
     (``recompute_bytes``), plus the largest block's activations during each
-    backward (:func:`partitioner.solve.problem.stage_memory`).
+    backward (:func:`partitioner.solve.problem.stage_memory`); a stage recomputing
+    only its first blocks (selective) keeps the others' activations and records how
+    many of its runtime layers recompute (:func:`_recompute_mode`).
     """
     gm = captured.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -175,6 +179,7 @@ def _stages(
         for b in _boundaries(gm, stage_of_node, count, sizes=sizes)
     )
     recompute = partition.recompute or choose_recompute(problem, partition.stage_of, count, microbatches=m, schedule=kind)
+    redo = recomputed_blocks(partition.stage_of, count, recompute)
     _, allreduce = stage_costs(problem, partition.stage_of, count, recompute=recompute)
     latency = list(allreduce_latencies(problem, count))
     memory = stage_memory(problem, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute)
@@ -237,11 +242,12 @@ def _stages(
         forward, total = forward + problem.action_s + in_forward[s], total + 2 * problem.action_s
         forward, total = forward + exposed_f[s], total + exposed_f[s] + exposed_b[s]
         kept = [problem.activation_bytes[b] for b in blocks_of[s]]
-        again = 0.0
-        if recompute[s]:
+        again, redone = 0.0, [b for b in blocks_of[s] if redo[b]]
+        if redone:
             assert problem.recompute_bytes is not None and problem.recompute_s is not None
-            again = sum(problem.recompute_s[b] for b in blocks_of[s])
-            kept = [problem.recompute_bytes[b] for b in blocks_of[s]]
+            again = sum(problem.recompute_s[b] for b in redone)
+            kept = [problem.recompute_bytes[b] if redo[b] else problem.activation_bytes[b] for b in blocks_of[s]]
+        mode, layers = _recompute_mode(recompute[s], len(redone), blocks_of[s], graph, [nodes[n] for n in names])
         stages.append(StagePlan(
             index=s,
             rank=rank[s],
@@ -262,12 +268,12 @@ def _stages(
                 send_bytes=round(sum(b.nbytes * activation_scale(options.precision, b.dtype) for b in outputs)),
                 allreduce_s=allreduce[s] + latency[s],
                 recompute_s=again,
-                recompute_peak_bytes=max((recompute_peak(problem)[b] for b in blocks_of[s]), default=0.0)
-                if recompute[s] else 0.0,
+                recompute_peak_bytes=max((recompute_peak(problem)[b] for b in redone), default=0.0),
                 weight_s=min(weight[s], backward),  # the same seconds, summed per block or per node
                 gathered_bytes=units[s] if reshard[s] else 0.0,
             ),
-            recompute="full" if recompute[s] else "none",
+            recompute=mode,
+            recompute_layers=layers,
             allreduce_link="inter" if allreduce_crosses_nodes(rank[s], dp=dp, gpus_per_node=per_node) else "intra",
             # The problem was priced for the group's shard mode (formulate); one replica shards nothing.
             # "full": kept gathered across micro-batches, as torch's pipelining keeps FSDP2, or ZeRO-3.
@@ -276,6 +282,28 @@ def _stages(
         ))
     return tuple(stages)
 
+
+
+def _recompute_mode(
+    choice: StageRecompute, redone: int, blocks: list[int], graph: GraphCosts, stage_nodes: list[fx.Node]
+) -> tuple[str, int]:
+    """A stage's ``recompute`` and ``recompute_layers`` in the plan, from the solver's per-stage choice.
+
+    Selective: the runtime recomputes the stage graph's first layer runs
+    (``runtime.recompute.block_nodes``, the rule of :func:`~partitioner.solve.formulate.layer_runs`),
+    so the count is that of the runs before the one holding the first kept block's first
+    node (the solver cuts only where a layer starts: ``PartitionProblem.layer_start``).
+    """
+    if redone == 0:
+        return "none", 0
+    if redone >= len(blocks) or choice is True:
+        return "full", 0
+    first_kept = graph.blocks[blocks[redone]][0]
+    runs = layer_runs(stage_nodes)
+    layers = next((i for i, run in enumerate(runs) if first_kept in run), len(runs))
+    if layers >= len(runs):
+        return "full", 0
+    return "selective", max(1, layers)
 
 
 def _lower(plan: Plan) -> Plan:

@@ -57,6 +57,7 @@ from partitioner.solve.problem import (
     PartitionProblem,
     RecomputeMode,
     ScheduleKind,
+    StageRecompute,
     choose_recompute,
     chunk_memory_limit,
     rank_memory,
@@ -506,7 +507,7 @@ def _objective(t: Trial) -> float:
 
 
 
-def _recompute_of(t: Trial) -> tuple[bool, ...]:
+def _recompute_of(t: Trial) -> tuple[StageRecompute, ...]:
     """The trial's per-stage recomputation: the solver's, else the problem's rule for its split."""
     assert t.problem is not None and t.partition is not None and t.microbatches and t.schedule
     if t.partition.recompute:
@@ -610,7 +611,7 @@ def candidate_rows(trials: list[Trial], chosen: Trial, options: PlanOptions) -> 
     modes: dict[str, int] = {mode: i for i, mode in enumerate((*SHARD_MODES, ZERO3))}
     for t in sorted(trials, key=lambda t: (t.dp, t.microbatches or 0, order.get(t.schedule, -1), t.chunks,
                                            modes.get(t.shard, -1))):
-        recomputed = sum(_recompute_of(t)) if t.partition is not None else None
+        recomputed = sum(1 for r in _recompute_of(t) if r) if t.partition is not None else None
         fields: dict[str, Any] = {
             "pp": t.pp, "dp": t.dp, "step_s": None if t.partition is None else t.partition.objective,
             "status": t.status, "note": _verdict(t, chosen, options), "simulated_s": t.simulated_s,

@@ -10,7 +10,11 @@ model, the same solver and the same simulator, and can be compared.
 
 A layout that does not fit the GPU's memory under our memory model is priced
 anyway, without the memory limit (recomputation ``"auto"`` then recomputes
-nothing), and marked as not fitting, with the peak it would need.
+nothing), and marked as not fitting, with the peak it would need.  A layout that
+leaves nothing to trade for memory (one pipeline stage, recomputation fixed, no
+fully sharded state: :func:`leaves_no_choice`) is planned once, without the limit,
+and fits when its peak does; any other is planned under the limit first and again
+without it only when nothing fits.
 
     >>> Layout("x", gpus=64, tp=4, pp=8, dp=2, microbatches=64, schedule="interleaved-1f1b", chunks=5,
     ...        shard="optimizer").describe()
@@ -26,9 +30,10 @@ import torch
 
 from partitioner.errors import InfeasibleError
 from partitioner.plan import Plan
+from partitioner.search.options import default_memory_limit, resolve_device
 from partitioner.search.planner import compile
 
-__all__ = ["UNLIMITED_MEMORY", "Layout", "Priced", "price_layout"]
+__all__ = ["UNLIMITED_MEMORY", "Layout", "Priced", "leaves_no_choice", "price_layout"]
 
 UNLIMITED_MEMORY = 1e15  # bytes per GPU: a layout that does not fit is priced as if memory were no limit
 
@@ -102,6 +107,21 @@ class Priced:
         return max(self.plan.predicted.peak_memory_bytes, default=0.0)
 
 
+def leaves_no_choice(layout: Layout) -> bool:
+    """True when the memory limit cannot change ``layout``'s plan: the unconstrained plan fits or nothing does.
+
+    The choices a limit can change are the split (pp > 1), recomputation (``auto``)
+    and, for ``full`` sharding, ZeRO-3 against stages kept gathered.
+
+    >>> leaves_no_choice(Layout("x", gpus=8, tp=1, pp=1, dp=8, microbatches=1, schedule="1f1b", recompute="full"))
+    True
+    >>> leaves_no_choice(Layout("x", gpus=8, tp=1, pp=1, dp=8, microbatches=1, schedule="1f1b", shard="full",
+    ...                         recompute="full"))
+    False
+    """
+    return layout.pp == 1 and layout.recompute != "auto" and layout.shard in ("none", "optimizer")
+
+
 def price_layout(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -121,9 +141,20 @@ def price_layout(
     fixed: dict[str, Any] = dict(
         gpus=layout.gpus, tp=layout.tp, pp=layout.pp, dp=layout.dp, microbatches=layout.microbatches,
         schedule=layout.schedule, chunks=layout.chunks, shard=layout.shard, recompute=layout.recompute, **common)
+    if leaves_no_choice(layout):  # one plan whatever the limit: planned once, compared with the limit
+        plan = compile(model, example_inputs, memory_per_gpu=UNLIMITED_MEMORY, **fixed)
+        limit = memory_per_gpu if memory_per_gpu is not None else _device_limit(fixed.get("device", "auto"))
+        fits = limit is None or max(plan.predicted.peak_memory_bytes, default=0.0) <= limit * (1 + 1e-9)
+        return Priced(layout, plan, fits, tokens_per_sample)
     try:
         plan = compile(model, example_inputs, memory_per_gpu=memory_per_gpu, **fixed)
         return Priced(layout, plan, True, tokens_per_sample)
     except InfeasibleError:
         plan = compile(model, example_inputs, memory_per_gpu=UNLIMITED_MEMORY, **fixed)
         return Priced(layout, plan, False, tokens_per_sample)
+
+
+def _device_limit(device: str) -> float | None:
+    """The memory limit compile() applies for ``device`` by default (the same function)."""
+    spec, _, local = resolve_device(device)
+    return default_memory_limit(device, spec, local)

@@ -24,7 +24,10 @@ before they get here (:func:`node_times`).
 Recomputation (Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models", MLSys 2023, full recomputation): a recomputed block keeps
 only its inputs from other blocks and the graph (``recompute_bytes``) and runs
-its forward again during backward (``recompute_s``).
+its forward again during backward (``recompute_s``).  ``layer_start`` marks the
+blocks that begin one of the runtime's layer runs (:attr:`GraphCosts.layer_runs`),
+where a stage that recomputes only its first layers (selective recomputation,
+Megatron-LM's ``--recompute-method block``) may start keeping its activations.
 
 Split backward (``zb-h1``, ``zbv``): a node that reads parameters spends part
 of its backward on their gradients (W) and the rest on its input's (B).
@@ -91,6 +94,7 @@ __all__ = [
     "at_precision",
     "formulate",
     "graph_costs",
+    "layer_runs",
     "node_times",
     "transfer_seconds",
     "weight_seconds",
@@ -234,7 +238,7 @@ def node_times(
     >>> from partitioner.cost.devices import DEVICES
     >>> c = {"mm": NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 0, "float32")}
     >>> [round(f * 1e3, 3) for f in node_times(c, DEVICES["h100"], precision="bf16-mixed")["mm"]]
-    [1.005, 2.005]
+    [1.434, 2.862]
     """
     check_precision(precision)
     if measure:
@@ -451,6 +455,7 @@ def formulate(
             scale * sum(graph.node_forward_s[m] for m in members) for members in graph.blocks
         ) if recomputable else None,
         "recompute_peak_bytes": _layer_peaks(graph, scale, precision) if recomputable and graph.layer_runs else None,
+        "layer_start": _layer_starts(graph) if recomputable and graph.layer_runs else None,
         "recompute": recompute,
         "message_host_s": spec.message_host_s,
         "weight_s": tuple(
@@ -569,12 +574,18 @@ def zero3_costs(
 
 
 def _layer_runs(gm: Any) -> list[tuple[str, ...]]:
-    """The graph's compute nodes in layer runs, as ``runtime.recompute.block_nodes`` groups a stage.
+    """The graph's compute nodes in layer runs, as ``runtime.recompute.block_nodes`` groups a stage."""
+    return layer_runs(gm.graph.nodes)
+
+
+def layer_runs(graph_nodes: Iterable[Any]) -> list[tuple[str, ...]]:
+    """The call nodes among ``graph_nodes`` (fx nodes, graph order) in layer runs, as
+    ``runtime.recompute.block_nodes`` groups a stage graph.
 
     A run is consecutive nodes of one layer (:func:`~partitioner.graph.ir.layer_of`), root-level
     glue joining the run before it (or the first run, when it leads).
     """
-    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    nodes = [n for n in graph_nodes if n.op in ("call_function", "call_method", "call_module")]
     keys = [layer_of(module_path(n)) for n in nodes]
     current = next((k for k in keys if k), "")
     runs: list[tuple[str, list[str]]] = []
@@ -584,6 +595,17 @@ def _layer_runs(gm: Any) -> list[tuple[str, ...]]:
             runs.append((current, []))
         runs[-1][1].append(node.name)
     return [tuple(names) for _, names in runs]
+
+
+def _layer_starts(graph: GraphCosts) -> tuple[bool, ...]:
+    """Per block: does it begin a layer run (its first node in another run than the block before's last)?
+
+    A stage's runtime layers (``runtime.recompute.block_nodes``) then split where these blocks
+    start, so recomputing a stage's blocks before one of them recomputes whole runtime layers.
+    """
+    run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}
+    return tuple(b > 0 and run_of.get(members[0], -1) != run_of.get(graph.blocks[b - 1][-1], -2)
+                 for b, members in enumerate(graph.blocks))
 
 
 def _layer_peaks(graph: GraphCosts, scale: float, precision: str) -> tuple[float, ...]:

@@ -20,7 +20,10 @@ time gains ``sum_v recompute_s[v] w[v, s]``, its memory swaps ``activation_bytes
 for ``recompute_bytes`` on those blocks and adds ``P_s >= activation_bytes[v]
 w[v, s]`` (the largest block's activations, live again in its backward).  After
 solving, the choice is taken again by :func:`~partitioner.solve.problem.choose_recompute`
-(it differs from ``r`` only on ties) and the split priced by ``step_time``.
+(it differs from ``r`` only on ties) and the split priced by ``step_time``.  A stage
+recomputes all its blocks or none in the ILP; where the problem allows selective
+recomputation (``layer_start``) the rule's choice, which may recompute fewer blocks,
+is applied to the ILP's split afterwards (:func:`~partitioner.solve.interval.selective_again`).
 
 :func:`solve` first runs the exact interval DP (:mod:`partitioner.solve.interval`)
 over the given order; when the blocks form a chain and there are no replicas,
@@ -50,7 +53,14 @@ from collections.abc import Callable, Iterator
 import pulp
 
 from partitioner.defaults import DEFAULT_SCHEDULE
-from partitioner.solve.interval import down_sets, solve_down_sets, solve_intervals
+from partitioner.solve.interval import (
+    all_or_nothing,
+    down_sets,
+    selective_again,
+    simple_bound,
+    solve_down_sets,
+    solve_intervals,
+)
 from partitioner.solve.problem import (
     Partition,
     PartitionProblem,
@@ -102,8 +112,12 @@ def solve(
         member = down_sets(problem, limit=DOWN_SET_LIMIT)
         if member is not None:  # few enough orders to enumerate: exact without the ILP
             exact = solve_down_sets(problem, member, stages=stages, microbatches=microbatches, schedule=schedule)
-            # Exact: the optimum is its own lower bound (the DP's pruning bound is weaker: no "optimal, gap 3%").
-            return None if exact is None else _with(exact, lower_bound=exact.objective, wall_s=time.perf_counter() - start)
+            if exact is None:
+                return None
+            if exact.status == "optimal":
+                # Exact: the optimum is its own lower bound (the DP's pruning bound is weaker: no "optimal, gap 3%").
+                exact = _with(exact, lower_bound=exact.objective)
+            return _with(exact, wall_s=time.perf_counter() - start)
     exact_already = is_chain(problem) and not replicated
     if use_ilp is None:
         use_ilp = not exact_already and problem.size * stages <= ILP_SIZE_LIMIT
@@ -111,7 +125,7 @@ def solve(
         if interval is None:
             return None
         if not exact_already:
-            interval = _with(interval, status="feasible", lower_bound=_simple_bound(problem, stages, microbatches))
+            interval = _with(interval, status="feasible", lower_bound=simple_bound(problem, stages, microbatches))
         else:  # exact, as above
             interval = _with(interval, lower_bound=interval.objective)
         return _with(interval, wall_s=time.perf_counter() - start)
@@ -121,7 +135,7 @@ def solve(
         microbatches=microbatches,
         schedule=schedule,
         time_limit=time_limit,
-        upper_bound=interval.objective if interval else None,
+        upper_bound=_upper_bound(problem, interval, microbatches, schedule),
     )
     if ilp is None and interval is None:
         return None
@@ -130,7 +144,7 @@ def solve(
         return _with(
             interval,
             status="feasible",
-            lower_bound=min(interval.objective, _simple_bound(problem, stages, microbatches)),
+            lower_bound=min(interval.objective, simple_bound(problem, stages, microbatches)),
             wall_s=time.perf_counter() - start,
         )
     best = ilp if interval is None or ilp.objective <= interval.objective + 1e-12 else interval
@@ -141,6 +155,17 @@ def solve(
         solver=ilp.solver if best is ilp else f"{interval.solver if interval else ''}+{ilp.solver}",
         wall_s=time.perf_counter() - start,
     )
+
+
+def _upper_bound(
+    problem: PartitionProblem, interval: Partition | None, microbatches: int, schedule: ScheduleKind
+) -> float | None:
+    """The interval DP's objective as the ILP's bound, priced as the ILP prices it (all blocks or none)."""
+    if interval is None:
+        return None
+    if all(isinstance(r, bool) for r in interval.recompute):
+        return interval.objective
+    return step_time(all_or_nothing(problem), interval.stage_of, microbatches=microbatches, schedule=schedule)[0]
 
 
 def _replicated(problem: PartitionProblem) -> bool:
@@ -166,6 +191,23 @@ def solve_ilp(
     upper_bound: float | None = None,
 ) -> Partition | None:
     """The ILP of the module docstring; None if infeasible or no solution in time."""
+    found = _solve_ilp(all_or_nothing(problem), stages=stages, microbatches=microbatches, schedule=schedule,
+                       time_limit=time_limit, upper_bound=upper_bound)
+    if found is None:
+        return None
+    return selective_again(problem, found, microbatches=microbatches, schedule=schedule,
+                           lower_bound=simple_bound(problem, stages, microbatches))
+
+
+def _solve_ilp(
+    problem: PartitionProblem,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: ScheduleKind,
+    time_limit: float,
+    upper_bound: float | None,
+) -> Partition | None:
     start = time.perf_counter()
     n, P, M = problem.size, stages, microbatches
     if not 1 <= P <= n:
@@ -401,16 +443,6 @@ def _fits(problem: PartitionProblem, stage_of: tuple[int, ...], P: int, M: int, 
         return True
     memory = stage_memory(problem, stage_of, P, microbatches=M, schedule=schedule)
     return all(within_limit(m, problem.memory_limit) for m in memory)
-
-
-def _simple_bound(problem: PartitionProblem, stages: int, microbatches: int) -> float:
-    """A bound valid for any split: all work once, plus M-1 times an even share or the largest block.
-
-    (Recomputation and transfers only add time; every stage pays at least its latency term.)
-    """
-    total = sum(problem.time_s)
-    fixed = max(allreduce_latencies(problem, stages))
-    return total + (microbatches - 1) * max(total / stages, max(problem.time_s)) + fixed
 
 
 def _with(partition: Partition, **changes: object) -> Partition:

@@ -21,6 +21,18 @@ flight.  So the DP keeps one cost matrix per distinct (in flight, link) pair
 of stages, each entry the time of the option the rule picks (``inf`` where
 neither fits), and stays exact: the rule is optimal stage by stage.
 
+Selective recomputation (``layer_start``, "auto"): over intervals a stage ``[a, b)``
+that recomputes its blocks ``[a, c)`` holds ``static + f (K[c] - K[a] + A[b] - A[c])
++ peak[a, c]`` (K, A: prefix sums of the kept inputs and of the activations, f its
+micro-batches in flight), so it fits iff ``g[a, c] = f (K[c] - A[c]) + peak[a, c]``
+is at most ``limit - static - f (A[b] - K[a])``.  The fewest layers that fit is the
+first c where the running minimum of ``g[a, .]`` (over the layer starts) drops to that
+level, found for every interval at once by a binary search along the rows.  The
+down-set DP and the ILP price a stage as recomputing all its blocks or none
+(:func:`all_or_nothing`); the rule's selective choice is applied to their split
+afterwards (:func:`selective_again`), which only shortens stages, and their answer
+is then no proven optimum.
+
 Example::
 
     >>> from partitioner.solve.problem import PartitionProblem
@@ -59,7 +71,15 @@ from partitioner.solve.problem import (
     step_time,
 )
 
-__all__ = ["down_sets", "interval_matrices", "solve_down_sets", "solve_intervals"]
+__all__ = [
+    "all_or_nothing",
+    "down_sets",
+    "interval_matrices",
+    "selective_again",
+    "simple_bound",
+    "solve_down_sets",
+    "solve_intervals",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +98,10 @@ class _Frontiers:
     kept: np.ndarray | None  # bytes kept per micro-batch when recomputing (block inputs)
     peak: np.ndarray | None  # the largest block's activations
     extra: np.ndarray | None  # recomputation seconds
+    # Intervals only, selective recomputation: where [a, c) cannot be a recomputed prefix (c <= a, or c no layer
+    # start), and where [a, b) holds a layer start c with a < c < b.
+    no_cut: np.ndarray | None = None
+    has_cut: np.ndarray | None = None
 
 
 def _needs(problem: PartitionProblem, stages: int) -> tuple[bool, bool]:
@@ -89,6 +113,40 @@ def _needs(problem: PartitionProblem, stages: int) -> tuple[bool, bool]:
     slow = problem.transfer_slow_s is not None and any(inbound)
     recompute = can_recompute(problem) and (problem.recompute == "full" or problem.memory_limit is not None)
     return slow, recompute
+
+
+def _selective(problem: PartitionProblem) -> bool:
+    """Can a stage recompute only some of its blocks (the rule of :func:`choose_recompute` may pick it)?"""
+    return (problem.layer_start is not None and problem.recompute == "auto" and problem.memory_limit is not None
+            and can_recompute(problem))
+
+
+def all_or_nothing(problem: PartitionProblem) -> PartitionProblem:
+    """``problem`` with each stage recomputing all its blocks or none (no ``layer_start``): the model of the
+    down-set DP and the ILP."""
+    return dataclasses.replace(problem, layer_start=None) if problem.layer_start is not None else problem
+
+
+def selective_again(
+    problem: PartitionProblem, partition: Partition | None, *, microbatches: int, schedule: ScheduleKind,
+    lower_bound: float,
+) -> Partition | None:
+    """``partition`` (solved on :func:`all_or_nothing`'s problem) with ``problem``'s own recomputation rule.
+
+    Where the rule recomputes fewer blocks of some stage the split is priced again (never
+    slower) and is no proven optimum any more: status "feasible", ``lower_bound`` (a bound
+    valid whatever each stage recomputes) at most the objective.
+    """
+    if partition is None or not _selective(problem):
+        return partition
+    chosen = choose_recompute(problem, partition.stage_of, partition.stages, microbatches=microbatches,
+                              schedule=schedule)
+    if chosen == partition.recompute and all(isinstance(r, bool) for r in chosen):
+        return partition
+    objective, _ = step_time(problem, partition.stage_of, microbatches=microbatches, schedule=schedule,
+                             recompute=chosen)
+    return dataclasses.replace(partition, recompute=chosen, objective=objective, status="feasible",
+                               lower_bound=min(lower_bound, objective))
 
 
 def interval_matrices(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,7 +189,15 @@ def _interval_frontiers(problem: PartitionProblem, *, slow: bool, recompute: boo
         peak[:, 1:] = np.maximum.accumulate(rows, axis=1)
         return peak
 
-    return _assemble(problem, static, prefix_difference, with_transfers, largest, slow=slow, recompute=recompute)
+    frontiers = _assemble(problem, static, prefix_difference, with_transfers, largest, slow=slow, recompute=recompute)
+    if recompute and frontiers.kept is not None and _selective(problem):
+        assert problem.layer_start is not None
+        starts = np.asarray((*problem.layer_start, False), dtype=bool)
+        no_cut = ~np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1) | ~starts[None, :]
+        # The first layer start after a, per row: [a, b) holds one iff it is below b.
+        first = np.where(no_cut, n + 1, np.arange(n + 1)[None, :]).min(axis=1)
+        frontiers = dataclasses.replace(frontiers, no_cut=no_cut, has_cut=first[:, None] < np.arange(n + 1)[None, :])
+    return frontiers
 
 
 def _assemble(
@@ -243,9 +309,24 @@ def solve_down_sets(
     """
     if not 1 <= stages <= problem.size:
         return None
-    slow, recompute = _needs(problem, stages)
-    frontiers = _down_set_frontiers(problem, member, slow=slow, recompute=recompute)
-    return _best_split(problem, member, frontiers, stages, microbatches, schedule, "down-set-dp")
+    whole = all_or_nothing(problem)  # a stage recomputes all its blocks or none here (see the module docstring)
+    slow, recompute = _needs(whole, stages)
+    frontiers = _down_set_frontiers(whole, member, slow=slow, recompute=recompute)
+    found = _best_split(whole, member, frontiers, stages, microbatches, schedule, "down-set-dp")
+    if found is None:
+        return None
+    return selective_again(problem, found, microbatches=microbatches, schedule=schedule,
+                           lower_bound=simple_bound(problem, stages, microbatches))
+
+
+def simple_bound(problem: PartitionProblem, stages: int, microbatches: int) -> float:
+    """A bound valid for any split: all work once, plus M-1 times an even share or the largest block.
+
+    (Recomputation and transfers only add time; every stage pays at least its latency term.)
+    """
+    total = sum(problem.time_s)
+    fixed = max(allreduce_latencies(problem, stages))
+    return total + (microbatches - 1) * max(total / stages, max(problem.time_s)) + fixed
 
 
 def _down_set_frontiers(
@@ -283,7 +364,7 @@ def _down_set_frontiers(
         static += nbytes * (count[None, :] > count[:, None])
 
     def largest() -> np.ndarray:
-        return _largest_in_difference(member, nested, np.asarray(problem.activation_bytes, dtype=float))
+        return _largest_in_difference(member, nested, np.asarray(recompute_peak(problem), dtype=float))
 
     return _assemble(problem, static, difference, with_transfers, largest, slow=slow, recompute=recompute)
 
@@ -392,6 +473,7 @@ def _stage_tables(
     everywhere = np.ones(frontiers.cost.shape, dtype=bool)
     nowhere = np.zeros(frontiers.cost.shape, dtype=bool)
     tables = []
+    values: list[np.ndarray] = []
     used: dict[tuple[bool, bool], np.ndarray] = {}  # (slow link, recomputed): where some variant uses it
     for flight, slow in variants:
         base = frontiers.cost_slow if slow and frontiers.cost_slow is not None else frontiers.cost
@@ -410,17 +492,57 @@ def _stage_tables(
         if redo is not nowhere:
             assert frontiers.extra is not None
             table = np.where(redo, base + frontiers.extra, table)
+        if frontiers.has_cut is not None and limit is not None:
+            partial = _fewest_layers(frontiers, flight, limit, need=frontiers.has_cut & ~keep & np.isfinite(base))
+            if partial is not None:  # takes precedence over recomputing every block: never slower
+                rows, cols, extra = partial
+                table[rows, cols] = base[rows, cols] + extra
+                values.append(table[rows, cols])
         tables.append(table)
         for flag, where in ((False, keep), (True, redo)):
             if where is not nowhere:
                 used[slow, flag] = used[slow, flag] | where if (slow, flag) in used else where
-    values = []
     for (slow, flag), where in used.items():
         base = frontiers.cost_slow if slow and frontiers.cost_slow is not None else frontiers.cost
         chosen = base[where] + (frontiers.extra[where] if flag and frontiers.extra is not None else 0.0)
         values.append(chosen[np.isfinite(chosen)])
     candidates = np.unique(np.concatenate(values)) if values else np.zeros(0)
     return np.stack(tables), variant_of, candidates
+
+
+def _fewest_layers(
+    frontiers: _Frontiers, flight: int, limit: float, *, need: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Intervals ``[a, b)`` of ``need`` where recomputing their first layers fits: (a's, b's, extra seconds).
+
+    For each, the fewest leading blocks ``[a, c)``, c a layer start with ``a < c < b``
+    (see the module docstring); None if there is nothing to look for.
+    """
+    assert frontiers.kept is not None and frontiers.peak is not None and frontiers.extra is not None
+    assert frontiers.no_cut is not None
+    rows, cols = np.nonzero(need)
+    if rows.size == 0:
+        return None
+    kept, activation = frontiers.kept[0], frontiers.activation[0]  # prefix sums K and A
+    g = flight * (kept - activation)[None, :] + frontiers.peak
+    size = g.shape[1]
+    g[frontiers.no_cut] = np.inf  # a < c, c a layer start
+    running = np.minimum.accumulate(g, axis=1)  # non-increasing along each row
+    level = limit - frontiers.static[rows, cols] - flight * (activation[cols] - kept[rows])
+    lo, hi = rows + 1, cols  # the first c in [lo, hi) with running[a, c] <= level; hi: none
+    while True:
+        active = lo < hi
+        if not active.any():
+            break
+        mid = np.minimum((lo + hi) // 2, size - 1)
+        fits = running[rows, mid] <= level
+        hi = np.where(active & fits, mid, hi)
+        lo = np.where(active & ~fits, mid + 1, lo)
+    found = lo < cols
+    if not found.any():
+        return None
+    rows, cols, cut = rows[found], cols[found], lo[found]
+    return rows, cols, frontiers.extra[rows, cut]
 
 
 def _next_drop(

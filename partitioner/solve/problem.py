@@ -25,6 +25,19 @@ force agree):
   :func:`choose_recompute` applies the rule: keep if that fits, else recompute if
   that fits.  Keeping is never slower and the step time only grows with a
   stage's time, so the rule is optimal for any split.
+* **Selective (layer) recomputation** (Megatron-LM's ``--recompute-method block
+  --recompute-num-layers N``: the first N layers of a pipeline stage recompute,
+  the rest keep their activations; torchtitan's per-layer activation
+  checkpointing): where ``layer_start`` marks the blocks that begin a layer, a
+  stage may recompute only its first blocks up to such a block.  It keeps the
+  recomputed blocks' inputs and the other blocks' activations per micro-batch in
+  flight, plus the largest recomputed layer's activations during its backward,
+  and spends only the recomputed blocks' ``recompute_s``.  The per-stage choice
+  is then ``False`` (keep), ``True`` (every block) or ``k``, an ``int`` (the
+  stage's first k blocks, in block order, ``0 < k <`` its blocks).  The rule
+  ("auto"): keep if that fits, else the fewest leading blocks (whole layers) that
+  fit, else every block if that fits.  More recomputed blocks never cost less
+  time, so the rule stays optimal stage by stage.
 * **Schedules with several stages per pipeline rank** (``interleaved-1f1b``,
   ``zbv``; :mod:`partitioner.orders`): the problem is solved for
   ``P x v`` stages and ``stage_rank`` says which of the P pipeline ranks holds
@@ -97,6 +110,7 @@ __all__ = [
     "PartitionProblem",
     "RecomputeMode",
     "ScheduleKind",
+    "StageRecompute",
     "allreduce_latencies",
     "can_recompute",
     "check_assignment",
@@ -105,6 +119,7 @@ __all__ = [
     "in_flight",
     "rank_memory",
     "recompute_peak",
+    "recomputed_blocks",
     "relative_gap",
     "split_backward",
     "stage_costs",
@@ -117,6 +132,8 @@ __all__ = [
 
 RecomputeMode = Literal["auto", "none", "full"]
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = typing.get_args(RecomputeMode)
+# One stage's recomputation: False (keep), True (every block) or an int k (its first k blocks: selective).
+StageRecompute = bool | int
 
 # Relative slack on the memory limit: sums taken in another order (prefix sums in the DP,
 # the ILP's scaled rows) may differ from stage_memory's in the last bits.
@@ -149,6 +166,9 @@ class PartitionProblem:
     recomputed (its inputs from other blocks), ``recompute_s[v]`` the extra seconds
     (v's forward); None: no block can be recomputed.  ``recompute``: "none" (never),
     "full" (every stage) or "auto" (per stage, only where keeping does not fit).
+    ``layer_start[v]``: block v begins a layer (the unit the runtime checkpoints), so a
+    stage may recompute its blocks before v and keep the rest (selective
+    recomputation, "auto" only); None: a stage recomputes all its blocks or none.
 
     Schedules (optional): ``weight_s[v]`` the weight-gradient (W) part of
     ``time_s[v]`` (None: none can be split off); ``split_s[v]`` the host seconds
@@ -183,6 +203,7 @@ class PartitionProblem:
     # Live again while a recomputed block's backward runs: its whole layer's activations (None: its own).
     recompute_peak_bytes: tuple[float, ...] | None = None
     recompute: RecomputeMode = "none"
+    layer_start: tuple[bool, ...] | None = None
     weight_s: tuple[float, ...] | None = None
     split_s: tuple[float, ...] | None = None
     split_forward: float = 0.0  # the share of split_s spent in F
@@ -207,7 +228,8 @@ class PartitionProblem:
         n = len(self.time_s)
         for field in (
             "static_bytes", "activation_bytes", "allreduce_s", "transfer_s",
-            "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s", "recompute_peak_bytes", "weight_s", "split_s",
+            "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s", "recompute_peak_bytes", "layer_start", "weight_s",
+            "split_s",
         ):
             value = getattr(self, field)
             if value is not None and len(value) != n:
@@ -250,7 +272,8 @@ class Partition:
     status: Literal["optimal", "feasible"]
     solver: str
     wall_s: float
-    recompute: tuple[bool, ...] = ()  # per stage (empty: not recorded, read as the problem's rule)
+    # Per stage (empty: not recorded, read as the problem's rule): False, True or a block count (StageRecompute).
+    recompute: tuple[StageRecompute, ...] = ()
 
     @property
     def gap(self) -> float:
@@ -433,11 +456,14 @@ class _Parts:
     kept: list[float]  # kept per micro-batch when recomputing (block inputs)
     peak: list[float]  # one block's activations, live again during its backward
     extra: list[float]  # recomputation seconds
+    blocks: list[list[int]]  # each stage's blocks, in block order
 
 
 def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _Parts:
-    parts = _Parts(*([0.0] * stages for _ in range(5)))
+    parts = _Parts(static=[0.0] * stages, activation=[0.0] * stages, kept=[0.0] * stages, peak=[0.0] * stages,
+                   extra=[0.0] * stages, blocks=[[] for _ in range(stages)])
     for v, s in enumerate(stage_of):
+        parts.blocks[s].append(v)
         parts.static[s] += problem.static_bytes[v]
         parts.activation[s] += problem.activation_bytes[v]
         parts.peak[s] = max(parts.peak[s], recompute_peak(problem)[v])
@@ -511,10 +537,68 @@ class SplitTimes(NamedTuple):
     forward_added: list[float]
 
 
-def _memory(parts: _Parts, s: int, flight: int, recompute: bool) -> float:
-    if recompute:
-        return parts.static[s] + flight * parts.kept[s] + parts.peak[s]
-    return parts.static[s] + flight * parts.activation[s]
+def _count(choice: StageRecompute, blocks: int) -> int:
+    """How many of a stage's ``blocks`` (its first ones) recompute under ``choice`` (:data:`StageRecompute`)."""
+    if choice is True:
+        return blocks
+    if choice is False:
+        return 0
+    return max(0, min(int(choice), blocks))
+
+
+def _activations(problem: PartitionProblem, parts: _Parts, s: int, count: int) -> tuple[float, float]:
+    """(bytes kept per micro-batch in flight, bytes live again during a backward) of stage s
+    when its first ``count`` blocks recompute."""
+    blocks = parts.blocks[s]
+    if count <= 0:
+        return parts.activation[s], 0.0
+    if count >= len(blocks):
+        return parts.kept[s], parts.peak[s]
+    assert problem.recompute_bytes is not None
+    live = recompute_peak(problem)
+    redo, keep = blocks[:count], blocks[count:]
+    kept = sum(problem.recompute_bytes[v] for v in redo) + sum(problem.activation_bytes[v] for v in keep)
+    return kept, max(live[v] for v in redo)
+
+
+def _memory(problem: PartitionProblem, parts: _Parts, s: int, flight: int, count: int) -> float:
+    kept, during = _activations(problem, parts, s, count)
+    return parts.static[s] + flight * kept + during
+
+
+def _fewest_layers(problem: PartitionProblem, parts: _Parts, s: int, flight: int, limit: float) -> int | None:
+    """The fewest leading blocks of stage s, ending where a layer starts, whose recomputation fits ``limit``.
+
+    None if no such prefix (between none and all of the stage's blocks) fits.  One pass: each
+    candidate's memory is the last one's with the blocks in between swapped to recomputed.
+    """
+    assert problem.layer_start is not None and problem.recompute_bytes is not None
+    blocks, live = parts.blocks[s], recompute_peak(problem)
+    kept, during = parts.activation[s], 0.0
+    for i, v in enumerate(blocks):
+        if i and problem.layer_start[v] and within_limit(parts.static[s] + flight * kept + during, limit):
+            return i
+        kept += problem.recompute_bytes[v] - problem.activation_bytes[v]
+        during = max(during, live[v])
+    return None
+
+
+def recomputed_blocks(stage_of: Sequence[int], stages: int, recompute: Sequence[StageRecompute]) -> list[bool]:
+    """Per block: does it recompute under the per-stage choice ``recompute`` (its stage's first blocks do)?
+
+    >>> recomputed_blocks((0, 0, 0, 1, 1), 2, (2, True))
+    [True, True, False, True, True]
+    """
+    sizes = [0] * stages
+    for s in stage_of:
+        sizes[s] += 1
+    counts = [_count(r, n) for r, n in zip(recompute, sizes, strict=True)]
+    seen = [0] * stages
+    out = []
+    for s in stage_of:
+        out.append(seen[s] < counts[s])
+        seen[s] += 1
+    return out
 
 
 def _flights(problem: PartitionProblem, stages: int, microbatches: int, schedule: ScheduleKind) -> list[int]:
@@ -530,12 +614,14 @@ def choose_recompute(
     *,
     microbatches: int,
     schedule: ScheduleKind,
-) -> tuple[bool, ...]:
+) -> tuple[StageRecompute, ...]:
     """Which stages recompute, by the problem's mode: "none" never, "full" always, "auto" per stage.
 
-    "auto": keep the activations if the stage fits the memory limit, else recompute
-    if that fits, else keep (the split does not fit either way).  Without
-    recomputation costs (``recompute_bytes`` None) no stage recomputes.
+    "auto": keep the activations if the stage fits the memory limit, else (with
+    ``layer_start``) recompute the fewest leading layers that fit (an ``int``: that
+    many blocks), else recompute every block if that fits (True), else keep (the
+    split does not fit either way).  Without recomputation costs
+    (``recompute_bytes`` None) no stage recomputes.
 
     Two blocks of 10 activation bytes (2 when recomputed), limit 25, 1F1B with
     2 stages and 4 micro-batches: stage 0 holds 2 in flight (20 bytes, fits),
@@ -550,6 +636,13 @@ def choose_recompute(
         >>> choose_recompute(p, (0, 0, 1), 2, microbatches=4, schedule="1f1b")  # stage 0: 2 x 20 > 25
         (True, False)
 
+    Selective: three blocks, each a layer, in one stage with 2 in flight: keeping holds
+    60 bytes, recomputing the first layer 2 x (2 + 20) + 10 = 54, the first two 2 x (4 + 10) + 10 = 38::
+
+        >>> q = dataclasses.replace(p, layer_start=(True,) * 3, memory_limit=40.0)
+        >>> choose_recompute(q, (0, 0, 0), 1, microbatches=2, schedule="gpipe")
+        (2,)
+
     Schedules that split the backward (``zb-h1``, ``zbv``) never recompute: a
     block's W needs its activations after its B (see the module docstring).
     """
@@ -561,11 +654,15 @@ def choose_recompute(
         return (False,) * stages
     parts = _parts(problem, stage_of, stages)
     flights = _flights(problem, stages, microbatches, schedule)
-    chosen = []
+    limit = problem.memory_limit
+    chosen: list[StageRecompute] = []
     for s in range(stages):
-        flight = flights[s]
-        keep = within_limit(_memory(parts, s, flight, False), problem.memory_limit)
-        chosen.append(not keep and within_limit(_memory(parts, s, flight, True), problem.memory_limit))
+        flight, blocks = flights[s], len(parts.blocks[s])
+        if within_limit(_memory(problem, parts, s, flight, 0), limit):
+            chosen.append(False)
+            continue
+        fewest = _fewest_layers(problem, parts, s, flight, limit) if problem.layer_start is not None else None
+        chosen.append(fewest if fewest is not None else within_limit(_memory(problem, parts, s, flight, blocks), limit))
     return tuple(chosen)
 
 
@@ -573,17 +670,17 @@ def _resolve(
     problem: PartitionProblem,
     stage_of: Sequence[int],
     stages: int,
-    recompute: Sequence[bool] | None,
+    recompute: Sequence[StageRecompute] | None,
     microbatches: int | None,
     schedule: ScheduleKind,
-) -> tuple[bool, ...]:
+) -> tuple[StageRecompute, ...]:
     """An explicit per-stage choice as given (checked), or the problem's rule (:func:`choose_recompute`)."""
     if recompute:  # None or () : not given
         if len(recompute) != stages:
             raise ValueError(f"recompute has {len(recompute)} entries, expected one per stage ({stages})")
         if any(recompute) and problem.recompute_bytes is None:
             raise ValueError("a stage recomputes but the problem has no recompute_bytes")
-        return tuple(bool(r) for r in recompute)
+        return tuple(r if isinstance(r, (bool, int)) else bool(r) for r in recompute)  # numpy bools as bools
     decides_by_memory = problem.recompute == "auto" and problem.memory_limit is not None
     if microbatches is None and decides_by_memory and can_recompute(problem):
         raise ValueError('recompute="auto" decides by memory: give microbatches or the per-stage choice')
@@ -598,7 +695,7 @@ def stage_costs(
     stage_of: Sequence[int],
     stages: int,
     *,
-    recompute: Sequence[bool] | None = None,
+    recompute: Sequence[StageRecompute] | None = None,
     microbatches: int | None = None,
     schedule: ScheduleKind = DEFAULT_SCHEDULE,
 ) -> tuple[list[float], list[float]]:
@@ -615,10 +712,11 @@ def stage_costs(
     allreduce = [0.0] * stages
     block_allreduce = [_allreduce_prices(problem, slow)[0] for slow in (False, True)]
     times = [2 * problem.action_s] * stages  # F and B (a split backward's W: split_backward)
+    redo = recomputed_blocks(stage_of, stages, chosen) if any(chosen) else None
     for v, s in enumerate(stage_of):
         times[s] += problem.time_s[v]
         allreduce[s] += block_allreduce[outbound[s]][v]
-        if chosen[s]:
+        if redo is not None and redo[v]:
             assert problem.recompute_s is not None
             times[s] += problem.recompute_s[v]
     if splits_backward(schedule):
@@ -646,18 +744,19 @@ def stage_memory(
     *,
     microbatches: int,
     schedule: ScheduleKind,
-    recompute: Sequence[bool] | None = None,
+    recompute: Sequence[StageRecompute] | None = None,
 ) -> list[float]:
     """Peak bytes per stage: static state plus activations of the micro-batches in flight.
 
-    A recomputing stage keeps its blocks' inputs per micro-batch in flight plus the
-    largest block's activations (live again during that block's backward).
+    A recomputing stage keeps its recomputed blocks' inputs (and its other blocks'
+    activations) per micro-batch in flight plus the largest recomputed layer's
+    activations (live again during that layer's backward).
     ``recompute``: the per-stage choice; None applies :func:`choose_recompute`.
     """
     chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
     parts = _parts(problem, stage_of, stages)
     flights = _flights(problem, stages, microbatches, schedule)
-    return [_memory(parts, s, flights[s], chosen[s]) for s in range(stages)]
+    return [_memory(problem, parts, s, flights[s], _count(chosen[s], len(parts.blocks[s]))) for s in range(stages)]
 
 
 def rank_memory(
@@ -667,7 +766,7 @@ def rank_memory(
     *,
     microbatches: int,
     schedule: ScheduleKind,
-    recompute: Sequence[bool] | None = None,
+    recompute: Sequence[StageRecompute] | None = None,
 ) -> list[float]:
     """Peak bytes per pipeline rank: every stage it holds, walked through the rank's own order.
 
@@ -690,15 +789,17 @@ def rank_memory(
     """
     chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
     parts = _parts(problem, stage_of, stages)
+    counts = [_count(chosen[s], len(parts.blocks[s])) for s in range(stages)]
     if schedule in ("gpipe", "1f1b") and problem.stage_rank is None:
         # One stage per rank: its peak is stage_memory's (the order need not be built).
-        return [_memory(parts, s, in_flight(s, stages, microbatches, schedule), chosen[s]) for s in range(stages)]
+        return [_memory(problem, parts, s, in_flight(s, stages, microbatches, schedule), counts[s])
+                for s in range(stages)]
     rank = _schedule_layout(problem, stages, schedule)
     ranks = max(rank) + 1
     chunks = stages // ranks
     frees = "W" if splits_backward(schedule) else "B"
-    per_microbatch = [parts.kept[s] if chosen[s] else parts.activation[s] for s in range(stages)]
-    during = [parts.peak[s] if chosen[s] else 0.0 for s in range(stages)]
+    per_microbatch, during = map(list, zip(*(_activations(problem, parts, s, counts[s]) for s in range(stages)),
+                                            strict=True))
     out = []
     for r, row in enumerate(_orders(schedule, ranks, microbatches, chunks)):
         held = most = 0.0
@@ -720,7 +821,7 @@ def step_time(
     *,
     microbatches: int,
     schedule: ScheduleKind = DEFAULT_SCHEDULE,
-    recompute: Sequence[bool] | None = None,
+    recompute: Sequence[StageRecompute] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
     """Closed-form step time of ``schedule`` and the stage times.
 

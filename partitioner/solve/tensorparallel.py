@@ -53,7 +53,7 @@ from partitioner.cost.tensorparallel import (
 )
 from partitioner.graph.ir import dtype_itemsize
 from partitioner.graph.tensorparallel import TPLayout
-from partitioner.solve.formulate import GraphCosts
+from partitioner.solve.formulate import ZERO3, GraphCosts
 from partitioner.solve.problem import PartitionProblem
 from partitioner.solve.scaledcosts import CostSettings, ScaledCosts
 
@@ -220,7 +220,7 @@ class TensorParallelCosts(ScaledCosts):
         node (HSDP, what ``runtime/shard.py`` runs).  The links stay those of the
         layout (the group's all-gathers and reduce-scatters cross nodes).
         """
-        if shard != "full" or dp <= 1 or "gpus_per_node" in changes:
+        if shard not in ("full", ZERO3) or dp <= 1 or "gpus_per_node" in changes:  # ZeRO-3 is "full" too
             return super().problem(dp, microbatches, shard, **changes)
         key = (dp, microbatches, shard)
         if not changes and key in self._full:

@@ -3,7 +3,7 @@
 ``shard_worker`` runs several cases in one job (one spawn of the ranks): for each,
 a :class:`runtime.Pipeline` over a saved plan whose stages carry a shard mode,
 ``STEPS`` AdamW steps (the optimizer built with ``pipe.optimizer`` or, the old
-way, over ``pipe.parameters()``), optionally ``clip_grad_norm_`` and an
+way, over ``pipe.parameters()``; or SGD), optionally ``clip_grad_norm_`` and an
 ``eval_step`` before each optimizer step; it records losses, norms, the whole trained state and how the state was
 held (optimizer class, parameter types, local sizes) into ``<out>/<case>-rank<R>.pt``.
 A case may save a checkpoint after training (``save``) or resume from one before
@@ -27,10 +27,11 @@ from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
 from partitioner.search.planner import compile
 
-__all__ = ["LR", "STEPS", "plan_sharded", "reference", "shard_worker"]
+__all__ = ["LR", "SGD_LR", "STEPS", "plan_sharded", "reference", "shard_worker"]
 
 STEPS = 3
 LR = 1e-3
+SGD_LR = 0.1
 
 
 def plan_sharded(
@@ -76,8 +77,11 @@ def shard_worker(rank: int, world: int, port: int, spec: str, out_dir: str, case
                 warnings.simplefilter("always")
                 pipe = Pipeline(plan, model_file.build(), model_file.loss_fn, device=torch.device("cpu"),
                                 timeout=60)
-                opt = (pipe.optimizer(torch.optim.AdamW, lr=LR) if case.get("optimizer") == "pipe"
-                       else torch.optim.AdamW(pipe.parameters(), lr=LR))
+                if case.get("optimizer") == "sgd":  # gradients compared as they are (Adam magnifies tiny ones' noise)
+                    opt = torch.optim.SGD(pipe.parameters(), lr=SGD_LR)
+                else:
+                    opt = (pipe.optimizer(torch.optim.AdamW, lr=LR) if case.get("optimizer") == "pipe"
+                           else torch.optim.AdamW(pipe.parameters(), lr=LR))
                 if case.get("load"):  # resume: model and optimizer state saved under another plan
                     result["loaded_step"] = pipe.load_checkpoint(case["load"], optimizer=opt)
                 inputs = model_file.example_inputs(plan.batch_size)
@@ -101,6 +105,8 @@ def shard_worker(rank: int, world: int, port: int, spec: str, out_dir: str, case
             result["layered_recompute"] = [x.recompute for m in pipe._runnables for x in m.modules()
                                            if isinstance(x, LayeredStage)]
             result["parameter_types"] = sorted({type(p).__name__ for p in pipe.parameters()})
+            result["graph_calls"] = sorted({getattr(n.target, "__name__", "") for m in pipe.modules
+                                            for n in m.graph.nodes if n.op == "call_function"})
             result["local_numel"] = sum(_local(p).numel() for p in pipe.parameters())
             result["whole_numel"] = sum(p.numel() for p in pipe.parameters())
             if case.get("mesh"):  # the FSDP2 mesh's dimensions: name -> size
@@ -128,7 +134,8 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def reference(
-    spec: str, *, dp: int, microbatches: int, batch: int = 8, clip: float | None = None, steps: int = STEPS
+    spec: str, *, dp: int, microbatches: int, batch: int = 8, clip: float | None = None, steps: int = STEPS,
+    optimizer: str = "adamw",
 ) -> dict[str, Any]:
     """The pipeline's training on the whole model in one process: losses, norms and the trained state."""
     threads = torch.get_num_threads()
@@ -139,7 +146,8 @@ def reference(
         model: nn.Module = model_file.build()
         inputs = model_file.example_inputs(batch)
         target = model_file.example_target(batch)  # type: ignore[misc]
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=SGD_LR) if optimizer == "sgd"
+                                      else torch.optim.AdamW(model.parameters(), lr=LR))
         size = batch // (dp * microbatches)
         losses: list[float] = []
         norms: list[float] = []

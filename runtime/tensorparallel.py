@@ -1,0 +1,400 @@
+"""Tensor parallelism at run time: each stage's layers split over its tensor-parallel group with DTensor.
+
+A plan with ``tp > 1`` runs ``pp x dp x tp`` ranks.  Each entry of a stage's
+``ranks`` is a *group*: global ranks ``g x tp .. g x tp + tp - 1`` (inside one
+node), each holding a ``1 / tp`` share of the stage.  Tensor-parallel rank ``t``
+of one group talks only to tensor-parallel rank ``t`` of the others: its
+pipeline peers and its replicas are ``g' x tp + t`` (:func:`group_rank`).  So
+for each ``t`` the ranks ``{g x tp + t}`` run the plan's schedule exactly as a
+``tp = 1`` job would, and every boundary tensor travels whole, from each rank to
+its counterpart (``tp`` copies side by side, each over its own link pair;
+Megatron's scatter/gather variant would send ``1 / tp`` each and all-gather on
+arrival: later).
+
+Inside a stage the split is torch's DTensor, the engine under
+``parallelize_module``'s ``ColwiseParallel`` / ``RowwiseParallel``, with the
+same placements (Shoeybi et al., arXiv:1909.08053, section 3), chosen per
+parameter from the roles :func:`partitioner.graph.tensorparallel.find_tensor_parallel`
+found in the captured graph:
+
+* a *column* (an MLP's up/gate projection, attention's q, k and v; GPT-2's fused
+  ``c_attn``): weight and bias split by output features (``Shard(0)`` of an
+  ``nn.Linear`` weight, ``Shard(1)`` of a GPT-2 ``Conv1D``'s);
+* a *row* (the down / output projection): weight split by input features, bias
+  replicated; its output is a pending sum, all-reduced right after it
+  (:func:`replicated`), as Megatron's ``g``;
+* the token embedding split by vocabulary rows (its output all-reduced), the LM
+  head by vocabulary columns (its logits gathered where the stage hands them on);
+* everything else (norms, position embeddings, key/value projections whose heads
+  ``tp`` does not divide: grouped-query attention replicates them) replicated.
+
+``parallelize_module`` itself needs the modules to be called as local-shape
+code (``use_local_output``); a captured stage is one graph whose views carry the
+model's global shapes (``view(B, T, 12, 64)``), so here the graph runs on DTensors
+in global semantics: parameters become DTensors, tensors the graph makes or
+receives join them as replicated (``implicit_replication``, held for the whole
+step by :func:`tensor_parallel_step` so that backward sees it too), attention runs
+head-parallel on each rank's heads through ``local_map`` (DTensor has no CPU
+attention rule), and each stage output is made whole (``full_tensor``) before it
+is sent or scored.  Whatever the placements, DTensor computes the unsplit model's
+numbers: a poor placement costs communication, never correctness.
+
+Dropout under ``tp > 1`` draws from DTensor's own random stream, so masks differ
+from an unpartitioned run (as in Megatron); runs without dropout are equal to it.
+
+Example (every rank of a ``tp = 2`` job, after ``init_process_group``)::
+
+    mesh = tensor_parallel_mesh(plan, torch.device("cpu"))
+    parallelize_stages([stage_module], mesh)     # parameters now DTensors, graph rewritten
+    with tensor_parallel_step(plan):
+        loss = loss_fn(stage_module(*inputs)[0], target)
+        loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication, local_map
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import Placement
+
+from partitioner.errors import AutopartitionError
+from partitioner.graph.ir import KIND_KEY, node_parameters
+from partitioner.graph.tensorparallel import TP_KEY, TPRole
+from partitioner.plan import Plan
+
+__all__ = [
+    "TensorParallelStage",
+    "gathered",
+    "group_rank",
+    "has_vocabulary_head",
+    "head_parallel_attention",
+    "match_gradients",
+    "parallelize_stages",
+    "parameter_placements",
+    "refuse_unrunnable_tp",
+    "replicated",
+    "sequence_sharded",
+    "sequence_split",
+    "tensor_parallel_loss",
+    "tensor_parallel_mesh",
+    "tensor_parallel_refusal",
+    "tensor_parallel_step",
+    "wire_shape",
+]
+
+_SDPA = ("scaled_dot_product_attention",)
+
+
+def group_rank(group: int, tp_rank: int, tp: int) -> int:
+    """Global rank of tensor-parallel rank ``tp_rank`` of group ``group`` (a stage's ``ranks`` entry).
+
+    >>> [group_rank(g, t, 2) for g in (0, 1) for t in (0, 1)]
+    [0, 1, 2, 3]
+    """
+    return group * tp + tp_rank
+
+
+def tensor_parallel_refusal(plan: Plan, *, engine: str = "ours") -> str | None:
+    """Why the runtime cannot run this tensor-parallel plan (None: it can, or ``tp == 1``)."""
+    if plan.tp == 1:
+        return None
+    sharded = sorted({s.shard for s in plan.stages} - {"none"})
+    if sharded:
+        return (f"this plan has tp={plan.tp} with sharded replicas (shard {', '.join(sharded)}); the runtime runs "
+                "tensor parallelism with replicated stages only so far: plan with --shard none (or --tp 1)")
+    if engine == "torch":
+        return (f"this plan has tp={plan.tp}; --engine torch runs tp = 1 plans only: run it with our engine "
+                "(--engine ours), or plan with --tp 1")
+    return None
+
+
+def refuse_unrunnable_tp(plan: Plan, *, engine: str | None = "ours") -> None:
+    """Raise :func:`tensor_parallel_refusal`'s reason, if any (``verify`` and ``run``, before starting ranks)."""
+    refusal = tensor_parallel_refusal(plan, engine=engine or "ours")
+    if refusal is not None:
+        raise AutopartitionError(refusal)
+
+
+def tensor_parallel_mesh(plan: Plan, device: torch.device) -> DeviceMesh:
+    """This rank's tensor-parallel mesh (collective: every rank of the job calls it)."""
+    mesh = init_device_mesh(device.type, (plan.gpus // plan.tp, plan.tp), mesh_dim_names=("group", "tp"))
+    return mesh["tp"]
+
+
+def parameter_placements(gm: fx.GraphModule, tp: int) -> dict[str, Placement]:
+    """How each split parameter of ``gm`` is placed over ``tp`` ranks, from its nodes' roles (others: replicated).
+
+    A role whose units (heads, columns, vocabulary entries) ``tp`` does not divide
+    keeps its parameters whole (grouped-query attention's key/value heads).
+    """
+    placements: dict[str, Placement] = {}
+    for node in gm.graph.nodes:
+        role: TPRole | None = node.meta.get(TP_KEY)
+        if role is None or role.role not in ("column", "row", "embedding", "head"):
+            continue
+        for name in node_parameters(gm, node):
+            placement = _placement(gm, node, name, role, tp)
+            if placement is not None:
+                placements[name] = placement
+    return placements
+
+
+def _placement(gm: fx.GraphModule, node: fx.Node, name: str, role: TPRole, tp: int) -> Placement | None:
+    if role.role != "embedding" and role.units % tp:
+        return None
+    param = gm.get_parameter(name)
+    # (out, in): nn.Linear and aten.linear; (in, out): GPT-2's Conv1D and addmm/mm with a stored weight.
+    out_dim = 1 if _in_out_layout(gm, node) and param.dim() == 2 else 0
+    if role.role in ("column", "head"):
+        return Shard(out_dim)
+    if role.role == "embedding":
+        return Shard(0)
+    # row: the weight splits by input features; its bias is added once, after the sum
+    return Shard(1 - out_dim) if param.dim() == 2 else None
+
+
+def _in_out_layout(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return type(gm.get_submodule(str(node.target))).__name__ == "Conv1D"
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return name in ("addmm", "mm", "conv1d_hf")
+
+
+def parallelize_stages(modules: Sequence[fx.GraphModule], mesh: DeviceMesh) -> list[dict[str, Placement]]:
+    """Split each stage module's parameters over ``mesh`` and rewrite its graph to run on DTensors.
+
+    Parameters become ``nn.Parameter(DTensor)`` under their names, one object per
+    parameter the modules share (a tied weight two stages of this rank hold);
+    attention runs head-parallel, rows and embeddings are all-reduced after
+    themselves, and outputs leave whole.  Call it on every rank of the group with
+    equal values: ``distribute_tensor`` takes tensor-parallel rank 0's.  Returns
+    each module's placements of its split parameters.
+    """
+    made: dict[int, nn.Parameter] = {}
+    placed = []
+    for gm in modules:
+        placements = parameter_placements(gm, mesh.size())
+        for name, param in list(gm.named_parameters(remove_duplicate=False)):
+            if id(param) not in made:
+                value = distribute_tensor(param.detach(), mesh, [placements.get(name, Replicate())])
+                made[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
+            owner, _, attr = name.rpartition(".")
+            setattr(gm.get_submodule(owner) if owner else gm, attr, made[id(param)])
+        _rewrite(gm)
+        placed.append(placements)
+    return placed
+
+
+def _rewrite(gm: fx.GraphModule) -> None:
+    graph = gm.graph
+    gathered_inputs: dict[fx.Node, fx.Node] = {}  # a value the columns read -> its all-gathered copy (one per value)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and any(s in str(node.target) for s in _SDPA):
+            node.target = head_parallel_attention
+            continue
+        role: TPRole | None = node.meta.get(TP_KEY)
+        if role is None:
+            continue
+        if role.role in ("column", "head"):  # Megatron-SP's all-gather of the sequence before the columns
+            for source in [a for a in node.all_input_nodes if a.op not in ("get_attr",) and not _is_parameter(a)]:
+                if source not in gathered_inputs:
+                    with graph.inserting_after(source):
+                        gathered_inputs[source] = graph.call_function(replicated, (source,))
+                node.replace_input_with(source, gathered_inputs[source])
+        elif role.role in ("row", "embedding"):  # the pending sum reduce-scattered over the sequence
+            with graph.inserting_after(node):
+                split = graph.call_function(sequence_sharded, (node,))
+            node.replace_all_uses_with(split, delete_user_cb=lambda user, split=split: user is not split)
+    graph.lint()
+    gm.recompile()
+
+
+def _is_parameter(node: fx.Node) -> bool:
+    return node.meta.get(KIND_KEY) == "parameter"
+
+
+def replicated(value: Any) -> Any:
+    """``value`` replicated over its mesh (a pending sum all-reduced, a shard gathered); anything else as it is.
+
+    Its gradient is made whole before it flows back: a column's input gradient
+    is a pending sum (Megatron's ``f``), which the embedding's masked partial
+    cannot take in as is.
+    """
+    if not isinstance(value, DTensor) or all(p.is_replicate() for p in value.placements):
+        return value
+    mesh = value.device_mesh
+    whole = value.redistribute(mesh, [Replicate()] * mesh.ndim)
+    local = whole.to_local(grad_placements=[Replicate()] * mesh.ndim)
+    return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def sequence_sharded(value: Any) -> Any:
+    """``value`` split along the sequence (dimension -2) over its mesh: a pending sum reduce-scattered.
+
+    Between a row and the next columns the residual stream, norms and dropout work
+    on ``1 / tp`` of the tokens (sequence parallelism, Korthikanti et al.,
+    arXiv:2205.05198, section 4.2.2).  The embedding's masked partial sum is
+    all-reduced first (DTensor cannot reduce-scatter it).
+    """
+    if not isinstance(value, DTensor) or value.dim() < 2:
+        return value
+    if any(p.is_partial() and type(p).__name__ != "Partial" for p in value.placements):
+        value = replicated(value)
+    return value.redistribute(value.device_mesh, [Shard(value.dim() - 2)])
+
+
+def head_parallel_attention(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+    """``scaled_dot_product_attention`` on each rank's heads (dim 1), or whole where heads are not all split alike.
+
+    Each head attends on its own, so the op runs on local tensors under
+    ``local_map``; a mask or other tensor arguments are made whole first.
+    """
+    op = torch.ops.aten.scaled_dot_product_attention.default
+    if not isinstance(query, DTensor):
+        return op(query, key, value, *args, **kwargs)
+    mesh = query.device_mesh
+    by_heads = all(isinstance(t, DTensor) and t.placements == (Shard(1),) for t in (query, key, value))
+    placement: Sequence[Placement] = [Shard(1)] if by_heads else [Replicate()]
+    rest = [_whole(a) for a in args]
+    options = {k: _whole(v) for k, v in kwargs.items()}
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return op(q, k, v, *rest, **options)
+
+    run = local_map(attend, out_placements=placement, in_placements=(placement, placement, placement),
+                    device_mesh=mesh, redistribute_inputs=True)
+    return run(query, key, value)
+
+
+def sequence_split(shape: Sequence[int], dtype: str, tp: int) -> bool:
+    """Whether a boundary tensor travels split along the sequence: a floating-point value of 3 or more
+    dimensions whose dimension -2 ``tp`` divides (the residual stream ``(B, T, C)``); any other whole.
+
+    >>> sequence_split((8, 32, 64), "float32", 2), sequence_split((8, 32), "int64", 2)
+    (True, False)
+    """
+    return tp > 1 and len(shape) >= 3 and shape[-2] % tp == 0 and dtype.startswith(("float", "bfloat"))
+
+
+def wire_shape(shape: Sequence[int], dtype: str, tp: int) -> tuple[int, ...]:
+    """The shape one rank sends and receives of a boundary tensor of ``shape`` (:func:`sequence_split`).
+
+    >>> wire_shape((8, 32, 64), "float32", 4)
+    (8, 8, 64)
+    """
+    if not sequence_split(shape, dtype, tp):
+        return tuple(shape)
+    return (*shape[:-2], shape[-2] // tp, shape[-1])
+
+
+class TensorParallelStage(nn.Module):
+    """Runs a stage's ``inner`` module on DTensors: tensors enter as DTensors, leave as plain tensors.
+
+    Model inputs enter replicated; received boundary tensors (``received``: each one's
+    planned whole shape and dtype, in order) as :func:`sequence_split` says (this
+    rank's slice of the sequence, or whole).  The first ``sent`` outputs
+    leave by the same rule (what the next stage's rank receives); the others (model
+    outputs: logits, a loss) leave whole.  Entering through ``DTensor.from_local``
+    (autograd sees it), a received tensor's gradient leaves as a plain tensor shaped
+    as it came.
+    """
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh, *, model_inputs: int,
+                 received: Sequence[tuple[Sequence[int], str]], sent: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self._mesh = mesh
+        self._model_inputs = model_inputs
+        tp = mesh.size()
+        self._split = [sequence_split(shape, dtype, tp) for shape, dtype in received]  # whole shapes, as planned
+        self._sent = sent
+
+    def forward(self, *args: Any) -> Any:
+        entered = [self._enter(a, split=i >= self._model_inputs and self._split[i - self._model_inputs])
+                   for i, a in enumerate(args)]
+        outputs = self.inner(*entered)
+        return tuple(self._leave(v, sent=i < self._sent) for i, v in enumerate(outputs))
+
+    def _enter(self, value: Any, *, split: bool) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point():
+            return value  # integer ids and masks meet DTensors as replicated (implicit_replication)
+        placement = Shard(value.dim() - 2) if split else Replicate()
+        return DTensor.from_local(value, self._mesh, [placement], run_check=False)
+
+    def _leave(self, value: Any, *, sent: bool) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return gathered(value)
+        if not sent and isinstance(value, DTensor) and value.placements == (Shard(value.dim() - 1),):
+            return value  # vocabulary-parallel logits: the loss runs on them sharded (loss_parallel)
+        if sent and sequence_split(tuple(value.shape), str(value.dtype)[6:], self._mesh.size()):
+            if not isinstance(value, DTensor):
+                value = DTensor.from_local(value, self._mesh, [Replicate()], run_check=False)
+            return value.redistribute(self._mesh, [Shard(value.dim() - 2)]).to_local()
+        return gathered(value)
+
+
+def gathered(values: Any) -> Any:
+    """Plain tensors, each whole on every rank of the group (a model output, or what travels whole)."""
+    if isinstance(values, DTensor):
+        return values.full_tensor()
+    if isinstance(values, (tuple, list)):
+        return type(values)(gathered(v) for v in values)
+    if isinstance(values, dict):
+        return {k: gathered(v) for k, v in values.items()}
+    return values
+
+
+def match_gradients(modules: Sequence[nn.Module]) -> None:
+    """Lay every DTensor gradient out as its parameter: pending sums all-reduced, so that each rank holds
+    its parameter's part of the whole gradient (what an optimizer, clipping and checkpoints expect)."""
+    for module in modules:
+        for param in module.parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+                param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _whole(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def has_vocabulary_head(modules: Sequence[fx.GraphModule]) -> bool:
+    """Whether one of these stages computes vocabulary-parallel logits (an LM head split by vocabulary)."""
+    return any(getattr(n.meta.get(TP_KEY), "role", None) == "head" for m in modules for n in m.graph.nodes)
+
+
+def tensor_parallel_loss(loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Callable[[Any, Any], torch.Tensor] | None:
+    """``loss_fn`` whose result leaves as a plain tensor (it may get vocabulary-parallel logits, computed
+    under the step's ``loss_parallel``: the softmax's sums all-reduced, the logits never gathered)."""
+    if loss_fn is None:
+        return None
+    inner = loss_fn
+
+    def whole_loss(outputs: Any, target: Any) -> torch.Tensor:
+        return cast(torch.Tensor, gathered(inner(outputs, target)))
+
+    return whole_loss
+
+
+@contextlib.contextmanager
+def tensor_parallel_step(plan: Plan, *, vocabulary_parallel: bool = False) -> Iterator[None]:
+    """Held around a step's forwards and backwards: plain tensors meeting DTensors count as replicated,
+    and (``vocabulary_parallel``: this rank holds the LM head) cross-entropy on logits split by
+    vocabulary runs as torch's ``loss_parallel`` (Megatron's vocab-parallel cross-entropy).
+
+    DTensor's switches are process-wide (backward threads see them too); nothing
+    happens with ``tp == 1``.
+    """
+    if plan.tp == 1:
+        yield
+        return
+    with implicit_replication(), (loss_parallel() if vocabulary_parallel else contextlib.nullcontext()):
+        yield

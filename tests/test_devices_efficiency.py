@@ -1,0 +1,56 @@
+"""Per-op-class efficiencies and the 500 W Grand Teton H100 (issue 23): where they change a predicted time, and where not."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from partitioner.cost.devices import DEVICES, H100_500W_PEAK_SHARE, H100_EFFICIENCY, device_spec
+from partitioner.cost.nodecost import OP_CLASSES, NodeCost, op_class, predicted_times
+from partitioner.solve.formulate import node_times
+
+MATMUL = NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 1_000, "bfloat16", weight_bytes=500)  # compute-bound, reads weights
+ATTENTION = NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 1_000, "bfloat16")  # compute-bound, no weights
+ELEMENTWISE = NodeCost(0.0, 0.0, 0.0, 0.0, 10, 3_350_000_000, "bfloat16")  # 1 s of bytes at 3.35 TB/s
+
+
+def test_each_class_scales_only_its_own_ops() -> None:
+    bare = dataclasses.replace(DEVICES["h100"], efficiency=())
+    for cls in OP_CLASSES:
+        spec = dataclasses.replace(bare, efficiency=((cls, 0.5),))
+        for cost, its_class in ((MATMUL, "matmul"), (ATTENTION, "attention"), (ELEMENTWISE, "memory")):
+            slow, fast = predicted_times(cost, spec), predicted_times(cost, bare)
+            overhead = spec.kernel_overhead
+            expected = 2.0 if cls == its_class else 1.0  # half the peak (FLOPs or bandwidth): twice the time
+            assert (slow[0] - overhead) == pytest.approx(expected * (fast[0] - overhead)), (cls, cost)
+            assert (slow[1] - overhead) == pytest.approx(expected * (fast[1] - overhead)), (cls, cost)
+    assert [op_class(c) for c in (MATMUL, ATTENTION)] == ["matmul", "attention"]
+
+
+def test_measured_times_ignore_the_efficiencies() -> None:
+    measured = {"mm": dataclasses.replace(MATMUL, forward_s=0.25, backward_s=0.5)}
+    assert node_times(measured, DEVICES["h100"], measure=True) == {"mm": (0.25, 0.5)}
+
+
+def test_hopper_devices_carry_the_fitted_efficiencies_and_others_none() -> None:
+    assert {k for k, _ in H100_EFFICIENCY} == set(OP_CLASSES)
+    for name in ("h100", "h100-500w", "h200"):
+        assert DEVICES[name].efficiency == H100_EFFICIENCY
+    for name in ("a100", "cpu"):
+        assert all(DEVICES[name].efficiency_of(c) == 1.0 for c in OP_CLASSES)
+
+
+def test_the_500w_grand_teton_h100() -> None:
+    sxm, titan = DEVICES["h100"], device_spec("H100-500W")
+    assert 835 / 989 - 1e-12 <= H100_500W_PEAK_SHARE <= 1.0  # between the H100 NVL and SXM datasheets
+    assert titan.peak("bfloat16") == pytest.approx(sxm.peak("bfloat16") * H100_500W_PEAK_SHARE)
+    assert (titan.memory_bandwidth, titan.memory_bytes) == (2.4e12, 96 * 10**9)  # HBM2e, torchtitan's benchmark page
+    assert (titan.link_bandwidth, titan.inter_node_bandwidth) == (sxm.link_bandwidth, sxm.inter_node_bandwidth)
+    # Same kernels, slower memory: an elementwise op takes 3.35 / 2.4 as long, a matmul 1 / share as long.
+    ratio = (predicted_times(ELEMENTWISE, titan)[0] - titan.kernel_overhead) / (
+        predicted_times(ELEMENTWISE, sxm)[0] - sxm.kernel_overhead)
+    assert ratio == pytest.approx(3.35 / 2.4)
+    ratio = (predicted_times(MATMUL, titan)[0] - titan.kernel_overhead) / (
+        predicted_times(MATMUL, sxm)[0] - sxm.kernel_overhead)
+    assert ratio == pytest.approx(1 / H100_500W_PEAK_SHARE)
