@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from partitioner import errors
@@ -84,7 +85,7 @@ from runtime.tensorparallel import (
     match_gradients,
     parallelize_stages,
     tensor_parallel_loss,
-    tensor_parallel_mesh,
+    tensor_parallel_meshes,
     tensor_parallel_refusal,
     tensor_parallel_step,
 )
@@ -215,7 +216,7 @@ class Pipeline:
             # A fully sharded rank keeps only its shard of each, one module at a time (runtime.shard).
             self.shard_mode = rank_shard_mode(plan, self.pipeline_rank)
             held = [local.module for local in self._stages]
-            if self.shard_mode == "full" and weights is None and shardable_on_meta(held):
+            if self.shard_mode == "full" and weights is None and plan.tp == 1 and shardable_on_meta(held):
                 parts = shard_layout(plan, self.pipeline_rank)[1]  # HSDP: a node's replicas split it
                 part = self.replica % parts
                 deferred = materialised_values(
@@ -234,7 +235,14 @@ class Pipeline:
         for local in self._stages:
             local.plan = plan.stages[local.plan.index]
         self._groups = make_groups(plan, self.rank)
-        mesh = stage_meshes(plan, self.rank, self._groups.stage, self.device)  # collective: every rank
+        # FSDP2's mesh (None unless this rank's stages are "full"), and with tp > 1 the tensor-parallel mesh:
+        # both slices of one (pp, dp, tp) mesh, as FSDP2 over DTensor-split layers requires.
+        tp_mesh: DeviceMesh | None = None
+        if plan.tp > 1:
+            tp_mesh, dp_mesh = tensor_parallel_meshes(plan, self.device)  # collective: every rank
+            mesh = dp_mesh if self.shard_mode == "full" else None
+        else:
+            mesh = stage_meshes(plan, self.rank, self._groups.stage, self.device)  # collective: every rank
         modules = [local.module for local in self._stages]
         share_tied_parameters(plan, modules)  # a weight two stages of this rank use: one Parameter
         if deferred is None:  # else still on meta: every copy and replica gets its values from one rule
@@ -243,17 +251,11 @@ class Pipeline:
             sync_tied_weights(modules, self._groups)
         for module in modules:
             cast_parameters(module, plan.precision)  # bf16: parameters in bfloat16; else unchanged
-        tp_mesh = tensor_parallel_mesh(plan, self.device) if plan.tp > 1 else None  # collective: every rank
         if tp_mesh is not None:  # each stage's layers split over this rank's tensor-parallel group (DTensor)
             parallelize_stages(modules, tp_mesh)
         # What runs each stage's forward: precision and recomputation wrappers around the stage module
         # (made after every .to(): they read the stage's state through it, never copies).
         self._runnables = tuple(_runnable(local, plan.precision, self.device) for local in self._stages)
-        if tp_mesh is not None:
-            self._runnables = tuple(
-                TensorParallelStage(r, tp_mesh, model_inputs=len(local.signature.model_inputs),
-                                    received=_received_shapes(local), sent=len(local.signature.sent))
-                for r, local in zip(self._runnables, self._stages, strict=True))
         # shard "full": each stage's runnable becomes one FSDP2 unit over its stage group (runtime.shard).
         self._sharded: ShardedStep | None = None
         self._built_optimizer = False
@@ -267,6 +269,12 @@ class Pipeline:
                 deferred = None
             self._sharded = ShardedStep(self._runnables, policy,
                                         splits_backward=plan.schedule_data().splits_backward)
+        self._shard_units = list(self._runnables) if self._sharded is not None else []
+        if tp_mesh is not None:  # outermost: tensors enter and leave each stage as DTensors, around FSDP2's unit
+            self._runnables = tuple(
+                TensorParallelStage(r, tp_mesh, model_inputs=len(local.signature.model_inputs),
+                                    received=_received_shapes(local), sent=len(local.signature.sent))
+                for r, local in zip(self._runnables, self._stages, strict=True))
         self._run_loss = precision_loss(loss_fn, plan.precision, self.device.type)
         self._vocabulary_parallel = False  # tp > 1 and this rank holds the LM head: loss_parallel in each step
         if tp_mesh is not None:
@@ -543,7 +551,7 @@ class Pipeline:
 
     def _sharded_modules(self) -> list[torch.nn.Module]:
         """This rank's fully sharded stage modules (none unless its stages are planned ``full``)."""
-        return list(self._runnables) if self._sharded is not None else []
+        return self._shard_units
 
     def _aliases(self) -> dict[str, tuple[str, ...]]:
         """Each tied parameter this stage holds (by its name here) -> all of its names."""

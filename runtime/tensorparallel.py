@@ -4,50 +4,58 @@ A plan with ``tp > 1`` runs ``pp x dp x tp`` ranks.  Each entry of a stage's
 ``ranks`` is a *group*: global ranks ``g x tp .. g x tp + tp - 1`` (inside one
 node), each holding a ``1 / tp`` share of the stage.  Tensor-parallel rank ``t``
 of one group talks only to tensor-parallel rank ``t`` of the others: its
-pipeline peers and its replicas are ``g' x tp + t`` (:func:`group_rank`).  So
-for each ``t`` the ranks ``{g x tp + t}`` run the plan's schedule exactly as a
-``tp = 1`` job would, and every boundary tensor travels whole, from each rank to
-its counterpart (``tp`` copies side by side, each over its own link pair;
-Megatron's scatter/gather variant would send ``1 / tp`` each and all-gather on
-arrival: later).
+pipeline peers, replicas and tied copies are ``g' x tp + t`` (:func:`group_rank`).
+So for each ``t`` the ranks ``{g x tp + t}`` run the plan's schedule exactly as a
+``tp = 1`` job would.  A boundary tensor that is the residual stream travels as
+each rank's ``1 / tp`` slice of its sequence, to its counterpart
+(:func:`wire_shape`: what the planner prices, and what sequence parallelism
+holds anyway); anything else travels whole.
 
 Inside a stage the split is torch's DTensor, the engine under
-``parallelize_module``'s ``ColwiseParallel`` / ``RowwiseParallel``, with the
-same placements (Shoeybi et al., arXiv:1909.08053, section 3), chosen per
+``parallelize_module``'s ``ColwiseParallel`` / ``RowwiseParallel`` /
+``SequenceParallel``, with the same placements (Shoeybi et al.,
+arXiv:1909.08053, section 3; Korthikanti et al., arXiv:2205.05198), chosen per
 parameter from the roles :func:`partitioner.graph.tensorparallel.find_tensor_parallel`
-found in the captured graph:
+found in the captured graph (:func:`parameter_placements`):
 
 * a *column* (an MLP's up/gate projection, attention's q, k and v; GPT-2's fused
   ``c_attn``): weight and bias split by output features (``Shard(0)`` of an
-  ``nn.Linear`` weight, ``Shard(1)`` of a GPT-2 ``Conv1D``'s);
+  ``nn.Linear`` weight, ``Shard(1)`` of a GPT-2 ``Conv1D``'s); its input is
+  all-gathered along the sequence first (:func:`replicated`, one per value);
 * a *row* (the down / output projection): weight split by input features, bias
-  replicated; its output is a pending sum, all-reduced right after it
-  (:func:`replicated`), as Megatron's ``g``;
-* the token embedding split by vocabulary rows (its output all-reduced), the LM
-  head by vocabulary columns (its logits gathered where the stage hands them on);
+  replicated; its output, a pending sum, is reduce-scattered along the sequence
+  right after it (:func:`sequence_sharded`), so norms, residuals and dropout work
+  on ``1 / tp`` of the tokens;
+* the token embedding split by vocabulary rows (its output reduced, then split
+  along the sequence), the LM head by vocabulary columns: the loss runs on its
+  split logits under torch's ``loss_parallel`` (:func:`tensor_parallel_step`);
 * everything else (norms, position embeddings, key/value projections whose heads
   ``tp`` does not divide: grouped-query attention replicates them) replicated.
 
 ``parallelize_module`` itself needs the modules to be called as local-shape
 code (``use_local_output``); a captured stage is one graph whose views carry the
 model's global shapes (``view(B, T, 12, 64)``), so here the graph runs on DTensors
-in global semantics: parameters become DTensors, tensors the graph makes or
-receives join them as replicated (``implicit_replication``, held for the whole
-step by :func:`tensor_parallel_step` so that backward sees it too), attention runs
+in global semantics: parameters become DTensors, tensors the graph makes join
+them as replicated (``implicit_replication``, held for the whole step by
+:func:`tensor_parallel_step` so that backward sees it too), attention runs
 head-parallel on each rank's heads through ``local_map`` (DTensor has no CPU
-attention rule), and each stage output is made whole (``full_tensor``) before it
-is sent or scored.  Whatever the placements, DTensor computes the unsplit model's
-numbers: a poor placement costs communication, never correctness.
+attention rule), and :class:`TensorParallelStage` turns what enters and leaves
+the stage into DTensors and back.  Whatever the placements, DTensor computes the
+unsplit model's numbers: a poor placement costs communication, never correctness.
+Replicas of a stage planned ``full`` are FSDP2 over the ``dp`` slice of one
+``(pp, dp, tp)`` mesh (:func:`tensor_parallel_meshes`), which shards the
+tensor-parallel parameters once more (2-D DTensors), as torchtitan's FSDP x TP.
 
 Dropout under ``tp > 1`` draws from DTensor's own random stream, so masks differ
 from an unpartitioned run (as in Megatron); runs without dropout are equal to it.
 
 Example (every rank of a ``tp = 2`` job, after ``init_process_group``)::
 
-    mesh = tensor_parallel_mesh(plan, torch.device("cpu"))
-    parallelize_stages([stage_module], mesh)     # parameters now DTensors, graph rewritten
-    with tensor_parallel_step(plan):
-        loss = loss_fn(stage_module(*inputs)[0], target)
+    tp_mesh, dp_mesh = tensor_parallel_meshes(plan, torch.device("cpu"))
+    parallelize_stages([stage_module], tp_mesh)   # parameters now DTensors, graph rewritten
+    run = TensorParallelStage(stage_module, tp_mesh, model_inputs=1, received=[], sent=0)
+    with tensor_parallel_step(plan, vocabulary_parallel=True):
+        loss = loss_fn(run(*inputs)[0], target)
         loss.backward()
 """
 
@@ -84,7 +92,7 @@ __all__ = [
     "sequence_sharded",
     "sequence_split",
     "tensor_parallel_loss",
-    "tensor_parallel_mesh",
+    "tensor_parallel_meshes",
     "tensor_parallel_refusal",
     "tensor_parallel_step",
     "wire_shape",
@@ -106,10 +114,10 @@ def tensor_parallel_refusal(plan: Plan, *, engine: str = "ours") -> str | None:
     """Why the runtime cannot run this tensor-parallel plan (None: it can, or ``tp == 1``)."""
     if plan.tp == 1:
         return None
-    sharded = sorted({s.shard for s in plan.stages} - {"none"})
-    if sharded:
-        return (f"this plan has tp={plan.tp} with sharded replicas (shard {', '.join(sharded)}); the runtime runs "
-                "tensor parallelism with replicated stages only so far: plan with --shard none (or --tp 1)")
+    if plan.dp > 1 and any(s.shard == "optimizer" for s in plan.stages):
+        return (f"this plan has tp={plan.tp} with optimizer-sharded replicas (ZeRO-1); the runtime runs tensor "
+                "parallelism with replicated or fully sharded (FSDP2) stage groups: plan with --shard none or "
+                "full (or --tp 1)")
     if engine == "torch":
         return (f"this plan has tp={plan.tp}; --engine torch runs tp = 1 plans only: run it with our engine "
                 "(--engine ours), or plan with --tp 1")
@@ -123,10 +131,12 @@ def refuse_unrunnable_tp(plan: Plan, *, engine: str | None = "ours") -> None:
         raise AutopartitionError(refusal)
 
 
-def tensor_parallel_mesh(plan: Plan, device: torch.device) -> DeviceMesh:
-    """This rank's tensor-parallel mesh (collective: every rank of the job calls it)."""
-    mesh = init_device_mesh(device.type, (plan.gpus // plan.tp, plan.tp), mesh_dim_names=("group", "tp"))
-    return mesh["tp"]
+def tensor_parallel_meshes(plan: Plan, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
+    """This rank's (tensor-parallel, replica) meshes: slices of one ``(pp, dp, tp)`` mesh, in the rank
+    order ``(p x dp + r) x tp + t``, so that FSDP2 can shard tensor-parallel layers over the replicas
+    (collective: every rank of the job calls it)."""
+    mesh = init_device_mesh(device.type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return mesh["tp"], mesh["dp"]
 
 
 def parameter_placements(gm: fx.GraphModule, tp: int) -> dict[str, Placement]:

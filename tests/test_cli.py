@@ -425,16 +425,17 @@ def test_engine_option_reaches_verify_and_run(tmp_path: Path, monkeypatch: pytes
 def test_a_tensor_parallel_plan_is_refused_before_any_rank_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str) -> None:
     """Found: `verify` of a --tp 2 plan crashed with a KeyError (an internal error) after starting ranks.
-    Tensor-parallel plans run now; one with sharded replicas is refused before any rank starts."""
+    Tensor-parallel plans run now; under --engine torch, which cannot run them, they are refused before any
+    rank starts."""
     base = example_plan()
-    sharded = tuple(dataclasses.replace(s, shard="optimizer") for s in base.stages)
-    plan_dir = dataclasses.replace(base, tp=2, gpus=base.gpus * 2, stages=sharded).save(tmp_path / "plan")
+    plan_dir = dataclasses.replace(base, tp=2, gpus=base.gpus * 2).save(tmp_path / "plan")
     monkeypatch.setattr("runtime.verify.verify_plan", lambda *a, **k: pytest.fail("verify started ranks"))
     monkeypatch.setattr("runtime.launch.run_plan", lambda *a, **k: pytest.fail("run started ranks"))
-    args = [command, str(plan_dir), "--model", "m.py"] if command == "verify" else [command, str(plan_dir), "--", "t.py"]
+    args = ([command, str(plan_dir), "--model", "m.py", "--engine", "torch"] if command == "verify"
+            else [command, str(plan_dir), "--engine", "torch", "--", "t.py"])
     assert main(args) == 2
     error = _error_of(capsys)
-    assert "tp=2" in error and "--shard none" in error, error
+    assert "tp=2" in error and "--engine ours" in error, error
 
 
 def test_the_runtime_entry_points_refuse_a_tensor_parallel_plan_too(
@@ -443,17 +444,18 @@ def test_the_runtime_entry_points_refuse_a_tensor_parallel_plan_too(
     from runtime import launch, verify
 
     base = example_plan()
-    sharded = tuple(dataclasses.replace(s, shard="full") for s in base.stages)
-    plan_dir = dataclasses.replace(base, tp=2, gpus=base.gpus * 2, stages=sharded).save(tmp_path / "plan")
+    zero1 = tuple(dataclasses.replace(s, shard="optimizer", ranks=(2 * s.rank, 2 * s.rank + 1)) for s in base.stages)
+    plan_dir = dataclasses.replace(base, tp=2, dp=2, gpus=base.gpus * 4, stages=zero1,
+                                   batch_size=base.batch_size * 2).save(tmp_path / "plan")
     monkeypatch.setattr(verify, "start_ranks", lambda *a, **k: pytest.fail("verify started ranks"))
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("run started torchrun"))
-    with pytest.raises(AutopartitionError, match="--shard none"):
-        verify.verify(str(plan_dir), "m.py")
-    with pytest.raises(AutopartitionError, match="--shard none"):
+    with pytest.raises(AutopartitionError, match="--shard none or full"):
         launch.run_plan(str(plan_dir), [], ["t.py"])
+    tp_dir = dataclasses.replace(base, tp=2, gpus=base.gpus * 2).save(tmp_path / "tp")
     with pytest.raises(AutopartitionError, match="--engine ours"):
-        launch.run_plan(str(dataclasses.replace(base, tp=2, gpus=base.gpus * 2).save(tmp_path / "tp")), [], ["t.py"],
-                        engine="torch")
+        verify.verify(str(tp_dir), "m.py", engine="torch")
+    with pytest.raises(AutopartitionError, match="--engine ours"):
+        launch.run_plan(str(tp_dir), [], ["t.py"], engine="torch")
 
 
 def test_run_needs_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

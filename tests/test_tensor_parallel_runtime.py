@@ -1,17 +1,21 @@
 """Tensor-parallel plans (issue 22) train exactly as the unpartitioned model.
 
 One job of four really spawned CPU ranks (gloo; DTensor runs there) runs every
-case in turn (``shard_workers.shard_worker``: a Pipeline over a saved plan, 3
-SGD steps in fp32: Adam would magnify the last-digit noise of near-zero gradients), each compared with the whole model trained in one process
-on the same micro-batches (``shard_workers.reference``): loss and every trained
-parameter within 1e-5.  Cases: the Hugging Face Llama tiny (grouped-query
-attention, 4 query / 2 key-value heads) at tp=2 with 2 replicas, at tp=2 x pp=2,
-and its checkpoint resumed as tp=1 (pp=2 x dp=2); examples/gpt.py (its embedding
-tied to the LM head across stages) at tp=2 x pp=2 interleaved with recomputation,
-under zb-h1 with clipping, and at tp=4 with an eval step.  The slow tier adds examples/gpt.py at
-tp=2 x pp=2 x dp=2 on eight ranks.
+case in turn (``shard_workers.shard_worker``: a Pipeline over a saved plan, 3 SGD
+steps in fp32: Adam would magnify the last-digit noise of near-zero gradients),
+each compared with the whole model trained in one process on the same
+micro-batches (``shard_workers.reference``): loss and every trained parameter
+within 1e-5.  Cases: the Hugging Face Llama tiny (grouped-query attention, 4 query
+/ 2 key-value heads) at tp=2 x pp=2, and that run's checkpoint resumed as tp=1
+(pp=2 x dp=2); examples/gpt.py (its embedding tied to the LM head across stages)
+at tp=2 x dp=2 with the replicas fully sharded (FSDP2 over the tensor-parallel
+split) with clipping, and under ZeRO-3, at tp=2 x pp=2 interleaved with
+recomputation and under zb-h1 with clipping, and at tp=4 with an eval step.  The
+slow tier adds examples/gpt.py at tp=2 x pp=2 x dp=2 (replicas averaged, not
+sharded) on eight ranks.
 
-Without ranks: the placements each role gets, and the plans the runtime refuses.
+Without ranks: the placements each role gets, the rewritten graph, and the plans
+the runtime refuses.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ MICROBATCHES = 2
 
 # name: (model, tp, pp, dp, schedule, chunks, recompute, clip, eval)
 CASES: dict[str, tuple[str, int, int, int, str, int, str, float | None, bool]] = {
-    "llama-tp2-dp2": (LLAMA, 2, 1, 2, "1f1b", 1, "none", None, False),
+    "gpt-tp2-dp2-fsdp": (GPT, 2, 1, 2, "1f1b", 1, "none", CLIP, False),
+    "gpt-tp2-dp2-zero3": (GPT, 2, 1, 2, "gpipe", 1, "none", None, False),
     "llama-tp2-pp2": (LLAMA, 2, 2, 1, "1f1b", 1, "none", None, False),
     "gpt-tp2-pp2-interleaved-recomputed": (GPT, 2, 2, 1, "interleaved-1f1b", 2, "full", None, False),
     "gpt-tp2-pp2-zb-h1-clipped": (GPT, 2, 2, 1, "zb-h1", 1, "none", CLIP, False),
@@ -65,13 +70,16 @@ RESUMES: dict[str, tuple[int, int, int]] = {"resume-tp2-as-tp1": (1, 2, 2)}
 
 
 def plan_tp(spec: str, directory: Path, *, tp: int, pp: int, dp: int, schedule: str, chunks: int = 1,
-            recompute: str = "none") -> Plan:
-    """Plan ``spec`` at this layout (predicted h100 costs: deterministic) and save it into ``directory``."""
+            recompute: str = "none", shard: str = "none", reshard_after_forward: bool = False) -> Plan:
+    """Plan ``spec`` at this layout (predicted h100 costs: deterministic), give every stage ``recompute`` and
+    ``shard``, and save it into ``directory``."""
     model_file = load_model_file(spec)
     torch.manual_seed(0)
     plan = compile(model_file.build(), model_file.example_inputs(BATCH), gpus=tp * pp * dp, tp=tp, pp=pp, dp=dp,
                    chunks=chunks, microbatches=MICROBATCHES, schedule=schedule, device="h100", gpus_per_node=4)
-    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=recompute) for s in plan.stages))
+    plan = dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(s, recompute=recompute, shard=shard, reshard_after_forward=reshard_after_forward)
+        for s in plan.stages))
     plan.save(directory)
     return plan
 
@@ -79,7 +87,9 @@ def plan_tp(spec: str, directory: Path, *, tp: int, pp: int, dp: int, schedule: 
 def _cases(root: Path) -> list[dict[str, Any]]:
     cases = []
     for name, (spec, tp, pp, dp, schedule, chunks, recompute, clip, evaluates) in CASES.items():
-        plan_tp(spec, root / name, tp=tp, pp=pp, dp=dp, schedule=schedule, chunks=chunks, recompute=recompute)
+        plan_tp(spec, root / name, tp=tp, pp=pp, dp=dp, schedule=schedule, chunks=chunks, recompute=recompute,
+                shard="full" if name.endswith(("-fsdp", "-zero3")) else "none",
+                reshard_after_forward=name.endswith("-zero3"))
         cases.append({"name": name, "plan": str(root / name), "spec": spec, "clip": clip, "eval": evaluates,
                       "save": str(root / "ckpt") if name == SAVER else None, "optimizer": "sgd"})
     for name, (tp, pp, dp) in RESUMES.items():
@@ -143,7 +153,7 @@ def test_tensor_parallel_training_matches_whole_model(runs: dict[str, Any], name
     ranks = runs["results"][name]
     want = runs["wanted"][(spec, dp, clip, shard_workers.STEPS)]
     diff, where = _max_diff(ranks, want)
-    print(f"{name}: max abs diff {diff:.2e} at {where} (job {runs['seconds']:.1f} s)")
+    print(f"{name}: max abs diff {diff:.2e} at {where} (case {ranks[0]['seconds']:.1f} s, job {runs['seconds']:.1f} s)")
     assert diff <= TOLERANCE, f"{name}: max abs diff {diff:.3g} > {TOLERANCE} at {where}"
     for r in ranks:  # the layers really split: DTensor parameters, each rank holding less than its stage
         assert r["parameter_types"] == ["DTensor"] and r["local_numel"] < r["whole_numel"] * 0.75, (
@@ -156,6 +166,11 @@ def test_tensor_parallel_training_matches_whole_model(runs: dict[str, Any], name
             assert r["norms"] == pytest.approx(want["norms"], abs=TOLERANCE)
         if evaluates and r["losses"][0] is not None:  # no dropout: the eval loss is the step's training loss
             assert r["eval_losses"] == pytest.approx(want["losses"], abs=TOLERANCE)
+        if name.endswith(("-fsdp", "-zero3")):  # FSDP2 over the replicas, around the tensor-parallel split
+            assert r["fsdp_units"] >= 1 and r["local_numel"] < r["whole_numel"] * 0.3, (
+                r["fsdp_units"], r["local_numel"], r["whole_numel"])
+        if name.endswith("-zero3"):  # one unit per layer
+            assert "FSDPLayerUnit" in r["runtime_modules"] and r["fsdp_units"] > 2, r["runtime_modules"]
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
@@ -228,7 +243,10 @@ def test_plans_the_runtime_cannot_run_are_refused_with_the_fix(tmp_path: Path) -
     refuse_unrunnable_tp(plan)
     with pytest.raises(AutopartitionError, match="--engine ours"):
         refuse_unrunnable_tp(plan, engine="torch")
-    sharded = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard="full") for s in plan.stages))
-    why = tensor_parallel_refusal(sharded)
-    assert why is not None and "tp=2" in why and "--shard none" in why
-    assert tensor_parallel_refusal(dataclasses.replace(sharded, tp=1)) is None
+    full = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard="full") for s in plan.stages))
+    assert tensor_parallel_refusal(full) is None  # FSDP2 over the replicas runs (the 4-rank job above)
+    zero1 = dataclasses.replace(plan, dp=2, stages=tuple(dataclasses.replace(s, shard="optimizer")
+                                                         for s in plan.stages))
+    why = tensor_parallel_refusal(zero1)
+    assert why is not None and "tp=2" in why and "--shard none or full" in why
+    assert tensor_parallel_refusal(dataclasses.replace(zero1, tp=1)) is None

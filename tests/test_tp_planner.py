@@ -175,21 +175,20 @@ def test_cli_tp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_runtime_refuses_tensor_parallel_plans_it_cannot_run(tmp_path: Path) -> None:
-    """A tp > 1 plan with sharded replicas is refused by the Pipeline itself, before any rank counting."""
+    """A tp > 1 plan under an engine that cannot run it is refused by the Pipeline itself, before rank counting."""
     gpt = example("gpt")
     plan = compile(gpt.build_model(), gpt.example_inputs(4), gpus=2, tp=2, microbatches=2, schedule="1f1b",
                    device="h100")
-    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard="optimizer") for s in plan.stages))
     from runtime import Pipeline
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         with pytest.raises(AutopartitionError) as info:
-            Pipeline(plan, gpt.build_model(), gpt.loss_fn, device=torch.device("cpu"), timeout=30)
+            Pipeline(plan, gpt.build_model(), gpt.loss_fn, device=torch.device("cpu"), timeout=30, engine="torch")
     finally:
         dist.destroy_process_group()
-    assert "tp=2" in str(info.value) and "--shard none" in str(info.value)
+    assert "tp=2" in str(info.value) and "--engine ours" in str(info.value)
 
 
 def test_full_sharding_spans_nodes_with_tensor_parallelism(
@@ -208,4 +207,6 @@ def test_full_sharding_spans_nodes_with_tensor_parallelism(
     assert full == pytest.approx(whole * 12 / 16, rel=1e-6)
     assert sum(base.problem(4, 1, "full").static_bytes) > sum(base.problem(4, 1, "none").static_bytes)  # HSDP: 1 shard
     assert tp.problem(4, 1, "full").gpus_per_node == 1  # the links stay the layout's
-    assert options.shard_modes("1f1b", 4) == ("none", "optimizer", "full")
+    # ZeRO-1 is not tried with tp > 1 (runtime.tensorparallel runs replicated and fully sharded groups)
+    assert options.shard_modes("1f1b", 4) == ("none", "full")
+    assert dataclasses.replace(options, tp=1).shard_modes("1f1b", 4) == ("none", "optimizer", "full")

@@ -115,7 +115,8 @@ class PlanOptions:
         """The shard modes tried for stage groups of ``dp`` replicas under ``schedule``.
 
         One replica shards nothing ("none"); ``auto`` tries every mode the
-        runtime runs under the schedule (:func:`~partitioner.defaults.shard_refusal`),
+        runtime runs under the schedule (:func:`~partitioner.defaults.shard_refusal`;
+        with ``tp > 1`` not ``optimizer``: runtime.tensorparallel runs none and full),
         a fixed ``--shard`` only itself (:func:`check_options` refused the pairs
         it cannot run).
 
@@ -132,7 +133,8 @@ class PlanOptions:
             return ("none",)
         if self.shard != AUTO:
             return (self.shard,) if shard_refusal(schedule, self.shard) is None else ()
-        modes = [m for m in SHARD_MODES if shard_refusal(schedule, m) is None]
+        modes = [m for m in SHARD_MODES if shard_refusal(schedule, m) is None
+                 and not (self.tp > 1 and m == "optimizer")]  # ZeRO-1 over tensor-parallel stages: not run
         # A sharded mode that holds and moves no fewer bytes per parameter than another is never worth
         # solving (every cost it adds is one of the two times the parameters: shard_footprint).  DDP stays:
         # its all-reduce overlaps the last backward.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -68,6 +69,7 @@ def shard_worker(rank: int, world: int, port: int, spec: str, out_dir: str, case
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     for case in cases:
+        started = time.monotonic()
         result: dict[str, Any] = {"losses": [], "norms": [], "error": None}
         try:
             model_file = load_model_file(case.get("spec", spec))
@@ -119,6 +121,7 @@ def shard_worker(rank: int, world: int, port: int, spec: str, out_dir: str, case
         except Exception as exc:  # noqa: BLE001 - the test reads it
             result["error"] = f"{type(exc).__name__}: {exc}"
             result["traceback"] = traceback.format_exc()
+        result["seconds"] = time.monotonic() - started
         torch.save(result, Path(out_dir) / f"{case['name']}-rank{rank}.pt")
         if result["error"] is not None and not case.get("expect_error"):
             break  # the others would wait for this rank in a collective: stop the job
