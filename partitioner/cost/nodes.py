@@ -241,10 +241,13 @@ def _in_situ(
     while len(plain) < _PLAIN_PASSES and time.perf_counter() - began < _PLAIN_BUDGET_S:
         reset()
         plain.append(_plain_pass(gm, inputs, params, sync))
-    forward_scale = _ratio(statistics.mean(p[0] for p in plain), statistics.mean(c[0] for c in clocked))
+    # Medians against medians: one pass slowed by other work on the machine moves a mean, and a scale
+    # from the mean of clocked sums would leave the nodes' medians summing short of the plain pass.
+    forward_medians = {k: statistics.median(v) for k, v in samples.items()}
+    forward_scale = _ratio(statistics.mean(p[0] for p in plain), sum(forward_medians.values()))
     backward_s = statistics.mean(p[1] for p in plain)
-    backward_scale = _ratio(backward_s, statistics.mean(c[1] for c in clocked))
-    forward = {k: forward_scale * statistics.median(v) for k, v in samples.items()}
+    backward_scale = _ratio(backward_s, statistics.median(c[1] for c in clocked))
+    forward = {k: forward_scale * seconds for k, seconds in forward_medians.items()}
     backward_nodes = {k: backward_scale * statistics.median(v) for k, v in back_samples.items()}
     return forward, backward_nodes, backward_s
 
