@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication, local_map
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import Placement
+from torch.utils import _pytree as pytree
 
 from partitioner.errors import AutopartitionError
 from partitioner.graph.ir import KIND_KEY, node_parameters
@@ -95,6 +96,7 @@ __all__ = [
     "tensor_parallel_meshes",
     "tensor_parallel_refusal",
     "tensor_parallel_step",
+    "whole_call",
     "wire_shape",
 ]
 
@@ -210,6 +212,10 @@ def _rewrite(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and any(s in str(node.target) for s in _SDPA):
             node.target = head_parallel_attention
             continue
+        if node.op == "call_function" and _foreign_op(node.target):  # DTensor has no rule for it
+            node.args = (_OpName(node.target), *node.args)
+            node.target = whole_call
+            continue
         role: TPRole | None = node.meta.get(TP_KEY)
         if role is None:
             continue
@@ -225,6 +231,32 @@ def _rewrite(gm: fx.GraphModule) -> None:
             node.replace_all_uses_with(split, delete_user_cb=lambda user, split=split: user is not split)
     graph.lint()
     gm.recompile()
+
+
+def _foreign_op(target: Any) -> bool:
+    """A registered op outside aten (a library's own kernel, e.g. transformers' grouped expert matmul)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims")
+
+
+class _OpName(str):
+    """An op's qualified name as a graph argument (fx prints strings; ``whole_call`` looks the op up)."""
+
+    def __new__(cls, op: Any) -> _OpName:
+        return super().__new__(cls, f"{op.namespace}::{op._opname}.{op._overloadname}")
+
+
+def whole_call(name: str, *args: Any, **kwargs: Any) -> Any:
+    """Run the op ``name`` (``ns::op.overload``) on whole tensors of every rank: DTensor has no sharding
+    rule for ops outside aten, so its inputs are gathered, it runs locally and its result is replicated."""
+    namespace, rest = name.split("::")
+    opname, overload = rest.split(".")
+    op = getattr(getattr(getattr(torch.ops, namespace), opname), overload)
+    mesh = next((a.device_mesh for a in (*args, *kwargs.values()) if isinstance(a, DTensor)), None)
+    if mesh is None:
+        return op(*args, **kwargs)
+    result = op(*(_whole(a) for a in args), **{k: _whole(v) for k, v in kwargs.items()})
+    return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
+                                result)
 
 
 def _is_parameter(node: fx.Node) -> bool:

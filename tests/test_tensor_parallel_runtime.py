@@ -250,3 +250,21 @@ def test_plans_the_runtime_cannot_run_are_refused_with_the_fix(tmp_path: Path) -
     why = tensor_parallel_refusal(zero1)
     assert why is not None and "tp=2" in why and "--shard none or full" in why
     assert tensor_parallel_refusal(dataclasses.replace(zero1, tp=1)) is None
+
+
+@pytest.mark.slow  # two ranks through verify: ~30 s
+def test_a_mixture_of_experts_with_a_library_op_runs_tensor_parallel(tmp_path: Path) -> None:
+    """Found: HF Mixtral's experts call ``transformers.grouped_mm_fallback``, which DTensor has no rule for;
+    such ops now run on whole tensors (``whole_call``) and the tp=2 pipeline matches the whole model."""
+    from runtime.verify import verify
+
+    spec = str(ROOT / "tests" / "models" / "zoo_mixtral.py")
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    inputs = model_file.example_inputs(4)
+    plan = compile(model_file.build(), inputs, gpus=2, tp=2, microbatches=2, schedule="1f1b", device="h100",
+                   gpus_per_node=2)
+    assert plan.tp == 2
+    plan.save(tmp_path / "plan")
+    result = verify(str(tmp_path / "plan"), spec, steps=2)
+    assert result.ok, result.report()
