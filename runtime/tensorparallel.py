@@ -213,7 +213,7 @@ def _rewrite(gm: fx.GraphModule) -> None:
             node.target = head_parallel_attention
             continue
         if node.op == "call_function" and _foreign_op(node.target):  # DTensor has no rule for it
-            node.args = (_OpName(node.target), *node.args)
+            node.args = (_op_name(node.target), *node.args)
             node.target = whole_call
             continue
         role: TPRole | None = node.meta.get(TP_KEY)
@@ -238,11 +238,9 @@ def _foreign_op(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims")
 
 
-class _OpName(str):
+def _op_name(op: Any) -> str:
     """An op's qualified name as a graph argument (fx prints strings; ``whole_call`` looks the op up)."""
-
-    def __new__(cls, op: Any) -> _OpName:
-        return super().__new__(cls, f"{op.namespace}::{op._opname}.{op._overloadname}")
+    return f"{op.namespace}::{op._opname}.{op._overloadname}"
 
 
 def whole_call(name: str, *args: Any, **kwargs: Any) -> Any:
