@@ -450,7 +450,11 @@ def _evaluate_split(
 def _choose_recompute(
     problem: Any, stage_of: Sequence[int], stages: int, microbatches: int, schedule: str
 ) -> list[Any] | None:
-    """The planner's own per-stage recomputation rule for a given split, if this planner has one."""
+    """The planner's own per-stage recomputation rule for a given split, if this planner has one.
+
+    Where the planner also spends a rank's exact headroom on recomputing less
+    (``partitioner.solve.headroom``), the hand-made split gets that too.
+    """
     from partitioner.solve import problem as problem_module
 
     choose = getattr(problem_module, "choose_recompute", None)
@@ -458,7 +462,14 @@ def _choose_recompute(
         return None
     wanted = {"stages": stages, "microbatches": microbatches, "schedule": schedule}
     result = choose(problem, stage_of, **_optional_kwargs(choose, wanted))
-    return None if result is None else list(result)
+    if result is None:
+        return None
+    try:
+        from partitioner.solve.headroom import spend_rank_headroom
+    except ImportError:  # a planner from before it
+        return list(result)
+    return list(spend_rank_headroom(problem, stage_of, stages, recompute=result, microbatches=microbatches,
+                                    schedule=schedule))  # type: ignore[arg-type]
 
 
 def _stage_recompute(plan: Any) -> list[str]:

@@ -105,8 +105,9 @@ from partitioner.search.options import (
 from partitioner.solve.blockgraph import block_graph
 from partitioner.solve.coarsen import coarsen
 from partitioner.solve.formulate import GraphCosts, node_times
+from partitioner.solve.headroom import spend_rank_headroom
 from partitioner.solve.ilp import solve
-from partitioner.solve.problem import PartitionProblem
+from partitioner.solve.problem import PartitionProblem, step_time
 from partitioner.solve.scaledcosts import ScaledCosts
 from partitioner.solve.tensorparallel import TensorParallelCosts
 from partitioner.units import format_seconds, plural
@@ -551,9 +552,14 @@ def _refine_in_simulation(
                              budget=options.refine_simulations, alternatives=starts)
         before = drafts[key].predicted.step_s
         after, moves = before, 0
-        if found.stage_of != c.partition.stage_of:
+        # A rank's stages rarely peak together: its exact peak may leave room to recompute less.
+        recompute = spend_rank_headroom(c.problem, found.stage_of, c.stages, recompute=found.recompute,
+                                        microbatches=c.microbatches, schedule=c.schedule)
+        if found.stage_of != c.partition.stage_of or recompute != found.recompute:
+            objective = found.objective if recompute == found.recompute else step_time(
+                c.problem, found.stage_of, microbatches=c.microbatches, schedule=c.schedule, recompute=recompute)[0]
             partition = dataclasses.replace(
-                c.partition, stage_of=found.stage_of, recompute=found.recompute, objective=found.objective,
+                c.partition, stage_of=found.stage_of, recompute=recompute, objective=objective,
                 status="feasible", wall_s=c.partition.wall_s + found.wall_s)
             better = dataclasses.replace(c, partition=partition)
             try:
@@ -564,6 +570,10 @@ def _refine_in_simulation(
                 c, after, moves = better, draft.predicted.step_s, found.moves
                 drafts[key] = draft
                 trials[key].partition, trials[key].status = partition, partition.status
+                if recompute != found.recompute:
+                    say(f"recomputing less within each rank's exact peak: {c.pp} pipeline ranks x {c.dp} replicas, "
+                        f"M {c.microbatches}, {schedule_label(c.schedule, c.chunks)}: "
+                        f"{percent_more(after, before)}")
         done[key] = Refinement(before, after, moves, found.simulations, found.wall_s)
         if moves:
             say(f"refined {c.pp} {'stages' if c.chunks == 1 else 'pipeline ranks'} x {c.dp} replicas, M {c.microbatches}, {schedule_label(c.schedule, c.chunks)} in simulation: "
