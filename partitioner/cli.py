@@ -202,7 +202,8 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help=f"adam (2 state tensors per parameter) or sgd (1) (default {DEFAULT_OPTIMIZER})")
     parser.add_argument("--recompute", choices=_RECOMPUTE, default=_AUTO, type=str.lower,
                         help="recompute activations in backward: auto (per stage, only where needed to fit, and only as "
-                        "many of its first layers as needed), "
+                        "many of its first layers as needed; where a rank has room, some layers recompute only their "
+                        "cheap ops, keeping matmul and attention outputs), "
                         "none, full (default auto)")
     parser.add_argument("--shard", choices=_SHARD, default=_AUTO, type=str.lower,
                         help="how each stage group's replicas hold their state: auto (chosen with pp, dp and the "

@@ -18,7 +18,8 @@ stage per rank, stage s on rank s.  Fields added within version 2 (marked
 ``ADDED_IN_VERSION``: ``solver.refinement``, ``model.call``) may be absent from
 a version-2 plan and take their defaults; so may those added within version 3
 (among them a stage's ``shard`` and its selective recomputation's
-``recompute_layers``, read as 0: a stage recomputes all its layers or none).
+``recompute_layers`` and ``recompute_ops_layers``, read as 0: a stage recomputes
+all its layers or none).
 
 Example::
 
@@ -147,6 +148,10 @@ class StagePlan:
     # stage graph: a layer's ops, or root-level code such as a mask the stage computes) recompute; the others keep
     # their activations. 0 otherwise.
     recompute_layers: int = dataclasses.field(default=0, metadata={ADDED_IN_VERSION: 3})
+    # recompute "selective" only: how many layer runs after those (the next ones) recompute only their cheap ops,
+    # keeping the outputs of their matrix multiplications and attention (per-op selective checkpointing,
+    # torch.utils.checkpoint.create_selective_checkpoint_contexts); the rest keep all their activations. 0 otherwise.
+    recompute_ops_layers: int = dataclasses.field(default=0, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,9 +511,11 @@ def _check_names(plan: Plan) -> None:
             raise ValueError(f"{where} is {value!r}, expected one of {', '.join(allowed)}")
     for st in plan.stages:
         selective = st.recompute == "selective"
-        if selective != (st.recompute_layers > 0) or st.recompute_layers < 0:
-            raise ValueError(f"plan.stages[{st.index}].recompute_layers is {st.recompute_layers} with recompute "
-                             f"{st.recompute!r}: a count of at least 1 goes with (and only with) 'selective'")
+        counts = st.recompute_layers + st.recompute_ops_layers
+        if selective != (counts > 0) or st.recompute_layers < 0 or st.recompute_ops_layers < 0:
+            raise ValueError(f"plan.stages[{st.index}].recompute_layers is {st.recompute_layers} and "
+                             f"recompute_ops_layers {st.recompute_ops_layers} with recompute {st.recompute!r}: "
+                             "counts of at least 1 in all go with (and only with) 'selective'")
         if st.reshard_after_forward and st.shard != "full":
             raise ValueError(f"plan.stages[{st.index}].reshard_after_forward is true, but its shard is "
                              f"{st.shard!r}: only a fully sharded stage reshards")

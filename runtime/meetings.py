@@ -64,7 +64,8 @@ from torch.utils import _pytree as pytree
 
 from partitioner.graph.ir import VALUE_KEY, dtype_from_name
 
-__all__ = ["LOG_NAME", "Known", "MarkedGraph", "Meeting", "MeetingLog", "inputs_written_in_place", "mark_meetings"]
+__all__ = ["LOG_NAME", "Known", "MarkedGraph", "Meeting", "MeetingLog", "inputs_written_in_place", "mark_meetings",
+           "writes_in_place"]
 
 LOG_NAME = "_autopartition_meetings"  # the log's submodule name in a marked stage module
 
@@ -383,6 +384,16 @@ def inputs_written_in_place(gm: fx.GraphModule) -> frozenset[str]:
         if first is not None and of.get(first) and _may_alias_first(gm, node):
             of[node] = of[first]
     return frozenset(written)
+
+
+def writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` of ``gm`` writes one of its inputs in place (the ops :func:`inputs_written_in_place` finds).
+
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(inplace=True)))
+    >>> [writes_in_place(gm, n) for n in gm.graph.nodes if n.op == "call_module"]
+    [False, True]
+    """
+    return bool(_written_args(gm, node))
 
 
 def _name(node: fx.Node) -> str:

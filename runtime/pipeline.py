@@ -66,6 +66,7 @@ from runtime.replicate import (
 )
 from runtime.shard import (
     ShardedStep,
+    bf16_gathered_parameters,
     build_optimizer,
     check_shard_plan,
     fill_shards,
@@ -128,7 +129,9 @@ class Pipeline:
     and loss under ``torch.autocast`` (bfloat16) with float32 parameters, ``bf16``
     converts parameters to bfloat16 (and floating model inputs as they enter);
     boundary tensors travel in the dtype they are computed in.  A stage planned
-    with ``recompute="full"`` runs each layer under activation checkpointing.
+    with ``recompute="full"`` runs each layer under activation checkpointing; one
+    planned ``"selective"`` its first ``recompute_layers`` layers so, and the next
+    ``recompute_ops_layers`` under per-op checkpointing (:mod:`runtime.recompute`).
 
     ``batch="global"`` (default): every rank passes the whole mini-batch and each
     replica takes its slice; ``batch="replica"``: each rank passes only its
@@ -231,7 +234,8 @@ class Pipeline:
         # found by fake propagation of the whole graph (every rank finds the same); buffers follow it.
         # self.plan stays the plan as given (as saved, and as recapture checks it).
         plan = self._run_plan = plan_at_precision(
-            plan, self._stages[0].captured.graph_module, example_microbatch(plan), device_type=self.device.type)
+            plan, self._stages[0].captured.graph_module, example_microbatch(plan), device_type=self.device.type,
+            bf16_parameters=bf16_gathered_parameters(plan))  # FSDP2's bfloat16 copies under bf16-mixed
         for local in self._stages:
             local.plan = plan.stages[local.plan.index]
         self._groups = make_groups(plan, self.rank)
@@ -255,7 +259,9 @@ class Pipeline:
             parallelize_stages(modules, tp_mesh)
         # What runs each stage's forward: precision and recomputation wrappers around the stage module
         # (made after every .to(): they read the stage's state through it, never copies).
-        self._runnables = tuple(_runnable(local, plan.precision, self.device) for local in self._stages)
+        twice = self.engine == "torch" and plan.schedule_data().splits_backward  # torch's B, then W: two backwards
+        self._runnables = tuple(_runnable(local, plan.precision, self.device, backward_twice=twice)
+                                for local in self._stages)
         # shard "full": each stage's runnable becomes one FSDP2 unit over its stage group (runtime.shard).
         self._sharded: ShardedStep | None = None
         self._built_optimizer = False
@@ -263,7 +269,7 @@ class Pipeline:
             if deferred is None:
                 broadcast_replicas(modules, self._groups)  # every replica keeps its shard of equal values
             policy = [local.plan.reshard_after_forward for local in self._stages]
-            self._runnables = shard_modules(self._runnables, policy, mesh)
+            self._runnables = shard_modules(self._runnables, policy, mesh, precision=plan.precision)
             if deferred is not None:
                 fill_shards(self._runnables, modules, deferred, self.device)
                 deferred = None
@@ -827,11 +833,23 @@ def _unsent_message(rank: int, replica: int) -> str:
     )
 
 
-def _runnable(local: LocalStage, precision: str, device: torch.device) -> torch.nn.Module:
-    """What runs a stage's forward: its module, each layer recomputed if planned, under the plan's precision."""
+def _runnable(local: LocalStage, precision: str, device: torch.device, *, backward_twice: bool = False
+              ) -> torch.nn.Module:
+    """What runs a stage's forward: its module, each layer recomputed if planned, under the plan's precision.
+
+    ``backward_twice``: the engine backpropagates through a stage in two calls (torch's
+    split backward: input gradients, then weight gradients), which torch's per-op
+    checkpointing refuses: the layers planned to recompute their cheap ops recompute
+    wholly instead (the same numbers, less memory than planned, more time).
+    """
     module: torch.nn.Module = local.module
-    if local.plan.recompute in ("full", "selective"):  # selective: only the first recompute_layers layers
-        module = Recomputed(local.module, layers=local.plan.recompute_layers or None)
+    if local.plan.recompute == "full":
+        module = Recomputed(local.module)
+    elif local.plan.recompute == "selective":  # the first layers wholly, the next ones' cheap ops (0 of either)
+        layers, ops_layers = local.plan.recompute_layers, local.plan.recompute_ops_layers
+        if backward_twice:
+            layers, ops_layers = layers + ops_layers, 0
+        module = Recomputed(local.module, layers=layers, ops_layers=ops_layers)
     if precision != "fp32":
         module = PrecisionForward(module, precision=precision, device_type=device.type,
                                   model_inputs=len(local.signature.model_inputs))

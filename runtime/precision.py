@@ -133,14 +133,17 @@ def precision_loss(
 
 
 def boundary_dtypes(
-    gm: fx.GraphModule, inputs: Sequence[Any], *, precision: str, device_type: str | None = None
+    gm: fx.GraphModule, inputs: Sequence[Any], *, precision: str, device_type: str | None = None,
+    bf16_parameters: Sequence[str] = (),
 ) -> dict[str, str]:
     """The dtype of every tensor node of ``gm`` when it runs under ``precision``, by node name.
 
     The graph runs on fake stand-ins (:mod:`partitioner.graph.meta`) of its inputs,
     parameters and buffers: nothing is allocated and no weight is read.
     ``device_type`` picks autocast's op lists (``cuda`` and ``cpu`` differ a
-    little); by default the inputs' device.
+    little); by default the inputs' device.  ``bf16_parameters``: graph names of
+    parameters read as bfloat16 copies under ``bf16-mixed`` (FSDP2 gathers a
+    fully sharded stage's weights so: :func:`runtime.shard.fsdp_policy`).
     """
     precision = check_precision(precision)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -150,11 +153,12 @@ def boundary_dtypes(
     run = _DtypeRun(gm)
     base = FakeState(gm, mode, home)
     held = {id(t) for t in (*gm.parameters(), *gm.buffers())}
+    gathered = {id(attribute(gm, name)) for name in bf16_parameters} if precision == "bf16-mixed" else set()
 
     def state(name: str) -> Any:
         value = base(name)
         # Under bf16 the stage's parameters and buffers are bf16 (cast_parameters); constants are not.
-        if precision == "bf16" and id(attribute(gm, name)) in held:
+        if (precision == "bf16" and id(attribute(gm, name)) in held) or id(attribute(gm, name)) in gathered:
             value = _to_bf16(value)
         return value
 
@@ -221,12 +225,16 @@ def _to_bf16(value: Any) -> Any:
     return pytree.tree_map(one, value)
 
 
-def plan_at_precision(plan: Plan, gm: fx.GraphModule, inputs: Sequence[Any], *, device_type: str) -> Plan:
+def plan_at_precision(
+    plan: Plan, gm: fx.GraphModule, inputs: Sequence[Any], *, device_type: str, bf16_parameters: Sequence[str] = (),
+) -> Plan:
     """The plan the runtime executes: boundary dtypes as ``gm`` (the whole captured graph) computes them.
 
     ``inputs``: one micro-batch of the model's flat inputs (zeros will do: only
-    shapes and dtypes matter).  An ``fp32`` plan is returned as it is.
+    shapes and dtypes matter); ``bf16_parameters``: as :func:`boundary_dtypes`.
+    An ``fp32`` plan is returned as it is.
     """
     if check_precision(plan.precision) == "fp32":
         return plan
-    return with_boundary_dtypes(plan, boundary_dtypes(gm, inputs, precision=plan.precision, device_type=device_type))
+    return with_boundary_dtypes(plan, boundary_dtypes(gm, inputs, precision=plan.precision, device_type=device_type,
+                                                      bf16_parameters=bf16_parameters))

@@ -1,24 +1,47 @@
 """Activation recomputation at run time: a stage whose plan says ``recompute == "full"`` checkpoints each block,
-one whose plan says ``"selective"`` its first ``recompute_layers`` blocks.
+one whose plan says ``"selective"`` its first ``recompute_layers`` blocks wholly and the next
+``recompute_ops_layers`` blocks' cheap ops only.
 
 A stage module (an ``fx.GraphModule``) is cut into *blocks*: runs of
 consecutive compute nodes of one layer (:func:`partitioner.graph.ir.layer_of` of
 the node's module: ``layers.3``, ``model.layers.3``, ``lm_head``), with
 root-level glue (a residual add, ``x.view``) joining the block before it (or
-the first block, when it leads).  :class:`Recomputed` runs each block under
-``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: a block keeps only
-its inputs after the forward and computes its activations again during the
-backward, which is what the planner charges a recomputing stage (its blocks'
-inputs per micro-batch, plus one block's activations during each backward).
-With ``layers=N`` (selective recomputation, the plan's ``recompute_layers``;
-Megatron-LM's ``--recompute-method block --recompute-num-layers N``) only the
-first N blocks run under checkpoint and the others keep their activations,
-which the planner charges as their activations plus the first N blocks' inputs.
+the first block, when it leads).  :class:`Recomputed` runs each block in one of
+three ways (:data:`RUN_KINDS`):
 
-Numbers do not change: the backward re-runs the same ops on the same inputs,
-and checkpoint restores the random-number state (CPU and the inputs' devices)
-and the autocast state of the forward for the recomputation, so dropout masks
-and autocast dtypes are the same as the first time.
+* ``"whole"``: under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``:
+  the block keeps only its inputs after the forward and computes its
+  activations again during the backward, which is what the planner charges a
+  recomputing stage (its blocks' inputs per micro-batch, plus one block's
+  activations during each backward).  ``recompute == "full"``: every block.
+* ``"ops"`` (per-op selective checkpointing, torchtitan's
+  ``--activation_checkpoint.mode selective --selective_ac_option op``): under
+  the same checkpoint with ``torch.utils.checkpoint.create_selective_checkpoint_contexts``,
+  whose policy saves the outputs of the ops in :data:`SAVED_OPS` (matrix
+  multiplications and attention) and recomputes every other op: the block
+  keeps its inputs plus its matmul and attention outputs per micro-batch, and
+  its backward re-runs only its cheap ops (norms, activations, dropout, adds).
+* ``"keep"``: runs plainly and keeps every activation.
+
+With ``layers=N, ops_layers=K`` (selective recomputation, the plan's
+``recompute_layers`` and ``recompute_ops_layers``; Megatron-LM's
+``--recompute-method block --recompute-num-layers N`` for the first part) the
+first N blocks run whole, the next K ops, the others keep, which the planner
+charges as the kept blocks' activations, the first N blocks' inputs and the
+next K blocks' inputs and saved op outputs.
+
+Numbers do not change: the backward re-runs the same ops on the same inputs
+(an ops block takes its saved outputs where the forward's ops would run
+again), and checkpoint restores the random-number state (CPU and the inputs'
+devices) and the autocast state of the forward for the recomputation, so
+dropout masks and autocast dtypes are the same as the first time.  Two limits of
+torch's per-op checkpointing: a region may be backpropagated through once (our
+engine's split backward runs a recomputing stage's backward whole; under
+``engine="torch"`` a split-backward schedule backpropagates twice, so
+:mod:`runtime.pipeline` runs those blocks ``"whole"`` there), and an op may not write
+in place into a saved output: an ``"ops"`` block whose graph writes anything in
+place (``nn.ReLU(inplace=True)``, ``x += y``) runs ``"whole"`` instead
+(:func:`stage_run_kinds`).  Either way: less memory than planned, never other numbers.
 
 The blocks share the stage's parameters (they read them through the stage
 module at every call), so the optimizer, DDP and state dicts see the stage
@@ -38,25 +61,90 @@ Example::
     True
     >>> Recomputed(gm, layers=2).recomputed  # the first two blocks only
     2
+    >>> Recomputed(gm, layers=1, ops_layers=1).kinds  # then one block's cheap ops only
+    ('whole', 'ops', 'keep')
+    >>> Recomputed(gm, layers=0, ops_layers=3).kinds  # per-op checkpointing everywhere
+    ('ops', 'ops', 'ops')
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import fx, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from partitioner.errors import InternalError, PlanMismatchError
 from partitioner.graph.ir import layer_of, module_path
+from runtime.meetings import writes_in_place
 
-__all__ = ["Recomputed", "block_nodes", "block_run", "recomputed_layers"]
+__all__ = [
+    "RUN_KINDS", "SAVED_OPS", "Recomputed", "RunKind", "block_nodes", "block_run", "recomputed_layers", "run_block",
+    "run_kinds", "stage_run_kinds",
+]
 
 _CALLS = ("call_function", "call_method", "call_module")
 _OWNER = "stage"  # the attribute through which a block reads the stage module's state
+
+RunKind = Literal["whole", "ops", "keep"]
+RUN_KINDS: tuple[RunKind, ...] = ("whole", "ops", "keep")  # how a block runs (module docstring)
+
+
+def _aten_ops(names: Sequence[str]) -> frozenset[torch._ops.OpOverload]:
+    """The ``default`` overloads of the aten ops ``names`` this torch has (a missing one: never dispatched to)."""
+    return frozenset(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
+
+
+# The ops whose outputs an "ops" block saves; every other op it recomputes.  torchtitan's per-op policy
+# (torchtitan/distributed/activation_checkpoint.py, selective_ac_option "op") saves matmul and attention outputs
+# and recomputes the rest; its older versions also recomputed every second mm, which we do not: the planner
+# charges every matmul's and attention's output as kept.  What the captured ops dispatch to (torch 2.13): a linear
+# with bias to addmm (a 3-d input through a view), without bias to mm, a batched matmul to bmm (baddbmm in some
+# attention code), float8 linears to _scaled_mm; scaled_dot_product_attention to the flash, memory-efficient or
+# cuDNN kernel on CUDA and to _scaled_dot_product_flash_attention_for_cpu on CPU (its math fallback decomposes
+# into bmm, saved, and softmax, recomputed).  An attention kernel's extra outputs (logsumexp, RNG state) are
+# saved with it: its backward reads them.
+SAVED_OPS: frozenset[torch._ops.OpOverload] = _aten_ops((
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+))
+
+
+def _save_matmuls(ctx: SelectiveCheckpointContext, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The per-op policy of an "ops" block: keep what :data:`SAVED_OPS` make, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _ops_contexts() -> tuple[Any, Any]:
+    """Fresh forward and recomputation contexts for one checkpointed call (they hold that call's saved outputs)."""
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def run_block(block: Callable[..., Any], values: Sequence[Any], kind: RunKind) -> Any:
+    """``block(*values)``, recomputed in the backward as ``kind`` says (plainly without gradients).
+
+    >>> x = torch.randn(2, 3, requires_grad=True)
+    >>> w = torch.randn(3, 3)
+    >>> y = run_block(lambda a: torch.tanh(a @ w), [x], "ops")  # the mm output kept, tanh recomputed
+    >>> torch.equal(y, torch.tanh(x @ w))
+    True
+    """
+    if kind == "keep" or not torch.is_grad_enabled():
+        return block(*values)
+    if kind == "whole":
+        return checkpoint(block, *values, use_reentrant=False)
+    if kind == "ops":
+        return checkpoint(block, *values, use_reentrant=False, context_fn=_ops_contexts)
+    raise InternalError(f"unknown recomputation kind {kind!r}, expected one of {', '.join(RUN_KINDS)}")
 
 
 def block_nodes(gm: fx.GraphModule) -> list[tuple[str, ...]]:
@@ -83,23 +171,30 @@ class _Segment:
 
 
 class Recomputed(nn.Module):
-    """``stage`` run block by block, each block under non-reentrant checkpoint while gradients are on.
+    """``stage`` run block by block, each block recomputed as planned while gradients are on.
 
     Calls and returns exactly as ``stage`` does.  Without gradients (evaluation)
     the blocks simply run.  ``blocks``: node names per block (default
     :func:`block_nodes`), in graph order, covering every compute node.
-    ``layers``: checkpoint only the first ``layers`` blocks (selective; None: every
-    block); more than the stage has is a plan made for another model.
+    ``layers``: checkpoint only the first ``layers`` blocks wholly (selective; None:
+    every block); ``ops_layers``: the next ``ops_layers`` blocks under per-op
+    checkpointing (only with ``layers`` given, which may then be 0).  Counts the
+    stage does not have are a plan made for another model.  ``kinds``: how each
+    block runs (:func:`stage_run_kinds`); ``recomputed`` and ``ops_recomputed``
+    count the ``"whole"`` and ``"ops"`` ones.
     """
 
     def __init__(self, stage: fx.GraphModule, *, blocks: Sequence[Sequence[str]] | None = None,
-                 layers: int | None = None) -> None:
+                 layers: int | None = None, ops_layers: int = 0) -> None:
         super().__init__()
         self.stage = stage
         groups = [tuple(b) for b in (blocks if blocks is not None else block_nodes(stage))]
         # A plain list: the blocks are not submodules, so parameters are not listed twice.
         self._segments: list[_Segment] = _segments(stage, groups)
-        self.recomputed = recomputed_layers(len(groups), layers)
+        self.layers, self.ops_layers = layers, ops_layers  # as planned (ZeRO-3's LayeredStage reads them)
+        self.kinds = stage_run_kinds(stage, groups, layers=layers, ops_layers=ops_layers)
+        self.recomputed = self.kinds.count("whole")
+        self.ops_recomputed = self.kinds.count("ops")
         graph = stage.graph
         self._inputs = tuple(n.name for n in graph.nodes if n.op == "placeholder")
         output = next(n for n in graph.nodes if n.op == "output")
@@ -111,11 +206,8 @@ class Recomputed(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         env: dict[str, Any] = dict(zip(self._inputs, args, strict=True))
-        grad = torch.is_grad_enabled()
-        for i, seg in enumerate(self._segments):
-            inputs = [env[name] for name in seg.inputs]
-            again = grad and i < self.recomputed
-            outputs = checkpoint(seg.module, *inputs, use_reentrant=False) if again else seg.module(*inputs)
+        for seg, kind in zip(self._segments, self.kinds, strict=True):
+            outputs = run_block(seg.module, [env[name] for name in seg.inputs], kind)
             env.update(zip(seg.outputs, outputs, strict=True))
         return fx.node.map_aggregate(self._template, lambda v: env[v.name] if isinstance(v, fx.Node) else v)
 
@@ -135,6 +227,47 @@ def recomputed_layers(blocks: int, layers: int | None) -> int:
             "with `autopartition model.py`."
         )
     return layers
+
+
+def run_kinds(blocks: int, *, layers: int | None = None, ops_layers: int = 0) -> tuple[RunKind, ...]:
+    """How each of a stage's ``blocks`` runs: the first ``layers`` whole (None: all), the next ``ops_layers`` ops.
+
+    The counts are checked against ``blocks`` (:class:`PlanMismatchError` for a plan
+    that does not fit the stage).
+
+    >>> run_kinds(4), run_kinds(4, layers=1), run_kinds(4, layers=1, ops_layers=2)
+    (('whole', 'whole', 'whole', 'whole'), ('whole', 'keep', 'keep', 'keep'), ('whole', 'ops', 'ops', 'keep'))
+    """
+    whole: tuple[RunKind, ...] = ("whole",)
+    if layers is None:
+        if ops_layers:
+            raise InternalError(f"ops_layers={ops_layers} with every layer recomputed wholly (layers=None)")
+        return whole * blocks
+    if not ops_layers:
+        layers = recomputed_layers(blocks, layers)
+    elif layers < 0 or ops_layers < 0 or layers + ops_layers > blocks:
+        raise PlanMismatchError(
+            f"The plan recomputes {layers} layers wholly and the cheap ops of {ops_layers} more of a stage that "
+            f"has {blocks} (recompute_layers and recompute_ops_layers, selective recomputation); the plan was made "
+            "for another model or edited by hand: plan the model again with `autopartition model.py`."
+        )
+    ops: tuple[RunKind, ...] = ("ops",)
+    keep: tuple[RunKind, ...] = ("keep",)
+    return whole * layers + ops * ops_layers + keep * (blocks - layers - ops_layers)
+
+
+def stage_run_kinds(stage: fx.GraphModule, blocks: Sequence[Sequence[str]], *, layers: int | None = None,
+                    ops_layers: int = 0) -> tuple[RunKind, ...]:
+    """:func:`run_kinds` for ``blocks`` (node names) of ``stage``, an ``"ops"`` block that writes in place ``"whole"``.
+
+    torch's per-op checkpointing refuses, in the backward, an op output it saved
+    that a later op wrote in place; a block that writes anything in place
+    (conservative: the write may not touch a saved output) recomputes wholly.
+    """
+    kinds = run_kinds(len(blocks), layers=layers, ops_layers=ops_layers)
+    nodes = {n.name: n for n in stage.graph.nodes}
+    written = [any(writes_in_place(stage, nodes[name]) for name in block) for block in blocks]
+    return tuple("whole" if kind == "ops" and w else kind for kind, w in zip(kinds, written, strict=True))
 
 
 def _segments(stage: fx.GraphModule, blocks: list[tuple[str, ...]]) -> list[_Segment]:

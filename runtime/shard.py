@@ -44,8 +44,33 @@ SC 2020, section 5) name them:
     W computes weight gradients after B, outside FSDP2's backward hooks, so
     they cannot be reduce-scattered per backward (:func:`shard_refusal`).
 
-  Gathered in the parameters' dtype (no FSDP mixed-precision policy: bf16-mixed
-  is autocast).  A model built on meta is materialised straight into
+  Precision (:func:`fsdp_policy`): under ``bf16-mixed`` every unit (layers and
+  the stage's root) has FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+  reduce_dtype=float32)``, as torchtitan's ``mixed_precision_param`` /
+  ``mixed_precision_reduce``: the float32 shards are all-gathered as bfloat16
+  copies (half the bytes), the backward's bfloat16 gradients are
+  reduce-scattered in float32, and under gradient accumulation (kept gathered,
+  ``set_requires_gradient_sync(False)``) FSDP2 upcasts each micro-batch's
+  bfloat16 gradients into a float32 unsharded accumulator
+  (``FSDPParam.to_accumulated_grad_if_needed`` /
+  ``accumulate_unsharded_grad_if_needed`` in
+  ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``), whose sum the step's
+  one reduce-scatter reads (its input buffer in the reduce dtype,
+  ``foreach_reduce`` in ``_fsdp_collectives.py``).  The sharded parameters, their
+  gradients and the optimizer state stay float32 (what clipping, the optimizer
+  and checkpoints see).  Autocast stays on around the stage, so ops on its
+  float32 list (norms, softmax, the loss) still run in float32 and matmuls in
+  bfloat16, as in a DDP stage; inputs are not cast (``cast_forward_inputs``
+  False: autocast decides per op).  What differs from a DDP stage: ops outside
+  autocast's lists that read a weight (an embedding lookup, a norm's ``weight *
+  x``) read its bfloat16 copy, so an embedding's output is bfloat16 rather than
+  float32 and a residual stream started from it stays bfloat16, as in
+  torchtitan; the boundary tensors' dtypes are found with those weights in
+  bfloat16 (:func:`bf16_gathered_parameters`,
+  :func:`runtime.precision.plan_at_precision`).  fp32 and bf16: no policy, the
+  units gathered in the parameters' dtype.
+
+  A model built on meta is materialised straight into
   shards (:func:`fill_shards`): each module is initialised whole, one at a
   time, and only this replica's part of its parameters is kept, so a fully
   sharded rank never holds its whole stage at start-up.
@@ -73,24 +98,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.utils.checkpoint import checkpoint
 
-from partitioner.cost.precision import shard_degree
+from partitioner.cost.precision import check_precision, shard_degree
 from partitioner.defaults import shard_refusal as _schedule_refusal
 from partitioner.defaults import splits_backward
 from partitioner.errors import InternalError, ScheduleError
 from partitioner.plan import Plan
 from runtime.precision import PrecisionForward
-from runtime.recompute import Recomputed, block_nodes, block_run, recomputed_layers
+from runtime.recompute import (
+    Recomputed,
+    RunKind,
+    block_nodes,
+    block_run,
+    run_block,
+    stage_run_kinds,
+)
 
 __all__ = [
     "LayerUnit",
     "LayeredStage",
     "ShardUnit",
     "ShardedStep",
+    "bf16_gathered_parameters",
     "build_optimizer",
     "check_shard_plan",
     "fill_shards",
+    "fsdp_policy",
     "plain_tensor",
     "rank_shard_mode",
     "shard_layout",
@@ -243,22 +276,29 @@ class LayeredStage(nn.Module):
     modules holding nothing else) is a :class:`LayerUnit`; the others read the
     stage's parameters through the stage module (the root unit's).  With
     ``recompute`` each run (an ``int``: the first ``recompute`` runs, selective
-    recomputation) goes under non-reentrant ``torch.utils.checkpoint``
-    while gradients are on, as :class:`runtime.recompute.Recomputed` does (the
-    same blocks, so the same numbers and memory): FSDP2 then gathers a unit
-    again for its recomputation inside the backward (its pre-backward state).
+    recomputation, then the next ``ops_layers`` under per-op checkpointing) goes
+    under non-reentrant ``torch.utils.checkpoint`` while gradients are on, as
+    :class:`runtime.recompute.Recomputed` does (the same blocks and kinds, so the
+    same numbers and memory): FSDP2 then gathers a unit again for its
+    recomputation inside the backward (its pre-backward state).
     """
 
-    def __init__(self, stage: fx.GraphModule, *, recompute: bool | int) -> None:
+    def __init__(self, stage: fx.GraphModule, *, recompute: bool | int, ops_layers: int = 0) -> None:
         super().__init__()
         self.stage = stage
         self.recompute = recompute
         graph = stage.graph
         nodes = {n.name: n for n in graph.nodes}
         blocks = block_nodes(stage)
-        # How many runs (the first ones) recompute: all, none, or the plan's selective count.
-        self.recomputed = len(blocks) if recompute is True else 0 if recompute is False else \
-            recomputed_layers(len(blocks), recompute)
+        # How each run recomputes: all wholly, none, or the plan's selective counts (first wholly, next ops).
+        self.kinds: tuple[RunKind, ...]
+        if recompute is True:
+            self.kinds = stage_run_kinds(stage, blocks)
+        elif recompute is False and not ops_layers:
+            self.kinds = tuple("keep" for _ in blocks)
+        else:
+            self.kinds = stage_run_kinds(stage, blocks, layers=int(recompute), ops_layers=ops_layers)
+        self.recomputed = self.kinds.count("whole")
         readers: dict[nn.Parameter, set[int]] = {}
         reads: list[dict[str, nn.Parameter]] = []
         for i, block in enumerate(blocks):
@@ -309,11 +349,8 @@ class LayeredStage(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         env: dict[str, Any] = dict(zip(self._inputs, args, strict=True))
-        grad = torch.is_grad_enabled()
-        for i, (run, (inputs, outputs)) in enumerate(zip(self._runs, self._steps, strict=True)):
-            values = [env[name] for name in inputs]
-            again = grad and i < self.recomputed
-            result = checkpoint(run, *values, use_reentrant=False) if again else run(*values)
+        for run, (inputs, outputs), kind in zip(self._runs, self._steps, self.kinds, strict=True):
+            result = run_block(run, [env[name] for name in inputs], kind)
             env.update(zip(outputs, result, strict=True))
         return fx.node.map_aggregate(self._template, lambda v: env[v.name] if isinstance(v, fx.Node) else v)
 
@@ -342,32 +379,69 @@ def _layered(runnable: nn.Module) -> tuple[nn.Module, LayeredStage | None]:
     outer = runnable if isinstance(runnable, PrecisionForward) else None
     inner = outer.module if outer is not None else runnable
     recompute: bool | int
-    if isinstance(inner, Recomputed):  # every layer, or the first ones (selective): the same runs here
-        stage, recompute = inner.stage, True if inner.recomputed == inner.blocks else inner.recomputed
+    ops_layers = 0
+    if isinstance(inner, Recomputed):  # every layer, or the planned ones (selective): the same runs here
+        stage, recompute, ops_layers = inner.stage, True if inner.layers is None else inner.layers, inner.ops_layers
     elif isinstance(inner, fx.GraphModule):
         stage, recompute = inner, False
     else:
         return runnable, None
-    layered = LayeredStage(stage, recompute=recompute)
+    layered = LayeredStage(stage, recompute=recompute, ops_layers=ops_layers)
     if outer is None:
         return layered, layered
     outer.module = layered
     return outer, layered
 
 
+def fsdp_policy(precision: str) -> Any:
+    """FSDP2's mixed-precision policy for a ``full`` stage under ``precision`` (module docstring).
+
+    ``bf16-mixed``: gathered and computed in bfloat16, gradients reduced (and,
+    without gradient sync, accumulated) in float32, as torchtitan's defaults;
+    inputs left to autocast.  Otherwise the default policy: no casting.
+
+    >>> fsdp_policy("bf16-mixed").param_dtype, fsdp_policy("bf16-mixed").reduce_dtype, fsdp_policy("fp32").param_dtype
+    (torch.bfloat16, torch.float32, None)
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if check_precision(precision) != "bf16-mixed":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def bf16_gathered_parameters(plan: Plan) -> tuple[str, ...]:
+    """The graph names of the parameters FSDP2 gathers in bfloat16 for ``plan`` (:func:`fsdp_policy`).
+
+    Those of the stages on pipeline ranks that run ``full`` (:func:`rank_shard_mode`)
+    under ``bf16-mixed``; none otherwise.  Every rank finds the same names, so
+    every rank finds the same boundary dtypes (:func:`runtime.precision.plan_at_precision`).
+
+    >>> from partitioner.plan import example_plan
+    >>> bf16_gathered_parameters(example_plan())
+    ()
+    """
+    if plan.precision != "bf16-mixed":
+        return ()
+    return tuple(name for p in range(plan.pp) if rank_shard_mode(plan, p) == "full"
+                 for s in plan.stages_of(p) for name in plan.stages[s].parameters)
+
+
 def shard_modules(
-    runnables: Sequence[nn.Module], reshard_after_forward: Sequence[bool], mesh: Any,
+    runnables: Sequence[nn.Module], reshard_after_forward: Sequence[bool], mesh: Any, *, precision: str = "fp32",
 ) -> tuple[nn.Module, ...]:
     """Each stage's runnable as a :class:`ShardUnit` under FSDP2's ``fully_shard`` over ``mesh``.
 
     ``reshard_after_forward`` (per stage) True: ZeRO-3, one unit per layer
     (:class:`LayeredStage`) under the stage's root unit, every unit resharded
     after each forward and backward; False: the stage is one unit, kept
-    gathered through the step (:class:`ShardedStep`).  The replicas must hold
-    equal parameters first (each keeps only its shard of its own copy).
+    gathered through the step (:class:`ShardedStep`).  Every unit gets
+    ``precision``'s :func:`fsdp_policy`.  The replicas must hold equal
+    parameters first (each keeps only its shard of its own copy).
     """
     from torch.distributed.fsdp import fully_shard
 
+    policy = fsdp_policy(precision)
     units = []
     for runnable, reshard in zip(runnables, reshard_after_forward):
         ignored: set[nn.Parameter] = set()
@@ -375,11 +449,12 @@ def shard_modules(
             runnable, layered = _layered(runnable)
             if layered is not None:
                 for layer in layered.units:  # bottom-up: each layer's unit before the stage's root
-                    fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
                 # The stage module still registers the layers' parameters (one object each): the root leaves them.
                 ignored = layered.layer_parameters()
         unit = ShardUnit(runnable)
-        fully_shard(unit, mesh=mesh, reshard_after_forward=bool(reshard), ignored_params=ignored or None)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=bool(reshard), ignored_params=ignored or None,
+                    mp_policy=policy)
         units.append(unit)
     return tuple(units)
 

@@ -54,13 +54,13 @@ def test_our_precisions_per_parameter(d: int) -> None:
     """bf16-mixed Adam: our fp32 weights are the master copy (the paper's 4 of K = 12)."""
     per = {m: shard_state_bytes("bf16-mixed", 2, m, d, elements=1, model_bytes=4) for m in ("none", "optimizer", "full")}
     assert per == pytest.approx({"none": 16, "optimizer": 8 + 8 / d, "full": 16 / d})
-    # Under a pipeline a fully sharded stage also holds, through the step, its weights gathered (the fp32 master:
-    # bf16-mixed is autocast, not an FSDP2 precision policy) and its fp32 gradients accumulated unsharded.
-    assert gathered_bytes("bf16-mixed", elements=1, model_bytes=4) == 4 + 4
+    # Under a pipeline a fully sharded stage also holds its weights gathered (bf16: FSDP2's param_dtype), its fp32
+    # gradients accumulated unsharded (reduce_dtype) and, until each backward ends, that backward's bf16 gradients.
+    assert gathered_bytes("bf16-mixed", elements=1, model_bytes=4) == 2 + 4 + 2
     # ZeRO-3 holds nothing beyond its shards through the step: gradients are reduce-scattered every micro-batch.
     assert gathered_bytes("bf16-mixed", elements=1, model_bytes=4, reshard_after_forward=True) == 0
-    # Its transient: the largest unit's fp32 weights and gradients, the one in use and the one prefetched.
-    assert zero3_transient_bytes("bf16-mixed", elements=1, model_bytes=4) == 2 * (4 + 4)
+    # Its transient: two units' bf16 weights (in use, prefetched), one's bf16 gradients, one fp32 reduce-scatter input.
+    assert zero3_transient_bytes("bf16-mixed", elements=1, model_bytes=4) == 2 + 2 + 2 + 4
     assert zero3_transient_bytes("bf16", elements=1, model_bytes=4) == 2 * (2 + 2)
     assert shard_state_bytes("fp32", 1, "optimizer", d, elements=1, model_bytes=4) == pytest.approx(8 + 4 / d)
     assert shard_state_bytes("bf16", 2, "full", d, elements=1, model_bytes=4) == pytest.approx(8 / d)
@@ -197,7 +197,7 @@ def test_full_shard_holds_gathered_weights_and_gradients(ddp_plan: Plan) -> None
     assert {s.shard for s in plan.stages} == {"full"}
     for s, static in zip(plan.stages, stage_static_bytes(plan), strict=True):
         elements = s.predicted.parameter_bytes / 4
-        assert static == pytest.approx(elements * (16 / 2 + 4 + 4))
+        assert static == pytest.approx(elements * (16 / 2 + 2 + 4 + 2))  # bf16 gathered, fp32 + bf16 gradients
     sim = simulate(plan)
     assert list(sim.peak_memory_bytes) == pytest.approx([s.predicted.memory_bytes for s in plan.stages])
     # One exposed piece per stage after its last backward, not DDP's buckets.
@@ -296,8 +296,8 @@ def test_stages_holding_a_tied_parameter_share_one_mode() -> None:
 
 
 def test_zero3_where_only_it_fits() -> None:
-    """pp=2 x dp=4: per parameter DDP 16, optimizer 8 + 8/4, full kept gathered 16/4 + 8; ZeRO-3 16/4 plus two
-    layers' weights and gradients (one layer is a quarter of a stage here): 8. At 9 only ZeRO-3 fits."""
+    """pp=2 x dp=4: per parameter DDP 16, optimizer 8 + 8/4, full kept gathered 16/4 + 8; ZeRO-3 16/4 plus 10 bytes
+    of the largest layer (one layer is a quarter of a stage here): 6.5. At 9 only ZeRO-3 fits."""
     ddp = _plan(gpus=8, dp=4)
     half = sum(s.predicted.parameter_bytes for s in ddp.stages) / 4 / 2  # elements of a stage
     layer = WIDTH * WIDTH + WIDTH
@@ -310,8 +310,8 @@ def test_zero3_where_only_it_fits() -> None:
     assert max(plan.predicted.peak_memory_bytes) <= 9 * half
     # Plan and simulator hold the same bytes: the shards, and the two gathered units (no accumulated gradients).
     for s, static in zip(plan.stages, stage_static_bytes(plan), strict=True):
-        assert s.predicted.gathered_bytes == 2 * (4 + 4) * layer
-        assert static == pytest.approx(s.predicted.parameter_bytes / 4 * 16 / 4 + 2 * 8 * layer)
+        assert s.predicted.gathered_bytes == (2 + 2 + 2 + 4) * layer  # bf16-mixed: zero3_transient_bytes
+        assert static == pytest.approx(s.predicted.parameter_bytes / 4 * 16 / 4 + 10 * layer)
     sim = simulate(plan)
     assert list(sim.peak_memory_bytes) == pytest.approx([s.predicted.memory_bytes for s in plan.stages])
     text = format_plan(plan)
@@ -365,5 +365,5 @@ def test_zero3_gathered_units_count_once_per_rank() -> None:
     plan = _plan(gpus=8, dp=4, schedule="interleaved-1f1b", memory_per_gpu=9 * half)
     assert plan.chunks == 2 and all(s.reshard_after_forward for s in plan.stages)
     units = [sum(s.predicted.gathered_bytes for s in plan.stages if s.rank == r) for r in range(plan.pp)]
-    assert units == [2 * (4 + 4) * (WIDTH * WIDTH + WIDTH)] * plan.pp
+    assert units == [10 * (WIDTH * WIDTH + WIDTH)] * plan.pp
     assert max(plan.predicted.peak_memory_bytes) <= 9 * half

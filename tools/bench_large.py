@@ -407,9 +407,9 @@ def _evaluate_split(
     if why is not None:
         return {"error": f"invalid split: {why}"}
     microbatches, schedule = plan.microbatches, plan.schedule
-    recompute = _choose_recompute(problem, stage_of, stages, microbatches, schedule)
+    recompute, ops = _choose_recompute(problem, stage_of, stages, microbatches, schedule)
     closed_kwargs = _optional_kwargs(
-        problem_module.step_time, {"recompute": recompute, "schedule": schedule}
+        problem_module.step_time, {"recompute": recompute, "schedule": schedule, "ops": ops}
     )
     closed, _ = problem_module.step_time(
         problem, stage_of, microbatches=microbatches, **closed_kwargs
@@ -420,10 +420,11 @@ def _evaluate_split(
         "solver": "hand-made",
         "status": "feasible",
     }
-    if recompute is not None and "recompute" in {
-        f.name for f in dataclasses.fields(solved.partition)
-    }:
+    fields = {f.name for f in dataclasses.fields(solved.partition)}
+    if recompute is not None and "recompute" in fields:
         changes["recompute"] = tuple(recompute)
+    if ops is not None and "recompute_ops" in fields:
+        changes["recompute_ops"] = tuple(ops)
     partition = dataclasses.replace(solved.partition, **changes)
     replaced = dataclasses.replace(solved, partition=partition)
     if index < len(args):
@@ -449,35 +450,42 @@ def _evaluate_split(
 
 def _choose_recompute(
     problem: Any, stage_of: Sequence[int], stages: int, microbatches: int, schedule: str
-) -> list[Any] | None:
-    """The planner's own per-stage recomputation rule for a given split, if this planner has one.
+) -> tuple[list[Any] | None, list[int] | None]:
+    """The planner's own per-stage recomputation rule for a given split, if this planner has one:
+    (per-stage choice, per-stage blocks recomputing only their cheap ops, None where not known).
 
-    Where the planner also spends a rank's exact headroom on recomputing less
-    (``partitioner.solve.headroom``), the hand-made split gets that too.
+    Where the planner also spends each rank's exact headroom on recomputing less, or only
+    cheap ops (``partitioner.solve.headroom``), the hand-made split gets that too.
     """
     from partitioner.solve import problem as problem_module
 
     choose = getattr(problem_module, "choose_recompute", None)
     if choose is None:
-        return None
+        return None, None
     wanted = {"stages": stages, "microbatches": microbatches, "schedule": schedule}
     result = choose(problem, stage_of, **_optional_kwargs(choose, wanted))
     if result is None:
-        return None
+        return None, None
     try:
         from partitioner.solve.headroom import spend_rank_headroom
     except ImportError:  # a planner from before it
-        return list(result)
-    return list(spend_rank_headroom(problem, stage_of, stages, recompute=result, microbatches=microbatches,
-                                    schedule=schedule))  # type: ignore[arg-type]
+        return list(result), None
+    recompute, ops = spend_rank_headroom(problem, stage_of, stages, recompute=result, microbatches=microbatches,
+                                         schedule=schedule)  # type: ignore[arg-type]
+    return list(recompute), list(ops)
 
 
 def _stage_recompute(plan: Any) -> list[str]:
+    """Per stage: ``none``, ``full``, ``selective`` (its first layers wholly), ``ops`` (some layers only their
+    cheap ops) or ``selective+ops``."""
     out = []
     for s in plan.stages:
         value = getattr(s, "recompute", None)
         if value is None:
             return []
+        if value == "selective":
+            whole, cheap = getattr(s, "recompute_layers", 1), getattr(s, "recompute_ops_layers", 0)
+            value = "selective+ops" if whole and cheap else "ops" if cheap else "selective"
         out.append(value if isinstance(value, str) else ("full" if value else "none"))
     return out
 

@@ -49,6 +49,7 @@ class NodeCost:
     weight_bytes: int = 0  # parameter bytes read (part of io_bytes; independent of the batch)
     saved_float32_bytes: int | None = None  # the float32 part of saved_bytes (None: not known)
     weight_backward_s: float = 0.0  # measured: the backward to the node's parameters alone (W)
+    writes_in_place: bool = False  # the node writes one of its inputs in place (ReLU(inplace=True), x += y)
 
 
 def op_class(cost: NodeCost) -> str:

@@ -656,6 +656,7 @@ class _CostInterpreter(StandIns):
             weight_bytes=weight_bytes,
             saved_float32_bytes=sum(saved_float32),
             weight_backward_s=weight_backward_s if params else 0.0,
+            writes_in_place=self.wrote,
         )
         return pytree.tree_map(_detach, out), cost
 

@@ -8,7 +8,8 @@ one costed graph serves every precision.
 * ``fp32``: the model trains in its own dtype (float32 for the models this is
   for): weights, gradients and optimizer state at 4 bytes per element.
 * ``bf16-mixed``: compute in bfloat16 under ``torch.autocast``, fp32 weights
-  (the master copy; autocast keeps no second bf16 copy), fp32 gradients and
+  (the master copy; autocast keeps no second bf16 copy, a fully sharded stage
+  gathers one: below), fp32 gradients and
   optimizer state (Micikevicius et al., "Mixed Precision Training", ICLR 2018).
   With Adam that is ``4 + 4 + 4 x 2 = 16`` bytes per parameter, the count of
   Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
@@ -27,7 +28,9 @@ section 5 and Figure 1: with ``d`` replicas, 16 bytes per parameter for DDP,
 too, ``16/d`` with everything, :func:`zero_bytes_per_parameter`).  Adapted to
 these precisions (:func:`shard_state_bytes`, :func:`gathered_bytes`), with
 ``W``, ``G`` and ``S`` the bytes of a parameter's weight, gradient and optimizer
-states as held today, ``C`` its weight in the compute dtype:
+states as held (``G`` is also the reduce dtype's), ``C`` its weight in the
+compute dtype (FSDP2's gathered copy; the backward's unsharded gradients come in
+that dtype too):
 
 * ``none`` (DDP): ``W + G + S``.
 * ``optimizer``: ``W + G + S/d``.  The gradients stay whole: a pipeline
@@ -35,23 +38,43 @@ states as held today, ``C`` its weight in the compute dtype:
   reduce-scatter (ZeRO-2's ``G/d`` does not apply under gradient accumulation).
   bf16-mixed with Adam: ``8 + 8/d`` (our weights are the fp32 master copy, which
   the paper counts in its 12 bytes of optimizer state).
-* ``full`` (FSDP2 ``fully_shard``): ``(W + G + S)/d`` held, plus, for the whole
-  step, the gathered weights in the compute dtype (``C``: FSDP2's
-  ``MixedPrecisionPolicy(param_dtype=bfloat16)``; torch's pipelining keeps a
-  stage gathered across micro-batches, ``set_reshard_after_backward(False)``
-  in ``torch/distributed/pipelining/stage.py``) and the unsharded gradients
-  accumulated between the reduce-scatters (``G``: ``set_requires_gradient_sync(False)``
-  accumulates them unsharded, in the reduce dtype).  bf16-mixed with Adam:
-  ``16/d + 4 + 4`` (the runtime gathers the fp32 master: bf16-mixed is
-  autocast, not an FSDP2 precision policy).
+* ``full`` (FSDP2 ``fully_shard``; runtime/shard.py): ``(W + G + S)/d`` held.
+  Under bf16-mixed every unit has FSDP2's ``MixedPrecisionPolicy(param_dtype=
+  bfloat16, reduce_dtype=float32)``, as torchtitan: ``C`` = 2 bytes gathered
+  (what the all-gathers move), gradients reduce-scattered in float32 (``G`` = 4,
+  the reduce-scatter's input buffer in the reduce dtype: ``foreach_reduce`` in
+  ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``); fp32 and bf16
+  have no policy, ``C = W = G``.  Kept gathered (one unit per stage), beyond the
+  shards (:func:`gathered_bytes`): the gathered weights ``C`` for the whole step
+  (torch's pipelining keeps a stage gathered across micro-batches,
+  ``set_reshard_after_backward(False)`` in ``torch/distributed/pipelining/stage.py``)
+  and the gradients accumulated unsharded between the reduce-scatters
+  (``set_requires_gradient_sync(False)``): under bf16-mixed FSDP2 upcasts each
+  micro-batch's bf16 gradients into a float32 accumulator after its backward
+  (``FSDPParam.to_accumulated_grad_if_needed`` and
+  ``accumulate_unsharded_grad_if_needed`` in ``_fsdp_param.py``, called from
+  ``FSDPParamGroup.post_backward``), so each backward also holds its own bf16
+  gradients ``C`` beside the accumulator until it ends: ``C + G + C`` = 2 + 4 + 2
+  = 8 at the end of each backward (6 between backwards); fp32 and bf16 accumulate
+  in place, ``C + G``.  (At the step's end FSDP2 frees the weights before the
+  reduce-scatter, whose input of ``G`` sits beside the accumulator: ``2 G``, no
+  more.)  bf16-mixed with Adam: ``16/d + 8``, as before the policy; the policy
+  halves the all-gather (``G + C`` = 6 bytes moved per step, not 8).
 * ``full`` with ``reshard_after_forward`` (ZeRO-3, section 5.3 of the paper;
   Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.2): ``(W + G + S)/d`` held,
   nothing else through the step (gradients are reduce-scattered after every
   micro-batch's backward into the sharded accumulation), plus a transient of
-  FSDP2 units, one per layer (runtime/shard.py): the unit in use gathered
-  with its unsharded gradients and the next one prefetched with the previous
-  one's gradients in their reduce-scatter, ``2 (W + G)`` of the largest unit
-  (:func:`zero3_transient_bytes`).  bf16-mixed with Adam: ``16/d`` + that.
+  FSDP2 units, one per layer (runtime/shard.py), at its largest at the end of a
+  unit's backward (``FSDPParamGroup.pre_backward`` / ``_backward_prefetch`` and
+  ``post_backward`` in ``_fsdp_param_group.py``): the unit in use gathered
+  (``C``) with its unsharded gradients (``C``, the compute dtype), the next
+  unit prefetched (``C``), and the previous unit's reduce-scatter input (``G``,
+  the reduce dtype; ``reduce_scatter_max_input_buffers`` 1 keeps one), so
+  ``3 C + G`` of the largest unit (:func:`zero3_transient_bytes`): 2 (W + G)
+  under fp32 and bf16, 10 bytes per element under bf16-mixed.  Forward holds
+  less (two units' ``C``).  bf16-mixed with Adam: ``16/d`` + that.
+  (tests/test_shard_precision.py reads both transients off FSDP2's state on
+  spawned ranks: equal to these formulas.)
 
 Example: a 1.3B-parameter model's static state with Adam::
 
@@ -221,16 +244,26 @@ def weight_bytes(precision: str, *, elements: float, model_bytes: float, compute
     """Bytes of those parameters' weights as held (the master copy); ``compute``: as FSDP2 gathers them.
 
     The held weights are what the broadcast after a ZeRO-1 optimizer step moves
-    (shard "optimizer").  The runtime's ``full`` stages gather the held weights
-    too: bf16-mixed is autocast (each op casts its inputs), not an FSDP2
-    mixed-precision policy, so the gathered copy is the float32 master
-    (runtime/shard.py); ``compute`` names the use, the bytes are the same.
+    (shard "optimizer").  ``compute``: the copy a ``full`` stage's all-gathers
+    move and hold, and the dtype of the unsharded gradients its backward
+    computes: under bf16-mixed FSDP2's ``param_dtype`` bfloat16 (2 bytes per
+    element; runtime/shard.py's ``fsdp_policy``), else the held weights (no
+    policy).
 
     >>> weight_bytes("bf16-mixed", elements=10, model_bytes=40), weight_bytes("bf16-mixed", elements=10,
     ...     model_bytes=40, compute=True), weight_bytes("bf16", elements=10, model_bytes=20, compute=True)
-    (40, 40, 20)
+    (40, 20, 20)
+    >>> weight_bytes("fp32", elements=10, model_bytes=40, compute=True)
+    40
     """
+    if compute and _reduces_upcast(precision):
+        return elements * 2  # bfloat16
     return gradient_bytes(precision, elements=elements, model_bytes=model_bytes)
+
+
+def _reduces_upcast(precision: str) -> bool:
+    """Does FSDP2 reduce and accumulate gradients in a wider dtype than it computes them in (bf16-mixed)?"""
+    return check_precision(precision) == "bf16-mixed"
 
 
 def shard_degree(shard: str, dp: int, gpus_per_node: int | None) -> int:
@@ -279,37 +312,50 @@ def shard_state_bytes(
 def gathered_bytes(
     precision: str, *, elements: float, model_bytes: float, reshard_after_forward: bool = False
 ) -> float:
-    """A fully sharded stage's bytes held through the step for those parameters beyond its shards.
+    """A fully sharded stage's bytes beyond its shards for those parameters, at their most during the step.
 
-    Kept gathered (``reshard_after_forward`` False): the unsharded gradients
-    accumulated over the micro-batches plus the gathered weights.  ZeRO-3
-    (True): none; its per-layer transient is :func:`zero3_transient_bytes`.
+    Kept gathered (``reshard_after_forward`` False): the gathered weights in the
+    compute dtype and the unsharded gradients accumulated over the micro-batches
+    (in the reduce dtype), plus, where FSDP2 accumulates in a wider dtype than
+    the backward computes (bf16-mixed), that backward's own gradients beside the
+    accumulator until it ends: ``C + G + C`` (module docstring).  ZeRO-3 (True):
+    none; its per-layer transient is :func:`zero3_transient_bytes`.
 
     >>> gathered_bytes("bf16-mixed", elements=1, model_bytes=4), gathered_bytes("fp32", elements=1, model_bytes=4)
     (8, 8)
+    >>> gathered_bytes("bf16", elements=1, model_bytes=2)
+    4
     >>> gathered_bytes("bf16-mixed", elements=1, model_bytes=4, reshard_after_forward=True)
     0.0
     """
     if reshard_after_forward:
         return 0.0
     grads = gradient_bytes(precision, elements=elements, model_bytes=model_bytes)
-    return grads + weight_bytes(precision, elements=elements, model_bytes=model_bytes, compute=True)
+    gathered = weight_bytes(precision, elements=elements, model_bytes=model_bytes, compute=True)
+    return gathered + grads + (gathered if _reduces_upcast(precision) else 0)
 
 
 def zero3_transient_bytes(precision: str, *, elements: float, model_bytes: float) -> float:
-    """ZeRO-3's transient for its largest FSDP unit (those parameters): ``2 (W + G)``.
+    """ZeRO-3's transient for its largest FSDP unit (those parameters): ``3 C + G``.
 
-    During a backward the unit in use holds its gathered weights and its
-    unsharded gradients, while FSDP2 prefetches the next unit's weights
-    (``backward_prefetch``) and the previous unit's gradients wait in their
-    reduce-scatter's input buffer (``reduce_scatter_max_input_buffers`` 1): two
-    units' weights and gradients.  Forward needs less (two units' weights).
+    At the end of a unit's backward FSDP2 holds that unit's gathered weights and
+    its unsharded gradients (both in the compute dtype, ``C``), the next unit's
+    weights, prefetched in its pre-backward (``_backward_prefetch``, ``C``), and
+    the previous unit's reduce-scatter input, kept until this unit's reduce
+    starts (``reduce_scatter_max_input_buffers`` 1; in the reduce dtype, ``G``):
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``.  That is
+    ``2 (W + G)`` without a policy (fp32, bf16: 16 and 8 bytes per element) and
+    ``2 + 2 + 2 + 4`` = 10 under bf16-mixed (bf16 gathered and computed, fp32
+    reduced).  Forward needs less (two units' weights).
 
-    >>> zero3_transient_bytes("bf16-mixed", elements=1e9, model_bytes=4e9) / 1e9  # GB: fp32 master + fp32 grads
-    16.0
+    >>> zero3_transient_bytes("bf16-mixed", elements=1e9, model_bytes=4e9) / 1e9  # GB
+    10.0
+    >>> zero3_transient_bytes("fp32", elements=1e9, model_bytes=4e9) / 1e9, zero3_transient_bytes("bf16",
+    ...     elements=1e9, model_bytes=2e9) / 1e9
+    (16.0, 8.0)
     """
     grads = gradient_bytes(precision, elements=elements, model_bytes=model_bytes)
-    return 2 * (grads + weight_bytes(precision, elements=elements, model_bytes=model_bytes, compute=True))
+    return 3 * weight_bytes(precision, elements=elements, model_bytes=model_bytes, compute=True) + grads
 
 
 # The ZeRO paper's stages (section 5.1): P_os, P_os+g, P_os+g+p.
@@ -348,8 +394,11 @@ def shard_footprint(precision: str, optimizer_states: int, shard: str, replicas:
     all-gather once each; ``optimizer`` (ZeRO-1 over DDP) all-reduces the
     gradients and then broadcasts the updated weights (an all-gather's bytes).
 
+    ``full``: a reduce-scatter of the gradients (reduce dtype) and an all-gather
+    of the weights in the compute dtype (bf16 under bf16-mixed).
+
     >>> [shard_footprint("bf16-mixed", 2, m, 8) for m in ("none", "optimizer", "full")]
-    [(16, 8), (9.0, 12), (10.0, 8)]
+    [(16, 8), (9.0, 12), (10.0, 6)]
     >>> [shard_footprint("fp32", 2, m, 2) for m in ("none", "optimizer", "full")]
     [(16, 8), (12.0, 12), (16.0, 8)]
     """

@@ -394,7 +394,7 @@ def _recompute_mode(plan: Plan, notes: list[str]) -> str:
         return "none"
     if modes != {"full"}:
         redo = [str(s.index) for s in plan.stages if s.recompute != "none"]  # "selective": its first layers only
-        selective = " (some only their first layers)" if "selective" in modes else ""
+        selective = " (some only their first layers, or only their cheap ops)" if "selective" in modes else ""
         notes.append(
             f"the plan recomputes stage{'s' if len(redo) > 1 else ''} {', '.join(redo)}{selective} only; "
             "torchtitan's activation "

@@ -140,7 +140,8 @@ def _assumptions(plan: Plan) -> str:
             "gathered across micro-batches (as torch's pipelining keeps FSDP2), so both are counted with it. Its "
             "reduce-scatter and all-gather run once per step after the last backward, not overlapped; DDP's "
             "bucketed all-reduce overlaps the last backward. A zero3 stage (full with reshard_after_forward) holds "
-            "only its shards plus two layers gathered; its all-gathers (before each forward and backward) and "
+            "only its shards plus two layers gathered (with one layer's gradients and the previous one's reduce-scatter "
+            "input); its all-gathers (before each forward and backward) and "
             "reduce-scatters (after each backward) run every micro-batch, and only what its compute does not "
             "hide, plus the first layer's all-gather, counts.")
     if any(s.predicted.weight_s for s in plan.stages) and plan.schedule in ("zb-h1", "zbv"):

@@ -119,16 +119,23 @@ def recompute_summary(plan: Plan) -> str:
     if len(full) == len(plan.stages):
         return "every stage (full)"
     parts = [f"full on stage{'s' if len(full) > 1 else ''} {_ranges(full)}"] if full else []
-    if some:
-        counts = sorted({s.recompute_layers for s in some})
+    whole = [s for s in some if s.recompute_layers]
+    if whole:
+        counts = sorted({s.recompute_layers for s in whole})
         layers = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-        parts.append(f"the first {layers} layer runs on stage{'s' if len(some) > 1 else ''} "
-                     f"{_ranges([s.index for s in some])} (selective)")
+        parts.append(f"the first {layers} layer runs on stage{'s' if len(whole) > 1 else ''} "
+                     f"{_ranges([s.index for s in whole])} (selective)")
+    cheap = [s for s in some if s.recompute_ops_layers]
+    if cheap:
+        runs = sum(s.recompute_ops_layers for s in cheap)
+        parts.append(f"only the cheap ops of {plural(runs, 'more layer run')} on stage{'s' if len(cheap) > 1 else ''} "
+                     f"{_ranges([s.index for s in cheap])} (per-op: matmul and attention outputs kept)")
     return "; ".join(parts)
 
 
 def recompute_label(stage: StagePlan) -> str:
-    """A stage's recomputation in a word or two: ``none``, ``full`` or ``first N runs`` (selective).
+    """A stage's recomputation in a word or two: ``none``, ``full``, ``first N runs`` (selective), ``K ops-only``
+    (the next K runs recompute only their cheap ops, keeping matmul and attention outputs), or both.
 
     A run is what the runtime checkpoints as one: a layer's consecutive ops, or root-level code
     of the model (a mask, rotary tables) a stage computes itself (``runtime.recompute.block_nodes``).
@@ -137,9 +144,15 @@ def recompute_label(stage: StagePlan) -> str:
     >>> import dataclasses
     >>> recompute_label(dataclasses.replace(example_plan().stages[0], recompute="selective", recompute_layers=3))
     'first 3 runs'
+    >>> recompute_label(dataclasses.replace(example_plan().stages[0], recompute="selective", recompute_layers=1,
+    ...                                     recompute_ops_layers=4))
+    'first 1 run, 4 ops-only'
     """
     if stage.recompute == "selective":
-        return f"first {plural(stage.recompute_layers, 'run')}"
+        parts = [f"first {plural(stage.recompute_layers, 'run')}"] if stage.recompute_layers else []
+        if stage.recompute_ops_layers:
+            parts.append(f"{stage.recompute_ops_layers} ops-only")
+        return ", ".join(parts)
     return stage.recompute
 
 
@@ -157,8 +170,8 @@ def shard_summary(plan: Plan) -> str:
     words = {"none": "none (DDP: whole on every replica, gradients all-reduced in buckets during the last backward)",
              "optimizer": "optimizer (ZeRO-1: optimizer state sharded; gradients all-reduced and updated weights "
                           "broadcast once per step, not overlapped)",
-             "full": "full (FSDP2: weights, gradients and optimizer state sharded; weights all-gathered as held "
-                     "and kept gathered across micro-batches, gradients reduce-scattered once per step, not "
+             "full": "full (FSDP2: weights, gradients and optimizer state sharded; weights all-gathered in the "
+                     "compute dtype and kept gathered across micro-batches, gradients reduce-scattered once per step, not "
                      "overlapped)"}
     states = plan.cost_model.optimizer_states
     words["zero3"] = ("full, ZeRO-3 (FSDP2, reshard_after_forward: one unit per layer, all-gathered before "
@@ -179,7 +192,8 @@ def shard_summary(plan: Plan) -> str:
             f" + {extra:.3g} gathered during the step" if extra else "")
         if label == "zero3":
             units = max(s.predicted.gathered_bytes for s in plan.stages)
-            held += f" + the largest layer's weights and gradients, twice ({format_bytes(units)})"
+            held += (f" + at most {format_bytes(units)} of layers gathered (the largest one's weights and gradients, "
+                     "the next one's weights, the previous one's reduce-scatter input)")
         parts.append(f"{words.get(label, label)} on {where}: {held}")
     return "; ".join(parts)
 

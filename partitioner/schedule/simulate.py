@@ -408,7 +408,8 @@ def stage_static_bytes(plan: Plan) -> list[float]:
     fully sharded one its gathered weights and unsharded gradients on top
     (:func:`~partitioner.cost.precision.gathered_bytes`), or under ZeRO-3
     (``reshard_after_forward``) its gathered units as the plan predicted them
-    (``StagePrediction.gathered_bytes``: the largest unit's, twice, on the first stage of each rank).
+    (``StagePrediction.gathered_bytes``: :func:`~partitioner.cost.precision.zero3_transient_bytes` of the
+    largest unit, on the first stage of each rank).
 
     >>> from partitioner.plan import example_plan
     >>> stage_static_bytes(example_plan())  # 64 bytes of fp32 weights, Adam: x 4

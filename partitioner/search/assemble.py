@@ -58,6 +58,7 @@ from partitioner.solve.formulate import ZERO3, GraphCosts, layer_runs, zero3_cos
 from partitioner.solve.problem import (
     StageRecompute,
     allreduce_latencies,
+    cheap_blocks,
     choose_recompute,
     recompute_peak,
     recomputed_blocks,
@@ -179,10 +180,13 @@ def _stages(
         for b in _boundaries(gm, stage_of_node, count, sizes=sizes)
     )
     recompute = partition.recompute or choose_recompute(problem, partition.stage_of, count, microbatches=m, schedule=kind)
+    ops = partition.recompute_ops or None  # per stage: blocks after the recomputed ones recomputing only cheap ops
     redo = recomputed_blocks(partition.stage_of, count, recompute)
-    _, allreduce = stage_costs(problem, partition.stage_of, count, recompute=recompute)
+    cheap = cheap_blocks(partition.stage_of, count, recompute, ops)
+    _, allreduce = stage_costs(problem, partition.stage_of, count, recompute=recompute, ops=ops)
     latency = list(allreduce_latencies(problem, count))
-    memory = stage_memory(problem, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute)
+    memory = stage_memory(problem, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute,
+                          ops=ops)
     zero3 = solved.shard == ZERO3 and dp > 1
     # ZeRO-3 is shard "full" with reshard_after_forward (runtime/shard.py); its exposed collectives per
     # micro-batch are in the problem's block times (formulate) and here in each stage's F and B.
@@ -202,8 +206,9 @@ def _stages(
         # Per stage group, DDP where it fits whole with the same recomputation (its bucketed all-reduce
         # overlaps the last backward); the combination's shard mode elsewhere.
         whole = solved.whole
-        kept = stage_memory(whole, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute)
-        _, reduce = stage_costs(whole, partition.stage_of, count, recompute=recompute)
+        kept = stage_memory(whole, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute,
+                            ops=ops)
+        _, reduce = stage_costs(whole, partition.stage_of, count, recompute=recompute, ops=ops)
         wait = allreduce_latencies(whole, count)
         # Every stage holding a tied parameter keeps the combination's mode: the runtime sums a tied
         # parameter's copies shard for shard, or whole, never one of each (runtime/shard.py).
@@ -243,11 +248,19 @@ def _stages(
         forward, total = forward + exposed_f[s], total + exposed_f[s] + exposed_b[s]
         kept = [problem.activation_bytes[b] for b in blocks_of[s]]
         again, redone = 0.0, [b for b in blocks_of[s] if redo[b]]
+        light = [b for b in blocks_of[s] if cheap[b]]
         if redone:
             assert problem.recompute_bytes is not None and problem.recompute_s is not None
             again = sum(problem.recompute_s[b] for b in redone)
-            kept = [problem.recompute_bytes[b] if redo[b] else problem.activation_bytes[b] for b in blocks_of[s]]
-        mode, layers = _recompute_mode(recompute[s], len(redone), blocks_of[s], graph, [nodes[n] for n in names])
+        if light:
+            assert problem.op_kept_bytes is not None and problem.op_recompute_s is not None
+            again += sum(problem.op_recompute_s[b] for b in light)
+        if redone or light:
+            assert problem.recompute_bytes is not None and (not light or problem.op_kept_bytes is not None)
+            kept = [problem.recompute_bytes[b] if redo[b] else problem.op_kept_bytes[b] if cheap[b]  # type: ignore[index]
+                    else problem.activation_bytes[b] for b in blocks_of[s]]
+        mode, layers, ops_layers = _recompute_mode(recompute[s], len(redone), len(light), blocks_of[s], graph,
+                                                   [nodes[n] for n in names])
         stages.append(StagePlan(
             index=s,
             rank=rank[s],
@@ -268,12 +281,13 @@ def _stages(
                 send_bytes=round(sum(b.nbytes * activation_scale(options.precision, b.dtype) for b in outputs)),
                 allreduce_s=allreduce[s] + latency[s],
                 recompute_s=again,
-                recompute_peak_bytes=max((recompute_peak(problem)[b] for b in redone), default=0.0),
+                recompute_peak_bytes=max((recompute_peak(problem)[b] for b in (*redone, *light)), default=0.0),
                 weight_s=min(weight[s], backward),  # the same seconds, summed per block or per node
                 gathered_bytes=units[s] if reshard[s] else 0.0,
             ),
             recompute=mode,
             recompute_layers=layers,
+            recompute_ops_layers=ops_layers,
             allreduce_link="inter" if allreduce_crosses_nodes(rank[s], dp=dp, gpus_per_node=per_node) else "intra",
             # The problem was priced for the group's shard mode (formulate); one replica shards nothing.
             # "full": kept gathered across micro-batches, as torch's pipelining keeps FSDP2, or ZeRO-3.
@@ -285,25 +299,34 @@ def _stages(
 
 
 def _recompute_mode(
-    choice: StageRecompute, redone: int, blocks: list[int], graph: GraphCosts, stage_nodes: list[fx.Node]
-) -> tuple[str, int]:
-    """A stage's ``recompute`` and ``recompute_layers`` in the plan, from the solver's per-stage choice.
+    choice: StageRecompute, redone: int, cheap: int, blocks: list[int], graph: GraphCosts,
+    stage_nodes: list[fx.Node],
+) -> tuple[str, int, int]:
+    """A stage's ``recompute``, ``recompute_layers`` and ``recompute_ops_layers`` in the plan, from the
+    solver's per-stage choice: its first ``redone`` blocks recompute wholly, the next ``cheap`` their cheap ops.
 
     Selective: the runtime recomputes the stage graph's first layer runs
     (``runtime.recompute.block_nodes``, the rule of :func:`~partitioner.solve.formulate.layer_runs`),
-    so the count is that of the runs before the one holding the first kept block's first
-    node (the solver cuts only where a layer starts: ``PartitionProblem.layer_start``).
+    so each count is that of the runs before the one holding the first block past it
+    (the solver cuts only where a layer starts: ``PartitionProblem.layer_start``).
     """
-    if redone == 0:
-        return "none", 0
-    if redone >= len(blocks) or choice is True:
-        return "full", 0
-    first_kept = graph.blocks[blocks[redone]][0]
+    if redone == 0 and cheap == 0:
+        return "none", 0, 0
+    if cheap == 0 and (redone >= len(blocks) or choice is True):
+        return "full", 0, 0
     runs = layer_runs(stage_nodes)
-    layers = next((i for i, run in enumerate(runs) if first_kept in run), len(runs))
+
+    def runs_before(position: int) -> int:
+        if position >= len(blocks):
+            return len(runs)
+        first = graph.blocks[blocks[position]][0]
+        return next((i for i, run in enumerate(runs) if first in run), len(runs))
+
+    layers = max(1, runs_before(redone)) if redone else 0
+    ops_layers = max(1, runs_before(redone + cheap) - layers) if cheap else 0
     if layers >= len(runs):
-        return "full", 0
-    return "selective", max(1, layers)
+        return "full", 0, 0
+    return "selective", layers, min(ops_layers, len(runs) - layers)
 
 
 def _lower(plan: Plan) -> Plan:

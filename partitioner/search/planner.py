@@ -105,9 +105,9 @@ from partitioner.search.options import (
 from partitioner.solve.blockgraph import block_graph
 from partitioner.solve.coarsen import coarsen
 from partitioner.solve.formulate import GraphCosts, node_times
-from partitioner.solve.headroom import spend_rank_headroom
+from partitioner.solve.headroom import same_recompute, spend_rank_headroom
 from partitioner.solve.ilp import solve
-from partitioner.solve.problem import PartitionProblem, step_time
+from partitioner.solve.problem import PartitionProblem, choose_recompute, step_time
 from partitioner.solve.scaledcosts import ScaledCosts
 from partitioner.solve.tensorparallel import TensorParallelCosts
 from partitioner.units import format_seconds, plural
@@ -309,6 +309,7 @@ def _plan_layout(
         ranked, done = _refine_in_simulation(model, captured, micro, scaled, ranked, drafts, by_key, options,
                                              say=say)
         refined.update(done)
+        ranked = _spend_headroom(model, captured, micro, scaled, ranked, drafts, by_key, options, say=say)
         for key, draft in drafts.items():
             by_key[key].simulated(draft)
         # None when every simulated candidate sits at a micro-batch size that cannot be planned: those
@@ -552,14 +553,9 @@ def _refine_in_simulation(
                              budget=options.refine_simulations, alternatives=starts)
         before = drafts[key].predicted.step_s
         after, moves = before, 0
-        # A rank's stages rarely peak together: its exact peak may leave room to recompute less.
-        recompute = spend_rank_headroom(c.problem, found.stage_of, c.stages, recompute=found.recompute,
-                                        microbatches=c.microbatches, schedule=c.schedule)
-        if found.stage_of != c.partition.stage_of or recompute != found.recompute:
-            objective = found.objective if recompute == found.recompute else step_time(
-                c.problem, found.stage_of, microbatches=c.microbatches, schedule=c.schedule, recompute=recompute)[0]
+        if found.stage_of != c.partition.stage_of:
             partition = dataclasses.replace(
-                c.partition, stage_of=found.stage_of, recompute=recompute, objective=objective,
+                c.partition, stage_of=found.stage_of, recompute=found.recompute, objective=found.objective,
                 status="feasible", wall_s=c.partition.wall_s + found.wall_s)
             better = dataclasses.replace(c, partition=partition)
             try:
@@ -570,16 +566,60 @@ def _refine_in_simulation(
                 c, after, moves = better, draft.predicted.step_s, found.moves
                 drafts[key] = draft
                 trials[key].partition, trials[key].status = partition, partition.status
-                if recompute != found.recompute:
-                    say(f"recomputing less within each rank's exact peak: {c.pp} pipeline ranks x {c.dp} replicas, "
-                        f"M {c.microbatches}, {schedule_label(c.schedule, c.chunks)}: "
-                        f"{percent_more(after, before)}")
         done[key] = Refinement(before, after, moves, found.simulations, found.wall_s)
         if moves:
             say(f"refined {c.pp} {'stages' if c.chunks == 1 else 'pipeline ranks'} x {c.dp} replicas, M {c.microbatches}, {schedule_label(c.schedule, c.chunks)} in simulation: "
                 f"{percent_more(after, before)} in {moves} moves")
         out.append(c)
     return out, done
+
+
+
+def _spend_headroom(
+    model: torch.nn.Module,
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    scaled: ScaledCosts,
+    ranked: list[Solved],
+    drafts: dict[CombinationKey, Plan],
+    trials: dict[CombinationKey, Trial],
+    options: PlanOptions,
+    *,
+    say: Status,
+) -> list[Solved]:
+    """Each simulated candidate recomputing less where its ranks' exact peaks leave room, or only cheap ops
+    (:mod:`partitioner.solve.headroom`); kept where its plan simulates faster.  ``drafts`` and the
+    trials' partitions are updated in place."""
+    out: list[Solved] = []
+    for c in ranked:
+        key = combination_key(c)
+        start = c.partition.recompute or choose_recompute(c.problem, c.partition.stage_of, c.stages,
+                                                          microbatches=c.microbatches, schedule=c.schedule)
+        recompute, ops = spend_rank_headroom(c.problem, c.partition.stage_of, c.stages, recompute=start,
+                                             microbatches=c.microbatches, schedule=c.schedule)
+        if same_recompute(recompute, start) and not any(ops):
+            out.append(c)
+            continue
+        objective, _ = step_time(c.problem, c.partition.stage_of, microbatches=c.microbatches, schedule=c.schedule,
+                                 recompute=recompute, ops=ops)
+        partition = dataclasses.replace(c.partition, recompute=recompute, recompute_ops=ops, objective=objective,
+                                        status="feasible")
+        better = dataclasses.replace(c, partition=partition)
+        before = drafts[key].predicted.step_s
+        try:
+            draft = assemble.build_plan(model, captured, micro, scaled.at(c.microbatches), better, options)
+        except ScheduleError:
+            out.append(c)
+            continue
+        if draft.predicted.step_s < before:
+            drafts[key], c = draft, better
+            trials[key].partition, trials[key].status = partition, partition.status
+            cheap = sum(s.recompute_ops_layers for s in draft.stages)
+            say(f"recomputing less within each rank's exact peak{f' ({cheap} layers only their cheap ops)' if cheap else ''}: "
+                f"{plural(c.pp, 'pipeline rank')} x {plural(c.dp, 'replica')}, M {c.microbatches}, "
+                f"{schedule_label(c.schedule, c.chunks)}: {percent_more(draft.predicted.step_s, before)}")
+        out.append(c)
+    return out
 
 
 

@@ -136,6 +136,7 @@ class GraphCosts:
     node_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # forward + backward FLOPs
     node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
+    node_writes_in_place: frozenset[str] = frozenset()  # nodes writing an input in place (no per-op recomputation)
     split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
     split_share: float = 0.0  # and this share of the node's forward + backward seconds
     split_forward: float = 0.0  # the part of the split's cost spent in F
@@ -328,6 +329,7 @@ def graph_costs(
         },
         split_overhead_s=split_overhead_s,
         split_share=split_share,
+        node_writes_in_place=frozenset(k for k, c in costs.items() if c.writes_in_place),
         split_forward=split_forward,
         split_weight=split_weight,
         action_s=action_s,
@@ -455,6 +457,7 @@ def formulate(
             scale * sum(graph.node_forward_s[m] for m in members) for members in graph.blocks
         ) if recomputable else None,
         "recompute_peak_bytes": _layer_peaks(graph, scale, precision) if recomputable and graph.layer_runs else None,
+        **(_cheap_recompute(graph, scale, precision) if recomputable and graph.node_flops else {}),
         "layer_start": _layer_starts(graph) if recomputable and graph.layer_runs else None,
         "recompute": recompute,
         "message_host_s": spec.message_host_s,
@@ -513,8 +516,9 @@ class Zero3Costs:
     (:func:`~partitioner.cost.comm.zero3_microbatch_seconds`); ``first_gather_s``:
     the all-gather of a stage's first unit in a pass, exposed once per forward and
     per backward (priced as the largest repeated layer's: a stage starts and ends
-    with layers, only the first and last stages with the embedding or the head); ``transient_bytes``: the largest unit's gathered weights and
-    gradients, twice (:func:`~partitioner.cost.precision.zero3_transient_bytes`).
+    with layers, only the first and last stages with the embedding or the head); ``transient_bytes``: at the end of
+    the largest unit's backward, its gathered weights and gradients, the next unit's prefetched weights and the
+    previous unit's reduce-scatter input (:func:`~partitioner.cost.precision.zero3_transient_bytes`).
     """
 
     forward_s: tuple[float, ...]
@@ -595,6 +599,35 @@ def layer_runs(graph_nodes: Iterable[Any]) -> list[tuple[str, ...]]:
             runs.append((current, []))
         runs[-1][1].append(node.name)
     return [tuple(names) for _, names in runs]
+
+
+def _cheap_recompute(graph: GraphCosts, scale: float, precision: str) -> dict[str, tuple[float, ...]]:
+    """``op_kept_bytes`` and ``op_recompute_s`` per block: per-op selective recomputation.
+
+    A block that recomputes only its cheap ops keeps its inputs (as a recomputed
+    block does) and the outputs of the ops that carry FLOPs (matrix
+    multiplications and attention: the nodes ``torch.utils.flop_counter`` counts,
+    as runtime/recompute.py's policy saves them), and spends the forward seconds
+    of its other nodes again: per-op selective activation checkpointing as in
+    torchtitan (``torchtitan/distributed/activation_checkpoint.py``, whose saved
+    list is the matmuls and attention; it also recomputes every second matmul,
+    which this does not).  A layer run writing anything in place cannot (torch refuses an op
+    writing into an output the policy saved, so runtime/recompute.py recomputes it wholly): its
+    blocks are priced as recomputing wholly.
+    """
+    run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}
+    writing = {run_of.get(name, -1) for name in graph.node_writes_in_place}
+    kept, again = [], []
+    for b, members in enumerate(graph.blocks):
+        if any(run_of.get(m, -2) in writing or m in graph.node_writes_in_place for m in members):
+            kept.append(scale * graph.value_bytes(graph.block_inputs[b], precision))
+            again.append(scale * sum(graph.node_forward_s[m] for m in members))
+            continue
+        heavy = [m for m in members if graph.node_flops.get(m, 0.0) > 0]
+        light = [m for m in members if graph.node_flops.get(m, 0.0) <= 0]
+        kept.append(scale * (graph.value_bytes(graph.block_inputs[b], precision) + graph.value_bytes(heavy, precision)))
+        again.append(scale * sum(graph.node_forward_s[m] for m in light))
+    return {"op_kept_bytes": tuple(kept), "op_recompute_s": tuple(again)}
 
 
 def _layer_starts(graph: GraphCosts) -> tuple[bool, ...]:

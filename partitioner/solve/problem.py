@@ -113,6 +113,7 @@ __all__ = [
     "StageRecompute",
     "allreduce_latencies",
     "can_recompute",
+    "cheap_blocks",
     "check_assignment",
     "choose_recompute",
     "chunk_memory_limit",
@@ -181,6 +182,13 @@ class PartitionProblem:
     ``rank_memory_limit`` the GPU's own limit, which every rank's exact peak
     (:func:`rank_memory`) must meet where ``memory_limit`` caps each stage at a
     share of it (None: ``memory_limit`` is the GPU's).
+
+    Per-op selective recomputation (optional, chosen only after a split is solved:
+    :mod:`partitioner.solve.headroom`): ``op_kept_bytes[v]`` kept per micro-batch
+    when block v recomputes only its cheap ops (its inputs plus the outputs of its
+    matrix multiplications and attention), ``op_recompute_s[v]`` the seconds that
+    takes; the functions below take the per-stage count of such blocks as ``ops``
+    (after the stage's wholly recomputed blocks).
     """
 
     time_s: tuple[float, ...]
@@ -212,6 +220,10 @@ class PartitionProblem:
     action_s: float = 0.0  # a rank's own seconds per compute action (F, B, W), beyond its blocks' time
     stage_rank: tuple[int, ...] | None = None
     rank_memory_limit: float | None = None
+    # Per-op selective recomputation (optional): kept per micro-batch when block v recomputes only its cheap ops
+    # (its inputs and its matmul and attention outputs), and the seconds that recomputation takes.
+    op_kept_bytes: tuple[float, ...] | None = None
+    op_recompute_s: tuple[float, ...] | None = None
 
     @property
     def size(self) -> int:
@@ -229,7 +241,7 @@ class PartitionProblem:
         for field in (
             "static_bytes", "activation_bytes", "allreduce_s", "transfer_s",
             "transfer_slow_s", "allreduce_slow_s", "recompute_bytes", "recompute_s", "recompute_peak_bytes", "layer_start", "weight_s",
-            "split_s",
+            "split_s", "op_kept_bytes", "op_recompute_s",
         ):
             value = getattr(self, field)
             if value is not None and len(value) != n:
@@ -244,6 +256,8 @@ class PartitionProblem:
             )
         if (self.recompute_bytes is None) != (self.recompute_s is None):
             raise ValueError("recompute_bytes and recompute_s go together: give both or neither")
+        if (self.op_kept_bytes is None) != (self.op_recompute_s is None):
+            raise ValueError("op_kept_bytes and op_recompute_s go together: give both or neither")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute is {self.recompute!r}, expected one of {RECOMPUTE_MODES}")
         if self.replicas < 1:
@@ -274,6 +288,8 @@ class Partition:
     wall_s: float
     # Per stage (empty: not recorded, read as the problem's rule): False, True or a block count (StageRecompute).
     recompute: tuple[StageRecompute, ...] = ()
+    # Per stage (empty: none): how many blocks after the recomputed ones recompute only their cheap ops.
+    recompute_ops: tuple[int, ...] = ()
 
     @property
     def gap(self) -> float:
@@ -546,23 +562,32 @@ def _count(choice: StageRecompute, blocks: int) -> int:
     return max(0, min(int(choice), blocks))
 
 
-def _activations(problem: PartitionProblem, parts: _Parts, s: int, count: int) -> tuple[float, float]:
+def _activations(problem: PartitionProblem, parts: _Parts, s: int, count: int, ops: int = 0) -> tuple[float, float]:
     """(bytes kept per micro-batch in flight, bytes live again during a backward) of stage s
-    when its first ``count`` blocks recompute."""
+    when its first ``count`` blocks recompute and the next ``ops`` recompute only their cheap ops."""
     blocks = parts.blocks[s]
-    if count <= 0:
-        return parts.activation[s], 0.0
-    if count >= len(blocks):
-        return parts.kept[s], parts.peak[s]
-    assert problem.recompute_bytes is not None
+    ops = max(0, min(ops, len(blocks) - max(count, 0)))
+    if ops == 0:
+        if count <= 0:
+            return parts.activation[s], 0.0
+        if count >= len(blocks):
+            return parts.kept[s], parts.peak[s]
     live = recompute_peak(problem)
-    redo, keep = blocks[:count], blocks[count:]
-    kept = sum(problem.recompute_bytes[v] for v in redo) + sum(problem.activation_bytes[v] for v in keep)
-    return kept, max(live[v] for v in redo)
+    count = max(count, 0)
+    redo, cheap, keep = blocks[:count], blocks[count:count + ops], blocks[count + ops:]
+    kept = sum(problem.activation_bytes[v] for v in keep)
+    if redo:
+        assert problem.recompute_bytes is not None
+        kept += sum(problem.recompute_bytes[v] for v in redo)
+    if cheap:
+        assert problem.op_kept_bytes is not None
+        kept += sum(problem.op_kept_bytes[v] for v in cheap)
+    # An ops block's layer is remade too before its backward (all but its kept outputs): counted whole.
+    return kept, max(live[v] for v in (*redo, *cheap))
 
 
-def _memory(problem: PartitionProblem, parts: _Parts, s: int, flight: int, count: int) -> float:
-    kept, during = _activations(problem, parts, s, count)
+def _memory(problem: PartitionProblem, parts: _Parts, s: int, flight: int, count: int, ops: int = 0) -> float:
+    kept, during = _activations(problem, parts, s, count, ops)
     return parts.static[s] + flight * kept + during
 
 
@@ -589,16 +614,42 @@ def recomputed_blocks(stage_of: Sequence[int], stages: int, recompute: Sequence[
     >>> recomputed_blocks((0, 0, 0, 1, 1), 2, (2, True))
     [True, True, False, True, True]
     """
+    counts, position = _within_stages(stage_of, stages, recompute)
+    return [position[v] < counts[s] for v, s in enumerate(stage_of)]
+
+
+def cheap_blocks(
+    stage_of: Sequence[int], stages: int, recompute: Sequence[StageRecompute], ops: Sequence[int] | None,
+) -> list[bool]:
+    """Per block: does it recompute only its cheap ops (one of the ``ops[s]`` blocks after its stage's recomputed ones)?
+
+    >>> cheap_blocks((0, 0, 0, 1, 1), 2, (1, False), (2, 1))
+    [False, True, True, True, False]
+    """
+    if not ops:
+        return [False] * len(stage_of)
+    counts, position = _within_stages(stage_of, stages, recompute)
+    return [counts[s] <= position[v] < counts[s] + ops[s] for v, s in enumerate(stage_of)]
+
+
+def _within_stages(
+    stage_of: Sequence[int], stages: int, recompute: Sequence[StageRecompute]
+) -> tuple[list[int], list[int]]:
+    """(per stage: how many of its first blocks recompute, per block: its position within its stage)."""
     sizes = [0] * stages
+    position = []
     for s in stage_of:
+        position.append(sizes[s])
         sizes[s] += 1
-    counts = [_count(r, n) for r, n in zip(recompute, sizes, strict=True)]
-    seen = [0] * stages
-    out = []
-    for s in stage_of:
-        out.append(seen[s] < counts[s])
-        seen[s] += 1
-    return out
+    return [_count(r, n) for r, n in zip(recompute, sizes, strict=True)], position
+
+
+def _ops_of(ops: Sequence[int] | None, stages: int) -> tuple[int, ...]:
+    if not ops:
+        return (0,) * stages
+    if len(ops) != stages:
+        raise ValueError(f"ops has {len(ops)} entries, expected one per stage ({stages})")
+    return tuple(int(k) for k in ops)
 
 
 def _flights(problem: PartitionProblem, stages: int, microbatches: int, schedule: ScheduleKind) -> list[int]:
@@ -698,6 +749,7 @@ def stage_costs(
     recompute: Sequence[StageRecompute] | None = None,
     microbatches: int | None = None,
     schedule: ScheduleKind = DEFAULT_SCHEDULE,
+    ops: Sequence[int] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Per-stage time (compute + recomputation + a split backward's host cost + the runtime's host
     time per action + transfers in) and all-reduce seconds (latency excluded).
@@ -705,9 +757,11 @@ def stage_costs(
     Transfers and all-reduces are priced on the link each stage's traffic crosses
     (:func:`stage_links`).  ``recompute``: the per-stage choice; None applies the
     problem's rule (:func:`choose_recompute`, which needs ``microbatches`` and
-    ``schedule`` in "auto" mode with a memory limit).
+    ``schedule`` in "auto" mode with a memory limit); ``ops``: per stage, the blocks
+    after those that recompute only their cheap ops (``op_recompute_s``).
     """
     chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
+    cheap = cheap_blocks(stage_of, stages, chosen, _ops_of(ops, stages)) if ops and any(ops) else None
     inbound, outbound = stage_links(problem, stages)
     allreduce = [0.0] * stages
     block_allreduce = [_allreduce_prices(problem, slow)[0] for slow in (False, True)]
@@ -719,6 +773,9 @@ def stage_costs(
         if redo is not None and redo[v]:
             assert problem.recompute_s is not None
             times[s] += problem.recompute_s[v]
+        elif cheap is not None and cheap[v]:
+            assert problem.op_recompute_s is not None
+            times[s] += problem.op_recompute_s[v]
     if splits_backward(schedule):
         for s, added in enumerate(split_backward(problem, stage_of, stages).added):
             times[s] += added
@@ -745,18 +802,22 @@ def stage_memory(
     microbatches: int,
     schedule: ScheduleKind,
     recompute: Sequence[StageRecompute] | None = None,
+    ops: Sequence[int] | None = None,
 ) -> list[float]:
     """Peak bytes per stage: static state plus activations of the micro-batches in flight.
 
     A recomputing stage keeps its recomputed blocks' inputs (and its other blocks'
     activations) per micro-batch in flight plus the largest recomputed layer's
     activations (live again during that layer's backward).
-    ``recompute``: the per-stage choice; None applies :func:`choose_recompute`.
+    ``recompute``: the per-stage choice; None applies :func:`choose_recompute`;
+    ``ops``: per stage, the blocks after those that recompute only their cheap ops.
     """
     chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
     parts = _parts(problem, stage_of, stages)
     flights = _flights(problem, stages, microbatches, schedule)
-    return [_memory(problem, parts, s, flights[s], _count(chosen[s], len(parts.blocks[s]))) for s in range(stages)]
+    cheap = _ops_of(ops, stages)
+    return [_memory(problem, parts, s, flights[s], _count(chosen[s], len(parts.blocks[s])), cheap[s])
+            for s in range(stages)]
 
 
 def rank_memory(
@@ -767,6 +828,7 @@ def rank_memory(
     microbatches: int,
     schedule: ScheduleKind,
     recompute: Sequence[StageRecompute] | None = None,
+    ops: Sequence[int] | None = None,
 ) -> list[float]:
     """Peak bytes per pipeline rank: every stage it holds, walked through the rank's own order.
 
@@ -790,16 +852,17 @@ def rank_memory(
     chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
     parts = _parts(problem, stage_of, stages)
     counts = [_count(chosen[s], len(parts.blocks[s])) for s in range(stages)]
+    cheap = _ops_of(ops, stages)
     if schedule in ("gpipe", "1f1b") and problem.stage_rank is None:
         # One stage per rank: its peak is stage_memory's (the order need not be built).
-        return [_memory(problem, parts, s, in_flight(s, stages, microbatches, schedule), counts[s])
+        return [_memory(problem, parts, s, in_flight(s, stages, microbatches, schedule), counts[s], cheap[s])
                 for s in range(stages)]
     rank = _schedule_layout(problem, stages, schedule)
     ranks = max(rank) + 1
     chunks = stages // ranks
     frees = "W" if splits_backward(schedule) else "B"
-    per_microbatch, during = map(list, zip(*(_activations(problem, parts, s, counts[s]) for s in range(stages)),
-                                            strict=True))
+    per_microbatch, during = map(list, zip(*(_activations(problem, parts, s, counts[s], cheap[s])
+                                              for s in range(stages)), strict=True))
     out = []
     for r, row in enumerate(_orders(schedule, ranks, microbatches, chunks)):
         held = most = 0.0
@@ -822,6 +885,7 @@ def step_time(
     microbatches: int,
     schedule: ScheduleKind = DEFAULT_SCHEDULE,
     recompute: Sequence[StageRecompute] | None = None,
+    ops: Sequence[int] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
     """Closed-form step time of ``schedule`` and the stage times.
 
@@ -832,7 +896,8 @@ def step_time(
     last backward.  The other schedules' forms are in the module docstring; for
     them the slowest *rank* paces (the sum over the stages it holds) and a rank
     all-reduces each of its stages in turn.  ``recompute``: the per-stage choice;
-    None applies the rule of :func:`choose_recompute`.
+    None applies the rule of :func:`choose_recompute`; ``ops``: per stage, the blocks
+    after those that recompute only their cheap ops.
 
     Equal stages of 1 s with W = 1/3 s, 4 ranks, 8 micro-batches::
 
@@ -853,7 +918,7 @@ def step_time(
     """
     stages = max(stage_of) + 1
     times, allreduce = stage_costs(
-        problem, stage_of, stages, recompute=recompute, microbatches=microbatches, schedule=schedule
+        problem, stage_of, stages, recompute=recompute, microbatches=microbatches, schedule=schedule, ops=ops
     )
     latency = allreduce_latencies(problem, stages)
     if schedule in ("gpipe", "1f1b"):
