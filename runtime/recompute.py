@@ -113,7 +113,7 @@ def _aten_ops(names: Sequence[str]) -> frozenset[torch._ops.OpOverload]:
 # into bmm, saved, and softmax, recomputed).  An attention kernel's extra outputs (logsumexp, RNG state) are
 # saved with it: its backward reads them.
 SAVED_OPS: frozenset[torch._ops.OpOverload] = _aten_ops((
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution",  # convolution: the planner counts its FLOPs too
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
 ))
