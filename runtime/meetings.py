@@ -53,7 +53,7 @@ import dataclasses
 import enum
 import inspect
 import operator
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -65,7 +65,7 @@ from torch.utils import _pytree as pytree
 from partitioner.graph.ir import VALUE_KEY, dtype_from_name
 
 __all__ = ["LOG_NAME", "Known", "MarkedGraph", "Meeting", "MeetingLog", "inputs_written_in_place", "mark_meetings",
-           "writes_in_place"]
+           "writes_in_place", "written_state"]
 
 LOG_NAME = "_autopartition_meetings"  # the log's submodule name in a marked stage module
 
@@ -394,6 +394,26 @@ def writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
     [False, True]
     """
     return bool(_written_args(gm, node))
+
+
+def written_state(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> list[str]:
+    """Names of ``gm``'s buffers that ``nodes`` write: in place through a ``get_attr`` (``copy_`` into a
+    running mean, ``num_batches_tracked.add_``), or as a norm module tracking running statistics in training.
+
+    A recomputed forward would write them a second time (runtime/recompute.py restores them around it).
+
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)))
+    >>> written_state(gm, gm.graph.nodes)
+    ['1.running_mean', '1.running_var', '1.num_batches_tracked']
+    """
+    names: list[str] = []
+    for node in nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats and module.training:
+                names += [f"{node.target}.{name}" for name, _ in module.named_buffers()]
+        names += [str(arg.target) for arg in _written_args(gm, node) if arg.op == "get_attr"]
+    return list(dict.fromkeys(names))
 
 
 def _name(node: fx.Node) -> str:

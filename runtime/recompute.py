@@ -69,8 +69,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -84,11 +86,20 @@ from torch.utils.checkpoint import (
 
 from partitioner.errors import InternalError, PlanMismatchError
 from partitioner.graph.ir import layer_of, module_path
-from runtime.meetings import writes_in_place
+from runtime.meetings import inputs_written_in_place, writes_in_place, written_state
 
 __all__ = [
-    "RUN_KINDS", "SAVED_OPS", "Recomputed", "RunKind", "block_nodes", "block_run", "recomputed_layers", "run_block",
-    "run_kinds", "stage_run_kinds",
+    "RUN_KINDS",
+    "SAVED_OPS",
+    "Recomputed",
+    "RunKind",
+    "block_nodes",
+    "block_run",
+    "recomputed_layers",
+    "run_block",
+    "run_kinds",
+    "stage_run_kinds",
+    "written_inputs",
 ]
 
 _CALLS = ("call_function", "call_method", "call_module")
@@ -129,22 +140,75 @@ def _ops_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
-def run_block(block: Callable[..., Any], values: Sequence[Any], kind: RunKind) -> Any:
+def run_block(block: Callable[..., Any], values: Sequence[Any], kind: RunKind,
+              state: Sequence[torch.Tensor] = (), written: Sequence[int] = ()) -> Any:
     """``block(*values)``, recomputed in the backward as ``kind`` says (plainly without gradients).
+
+    ``state``: tensors the block writes in place (a BatchNorm's running statistics,
+    :func:`runtime.meetings.written_state`); a recomputation runs on their values as the
+    forward saw them and leaves them as it found them, so they are written once.
+    ``written``: positions of ``values`` the block writes in place (:func:`written_inputs`);
+    a recomputed block writes into copies, so the inputs checkpoint keeps stay as they were.
 
     >>> x = torch.randn(2, 3, requires_grad=True)
     >>> w = torch.randn(3, 3)
     >>> y = run_block(lambda a: torch.tanh(a @ w), [x], "ops")  # the mm output kept, tanh recomputed
     >>> torch.equal(y, torch.tanh(x @ w))
     True
+    >>> count = torch.zeros(())
+    >>> def counted(a):
+    ...     count.add_(1)
+    ...     return a * count
+    >>> run_block(counted, [x], "whole", state=[count]).sum().backward()
+    >>> count.item()  # once, though the backward ran the block again
+    1.0
     """
     if kind == "keep" or not torch.is_grad_enabled():
         return block(*values)
+    if written:
+        block = functools.partial(_on_copies, block, frozenset(written))
     if kind == "whole":
+        if state:
+            return checkpoint(block, *values, use_reentrant=False, context_fn=lambda: _preserving(state))
         return checkpoint(block, *values, use_reentrant=False)
     if kind == "ops":
         return checkpoint(block, *values, use_reentrant=False, context_fn=_ops_contexts)
     raise InternalError(f"unknown recomputation kind {kind!r}, expected one of {', '.join(RUN_KINDS)}")
+
+
+def written_inputs(run: fx.GraphModule, inputs: Sequence[str]) -> tuple[int, ...]:
+    """Positions of the values ``run`` reads (named ``inputs``) that it writes in place (``ReLU(inplace=True)``).
+
+    A recomputed run works on copies of those: checkpoint keeps its inputs for the
+    recomputation, and autograd refuses one that changed since.
+    """
+    written = inputs_written_in_place(run)
+    return tuple(i for i, name in enumerate(inputs) if name in written)
+
+
+def _on_copies(block: Callable[..., Any], written: frozenset[int], *values: Any) -> Any:
+    return block(*(v.clone() if i in written else v for i, v in enumerate(values)))
+
+
+def _preserving(state: Sequence[torch.Tensor]) -> tuple[Any, Any]:
+    """Checkpoint contexts keeping ``state`` as the forward saw it for the recomputation (taken now, at the
+    forward), and as it is at recomputation time afterwards."""
+    seen = [t.detach().clone() for t in state]
+
+    @contextlib.contextmanager
+    def recomputing() -> Iterator[None]:
+        now = [t.detach().clone() for t in state]
+        with torch.no_grad():
+            for t, value in zip(state, seen, strict=True):
+                t.copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, value in zip(state, now, strict=True):
+                    t.copy_(value)
+
+    return contextlib.nullcontext(), recomputing()
 
 
 def block_nodes(gm: fx.GraphModule) -> list[tuple[str, ...]]:
@@ -168,6 +232,7 @@ class _Segment:
     module: fx.GraphModule
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    state: tuple[str, ...] = ()  # buffers of the stage it writes (runtime.meetings.written_state)
 
 
 class Recomputed(nn.Module):
@@ -193,6 +258,7 @@ class Recomputed(nn.Module):
         self._segments: list[_Segment] = _segments(stage, groups)
         self.layers, self.ops_layers = layers, ops_layers  # as planned (ZeRO-3's LayeredStage reads them)
         self.kinds = stage_run_kinds(stage, groups, layers=layers, ops_layers=ops_layers)
+        self._written = [written_inputs(seg.module, seg.inputs) for seg in self._segments]
         self.recomputed = self.kinds.count("whole")
         self.ops_recomputed = self.kinds.count("ops")
         graph = stage.graph
@@ -206,8 +272,9 @@ class Recomputed(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         env: dict[str, Any] = dict(zip(self._inputs, args, strict=True))
-        for seg, kind in zip(self._segments, self.kinds, strict=True):
-            outputs = run_block(seg.module, [env[name] for name in seg.inputs], kind)
+        for seg, kind, written in zip(self._segments, self.kinds, self._written, strict=True):
+            state = [self.stage.get_buffer(name) for name in seg.state]
+            outputs = run_block(seg.module, [env[name] for name in seg.inputs], kind, state, written)
             env.update(zip(seg.outputs, outputs, strict=True))
         return fx.node.map_aggregate(self._template, lambda v: env[v.name] if isinstance(v, fx.Node) else v)
 
@@ -262,11 +329,13 @@ def stage_run_kinds(stage: fx.GraphModule, blocks: Sequence[Sequence[str]], *, l
 
     torch's per-op checkpointing refuses, in the backward, an op output it saved
     that a later op wrote in place; a block that writes anything in place
-    (conservative: the write may not touch a saved output) recomputes wholly.
+    (conservative: the write may not touch a saved output), or writes state such as a
+    BatchNorm's running statistics (restored around a whole recomputation only), recomputes wholly.
     """
     kinds = run_kinds(len(blocks), layers=layers, ops_layers=ops_layers)
     nodes = {n.name: n for n in stage.graph.nodes}
-    written = [any(writes_in_place(stage, nodes[name]) for name in block) for block in blocks]
+    written = [any(writes_in_place(stage, nodes[name]) for name in block)
+               or bool(written_state(stage, [nodes[name] for name in block])) for block in blocks]
     return tuple("whole" if kind == "ops" and w else kind for kind, w in zip(kinds, written, strict=True))
 
 
@@ -279,9 +348,11 @@ def _segments(stage: fx.GraphModule, blocks: list[tuple[str, ...]]) -> list[_Seg
             f"order; got {len(flat)} names."
         )
     segments = []
-    for i in range(len(blocks)):
+    nodes = {n.name: n for n in stage.graph.nodes}
+    for i, block in enumerate(blocks):
         module, inputs, outputs = block_run(stage, blocks, i)
-        segments.append(_Segment(module, inputs, outputs))
+        state = tuple(written_state(stage, [nodes[name] for name in block]))
+        segments.append(_Segment(module, inputs, outputs, state))
     return segments
 
 

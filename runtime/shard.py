@@ -104,6 +104,7 @@ from partitioner.defaults import shard_refusal as _schedule_refusal
 from partitioner.defaults import splits_backward
 from partitioner.errors import InternalError, ScheduleError
 from partitioner.plan import Plan
+from runtime.meetings import written_state
 from runtime.precision import PrecisionForward
 from runtime.recompute import (
     Recomputed,
@@ -112,6 +113,7 @@ from runtime.recompute import (
     block_run,
     run_block,
     stage_run_kinds,
+    written_inputs,
 )
 
 __all__ = [
@@ -321,8 +323,10 @@ class LayeredStage(nn.Module):
         self._runs: list[nn.Module] = []
         self._steps: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
         layered = nn.ModuleList()
+        self._written: list[tuple[int, ...]] = []  # inputs each run writes in place (a recomputed one on copies)
         for i in range(len(blocks)):
             run, inputs, outputs = block_run(stage, blocks, i)
+            self._written.append(written_inputs(run, inputs))
             owned = {name: p for name, p in reads[i].items() if readers[p] == {i} and p not in aliased}
             owners: dict[str, nn.Module] = {}
             for name in owned:
@@ -338,6 +342,8 @@ class LayeredStage(nn.Module):
             else:
                 self._runs.append(run)
             self._steps.append((tuple(inputs), outputs))
+        # The buffers each run writes (a BatchNorm's statistics): a recomputation restores them around itself.
+        self._state = [tuple(written_state(stage, [nodes[name] for name in block])) for block in blocks]
         self.units = layered
         self._inputs = tuple(n.name for n in graph.nodes if n.op == "placeholder")
         output = next(n for n in graph.nodes if n.op == "output")
@@ -349,8 +355,10 @@ class LayeredStage(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         env: dict[str, Any] = dict(zip(self._inputs, args, strict=True))
-        for run, (inputs, outputs), kind in zip(self._runs, self._steps, self.kinds, strict=True):
-            result = run_block(run, [env[name] for name in inputs], kind)
+        for run, (inputs, outputs), kind, state, written in zip(self._runs, self._steps, self.kinds, self._state,
+                                                                self._written, strict=True):
+            result = run_block(run, [env[name] for name in inputs], kind, [self.stage.get_buffer(n) for n in state],
+                               written)
             env.update(zip(outputs, result, strict=True))
         return fx.node.map_aggregate(self._template, lambda v: env[v.name] if isinstance(v, fx.Node) else v)
 

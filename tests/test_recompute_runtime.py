@@ -111,6 +111,39 @@ def test_recomputation_lowers_saved_activation_bytes() -> None:
     assert again <= (len(block_nodes(gm)) + 1) * batch * block_mlp.WIDTH * 4 + batch * block_mlp.NUM_CLASSES * 4
 
 
+@pytest.mark.parametrize("how", ["whole", "ops", "layered"])
+def test_recomputed_runs_write_batchnorm_statistics_and_in_place_inputs_once(how: str) -> None:
+    """A ResNet with BatchNorm and ``nn.ReLU(inplace=True)``: recomputing it changes no output, gradient or
+    running statistic.  (Recomputed naively, each BatchNorm counts a batch twice, and checkpoint refuses the
+    ReLU's write into an input it keeps.)"""
+    import resnet_inplace
+
+    from runtime.shard import LayeredStage
+
+    inputs = resnet_inplace.example_inputs(4)
+    torch.manual_seed(0)
+    plain = capture(resnet_inplace.build_model(), inputs).graph_module
+    torch.manual_seed(0)
+    gm = capture(resnet_inplace.build_model(), inputs).graph_module
+    runs = len(block_nodes(gm))
+    module: torch.nn.Module = {
+        "whole": lambda: Recomputed(gm),
+        "ops": lambda: Recomputed(gm, layers=0, ops_layers=runs),
+        "layered": lambda: LayeredStage(gm, recompute=True),
+    }[how]()
+    results = []
+    for m, owner in ((plain, plain), (module, gm)):
+        out = m(*inputs)
+        (out[0] if isinstance(out, (tuple, list)) else out).square().sum().backward()
+        results.append((out, {n: p.grad for n, p in owner.named_parameters()}, dict(owner.named_buffers())))
+    (out_a, grads_a, buffers_a), (out_b, grads_b, buffers_b) = results
+    assert torch.equal(out_a[0] if isinstance(out_a, (tuple, list)) else out_a,
+                       out_b[0] if isinstance(out_b, (tuple, list)) else out_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.allclose(grads_a[n], grads_b[n]) for n in grads_a)
+    assert any("num_batches_tracked" in n for n in buffers_a)
+    assert all(torch.equal(buffers_a[n], buffers_b[n]) for n in buffers_a), "running statistics written twice"
+
+
 def test_without_gradients_blocks_just_run() -> None:
     gm, inputs, _ = _graph(0.0)
     with torch.no_grad():

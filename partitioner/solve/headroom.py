@@ -122,7 +122,7 @@ def spend_rank_headroom(
             "whole": [_state(problem, blocks[s], True) for s in range(stages)]}
     for states in runs.values():
         for r in sorted(set(rank)):
-            _spend(problem, stage_of, stages, states, [s for s in range(stages) if rank[s] == r], r, limit,
+            _spend(problem, stage_of, blocks, states, [s for s in range(stages) if rank[s] == r], r, limit,
                    microbatches=microbatches, schedule=schedule, cheap_ok=cheap_ok)
     out: list[tuple[StageRecompute, int]] = []
     for s in range(stages):
@@ -168,13 +168,11 @@ def _seconds(problem: PartitionProblem, blocks: Sequence[int], state: _Stage) ->
 
 
 def _spend(
-    problem: PartitionProblem, stage_of: Sequence[int], stages: int, states: list[_Stage], mine: list[int],
-    r: int, limit: float, *, microbatches: int, schedule: ScheduleKind, cheap_ok: bool,
+    problem: PartitionProblem, stage_of: Sequence[int], blocks: Sequence[Sequence[int]], states: list[_Stage],
+    mine: list[int], r: int, limit: float, *, microbatches: int, schedule: ScheduleKind, cheap_ok: bool,
 ) -> None:
     """Move rank ``r``'s layers down the tiers, best seconds per byte first, while its exact peak fits."""
-    blocks: list[list[int]] = [[] for _ in range(stages)]
-    for v, s in enumerate(stage_of):
-        blocks[s].append(v)
+    stages = len(blocks)
 
     def peak() -> float:
         choices = [st.choice() for st in states]
