@@ -25,20 +25,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from partitioner.cost.devices import DEVICES
 from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
-from partitioner.defaults import SCHEDULES, SHARD_MODES
+from partitioner.defaults import SCHEDULES, SHARD_MODES, SHARD_SPANS
 from partitioner.errors import AutopartitionError
 from partitioner.report.progress import Reporter, hide_library_output
 from partitioner.units import SIZE_HELP, parse_size, plural
 
 __all__ = ["main", "parse_size"]  # parse_size lives in partitioner.units
 
-_DEVICES = ("auto", "cpu", "cuda", "a100", "h100", "h100-500w", "h200")
+_DEVICES = ("auto", "cpu", "cuda", *sorted(k for k in DEVICES if k != "cpu"))
 _CAPTURE = ("auto", "export", "symbolic_trace")
 _DEFAULT_BATCH = 32
 _AUTO = "auto"
 _RECOMPUTE = ("auto", "none", "full")
 _SHARD = ("auto", *SHARD_MODES)
+_SPAN = ("auto", *SHARD_SPANS)
 _WIDTH = 100
 _EXAMPLES = Path(__file__).resolve().parent.parent / "examples"  # in a checkout (pip install -e .)
 _WEIGHTS_ENV = "AUTOPARTITION_WEIGHTS"  # runtime.weights.WEIGHTS_ENV: Pipeline reads it (no torch import here)
@@ -191,8 +193,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                         "model has the blocks; zbv always holds 2, the others 1)")
     parser.add_argument("--pp", type=_positive_int, metavar="P", help="fix the number of pipeline ranks (stages = pp x chunks)")
     parser.add_argument("--dp", type=_positive_int, metavar="D", help="fix the number of replicas per stage")
-    parser.add_argument("--device", choices=_DEVICES, default="auto", type=str.lower,
-                        help="auto/cpu/cuda measure here; a100/h100/h200 predict for that GPU (default auto)")
+    parser.add_argument("--device", default="auto", type=_device, metavar="NAME|FILE",
+                        help=f"auto/cpu/cuda measure here; {'/'.join(_DEVICES[3:])} predict for that GPU; FILE: a "
+                        "JSON or TOML file of your own device's numbers (docs/devices.md) (default auto)")
     parser.add_argument("--memory-per-gpu", type=_size, metavar="SIZE",
                         help=f"memory cap per GPU: {SIZE_HELP} (default: the device's)")
     parser.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION, type=str.lower,
@@ -209,6 +212,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="how each stage group's replicas hold their state: auto (chosen with pp, dp and the "
                         "schedule), none (whole on every replica: DDP), optimizer (optimizer state sharded), "
                         "full (weights, gradients and optimizer state sharded: FSDP2) (default auto)")
+    parser.add_argument("--shard-span", choices=_SPAN, default=_AUTO, type=str.lower,
+                        help="over which replicas a fully sharded stage group spanning nodes shards: auto (both "
+                        "weighed), world (every replica: FSDP FULL_SHARD, ZeRO-3), node (the replicas of one node, "
+                        "the nodes replicating each other: HSDP) (default auto)")
     parser.add_argument("--tp", type=_microbatches, default=1, metavar="auto|N",
                         help="GPUs per tensor-parallel group, inside a node: auto (searched with pp and dp over the "
                         "divisors of --gpus-per-node the model's heads and widths allow) or N (default 1: the "
@@ -381,6 +388,7 @@ def _plan(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
             chunks=args.chunks,
             shard=args.shard,
+            shard_span=args.shard_span,
             tp=args.tp,
             calibration=args.calibration,
             loss_fn=model_file.loss_fn,
@@ -404,6 +412,11 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"  autopartition verify {quoted} --model {shlex.quote(args.model)}")
     print(f"  autopartition run {quoted} -- {_training_script(args.model)}")
     return 0
+
+
+def _device(text: str) -> str:
+    """A device name (any case) or a device file's path (as given)."""
+    return text.lower() if text.lower() in _DEVICES else text
 
 
 def _gpus(args: argparse.Namespace, say: Callable[[str], None]) -> int:

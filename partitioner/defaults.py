@@ -32,8 +32,11 @@ __all__ = [
     "MAX_ACTION_JITTER",
     "SCHEDULES",
     "SHARD_MODES",
+    "SHARD_SPANS",
     "SPLIT_BACKWARD_SCHEDULES",
     "ScheduleKind",
+    "ShardMode",
+    "ShardSpan",
     "schedule_chunks",
     "shard_refusal",
     "splits_backward",
@@ -41,6 +44,7 @@ __all__ = [
 
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
 ShardMode = Literal["none", "optimizer", "full"]
+ShardSpan = Literal["world", "node"]
 
 # Every pipeline schedule, in the order the command line lists them.
 SCHEDULES: tuple[ScheduleKind, ...] = typing.get_args(ScheduleKind)
@@ -58,6 +62,11 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 # every replica (DDP); "optimizer" optimizer state sharded across the group; "full" parameters, gradients and
 # optimizer state sharded (FSDP2 ``fully_shard``).  The plan records one per stage (``StagePlan.shard``).
 SHARD_MODES: tuple[ShardMode, ...] = typing.get_args(ShardMode)
+
+# Over which replicas a "full" stage group shards its state (``StagePlan.shard_span``): "world", every replica of
+# the group (FSDP's FULL_SHARD, DeepSpeed's ZeRO-3); "node", the replicas on one node, the nodes replicas of each
+# other (HSDP: FSDP's HYBRID_SHARD, torchtitan's dp_replicate x dp_shard).  The same where the group fits a node.
+SHARD_SPANS: tuple[ShardSpan, ...] = typing.get_args(ShardSpan)
 
 # (schedule, shard mode) pairs the runtime cannot run yet, with the reason the planner gives when refusing them.
 # The runtime's tests prove every pair not listed here (tests/test_shard_runtime.py: every schedule with

@@ -39,7 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Union
 
-from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, MAX_ACTION_JITTER
+from partitioner.cost.precision import shard_degree, spans_nodes
+from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, MAX_ACTION_JITTER, SHARD_SPANS
 from partitioner.errors import PlanFormatError
 from partitioner.graph.ir import tensor_nbytes
 from partitioner.orders import Schedule
@@ -62,6 +63,7 @@ __all__ = [
     "TensorSpec",
     "TiedParameter",
     "example_plan",
+    "legacy_spans",
     "stage_topology",
     "upgrade",
     "upgrade_v1",
@@ -122,6 +124,10 @@ class StagePrediction:
     tp_comm_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
     # shard "full" with reshard_after_forward (ZeRO-3): its gathered FSDP2 units' bytes, part of memory_bytes.
     gathered_bytes: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
+    # FLOPs one GPU of the stage runs per micro-batch (forward + backward, recomputation left out), and those
+    # FLOPs at the peak of each op's dtype: the stage's compute bound (partitioner.schedule.bounds).
+    flops: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
+    peak_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +158,10 @@ class StagePlan:
     # keeping the outputs of their matrix multiplications and attention (per-op selective checkpointing,
     # torch.utils.checkpoint.create_selective_checkpoint_contexts); the rest keep all their activations. 0 otherwise.
     recompute_ops_layers: int = dataclasses.field(default=0, metadata={ADDED_IN_VERSION: 3})
+    # shard "full" only: over which replicas the state is sharded (partitioner.defaults.SHARD_SPANS): "world", every
+    # replica of the group; "node", the group's replicas on one node, the nodes replicas of each other (HSDP).
+    # "" in plans written before it: read as those plans were priced (legacy_span).
+    shard_span: str = dataclasses.field(default="", metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +281,10 @@ class CostModelInfo:
     action_host_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
     # and each compute action's spread about its time (the simulator's jitter; 0: every action as predicted).
     action_jitter: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
+    # The predicted device's share of its peaks per op class, and the published runs that share was fitted to
+    # (partitioner.cost.devices; () : none calibrates it, the bare roofline where efficiency is empty too).
+    efficiency: tuple[tuple[str, float], ...] = dataclasses.field(default=(), metadata={ADDED_IN_VERSION: 3})
+    calibrated_by: tuple[str, ...] = dataclasses.field(default=(), metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,10 +322,14 @@ class Plan:
         """Tensor-parallel groups per node (``gpus_per_node`` when tp = 1): what stage ranks are laid out on."""
         return None if self.gpus_per_node is None else max(1, self.gpus_per_node // self.tp)
 
-    @property
-    def shard_gpus_per_node(self) -> int | None:
-        """What ``full`` sharding is confined to: a node (HSDP, tp = 1); None with tp > 1 (FSDP across nodes)."""
-        return None if self.tp > 1 else self.gpus_per_node
+    def shard_degree(self, stage: StagePlan) -> int:
+        """Into how many shards ``stage``'s replica group splits its state (``StagePlan.shard``, ``shard_span``).
+
+        >>> plan = example_plan()
+        >>> plan.shard_degree(plan.stages[0])
+        1
+        """
+        return shard_degree(stage.shard, self.dp, self.group_gpus_per_node, span=stage.shard_span or "world")
 
     @property
     def microbatch_size(self) -> int:
@@ -372,7 +390,7 @@ class Plan:
             )
         try:
             # The current version has every field; a version-1 plan takes the defaults of those it lacks.
-            plan: Plan = _decode(Plan, upgrade(data), "plan", strict=version != 1)
+            plan: Plan = legacy_spans(_decode(Plan, upgrade(data), "plan", strict=version != 1))
             _check_names(plan)
             return plan
         except (TypeError, ValueError, KeyError) as exc:
@@ -462,6 +480,23 @@ def upgrade(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def legacy_spans(plan: Plan) -> Plan:
+    """``plan`` with every stage's ``shard_span`` set: a plan written before spans sharded as it was priced then.
+
+    Fully sharded groups at tp = 1 sharded inside a node where they spanned whole nodes (HSDP); at tp > 1,
+    over every replica.  Stages that shard nothing read ``"world"`` (the span means nothing there).
+
+    >>> legacy_spans(example_plan()).stages[0].shard_span
+    'world'
+    """
+    if all(st.shard_span for st in plan.stages):
+        return plan
+    span = "node" if plan.tp == 1 and spans_nodes(plan.dp, plan.gpus_per_node) else "world"
+    return dataclasses.replace(plan, stages=tuple(
+        st if st.shard_span else dataclasses.replace(st, shard_span=span if st.shard == "full" else "world")
+        for st in plan.stages))
+
+
 def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     """A format-version-1 plan's JSON object in the current layout, with the defaults it implies.
 
@@ -519,6 +554,9 @@ def _check_names(plan: Plan) -> None:
         if st.reshard_after_forward and st.shard != "full":
             raise ValueError(f"plan.stages[{st.index}].reshard_after_forward is true, but its shard is "
                              f"{st.shard!r}: only a fully sharded stage reshards")
+        if st.shard_span not in SHARD_SPANS:
+            raise ValueError(f"plan.stages[{st.index}].shard_span is {st.shard_span!r}, expected one of "
+                             f"{', '.join(SHARD_SPANS)}")
     if plan.gpus_per_node is not None and plan.gpus_per_node < 1:
         raise ValueError(f"plan.gpus_per_node is {plan.gpus_per_node}, expected at least 1")
     jitter = plan.cost_model.action_jitter
@@ -708,8 +746,10 @@ def example_plan() -> Plan:
     b = Boundary("relu", (2, 4), "float32", 0, 1)
     pred = StagePrediction(1e-3, 2e-3, 320.0, 64, 32.0, 32, 0.0)
     stages = (
-        StagePlan(0, (0,), ("w0", "linear", "relu"), 2, ("0.weight",), ("x",), (), (b,), ("0", "1"), pred),
-        StagePlan(1, (1,), ("w2", "linear_1"), 1, ("2.weight",), (), (b,), (), ("2", "2"), pred, rank=1),
+        StagePlan(0, (0,), ("w0", "linear", "relu"), 2, ("0.weight",), ("x",), (), (b,), ("0", "1"), pred,
+                  shard_span="world"),
+        StagePlan(1, (1,), ("w2", "linear_1"), 1, ("2.weight",), (), (b,), (), ("2", "2"), pred, rank=1,
+                  shard_span="world"),
     )
     return Plan(
         format_version=FORMAT_VERSION,

@@ -99,7 +99,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from partitioner.cost.precision import check_precision, shard_degree
+from partitioner.cost.precision import check_precision
 from partitioner.defaults import shard_refusal as _schedule_refusal
 from partitioner.defaults import splits_backward
 from partitioner.errors import InternalError, ScheduleError
@@ -211,18 +211,20 @@ class ShardUnit(nn.Module):
 def shard_layout(plan: Plan, pipeline_rank: int) -> tuple[int, int]:
     """(replicate, shard): how pipeline rank ``pipeline_rank``'s ``full`` replicas split their state.
 
-    One node holds them all, or the plan has no nodes: ``(1, dp)``, every replica a
-    shard (FSDP).  They span whole nodes of ``gpus_per_node`` (``dp`` a multiple of it;
-    replicas are consecutive ranks, so each node holds ``gpus_per_node`` of them):
-    ``(dp / gpus_per_node, gpus_per_node)``, HSDP: sharded inside a node, the nodes
-    replicas of each other (gradients all-reduced across them after the reduce-scatter
-    inside), as torchtitan's ``dp_replicate x dp_shard`` mesh.
+    As its stages' ``shard_span`` says (:meth:`~partitioner.plan.Plan.shard_degree`, the
+    planner's rule, so its memory is ours): ``"world"`` (or one node holding them all)
+    ``(1, dp)``, every replica a shard (FSDP); ``"node"`` where they span whole nodes
+    of ``gpus_per_node`` (``dp`` a multiple of it; replicas are consecutive ranks,
+    so each node holds ``gpus_per_node`` of them): ``(dp / gpus_per_node,
+    gpus_per_node)``, HSDP: sharded inside a node, the nodes replicas of each other
+    (gradients all-reduced across them after the reduce-scatter inside), as
+    torchtitan's ``dp_replicate x dp_shard`` mesh.
 
     >>> from partitioner.plan import example_plan
     >>> shard_layout(example_plan(), 0)
     (1, 1)
     """
-    shards = shard_degree("full", plan.dp, plan.gpus_per_node)  # the planner's rule, so its memory is ours
+    shards = plan.shard_degree(plan.stages[plan.stages_of(pipeline_rank)[0]])
     return plan.dp // shards, shards
 
 

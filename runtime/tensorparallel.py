@@ -136,7 +136,14 @@ def refuse_unrunnable_tp(plan: Plan, *, engine: str | None = "ours") -> None:
 def tensor_parallel_meshes(plan: Plan, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
     """This rank's (tensor-parallel, replica) meshes: slices of one ``(pp, dp, tp)`` mesh, in the rank
     order ``(p x dp + r) x tp + t``, so that FSDP2 can shard tensor-parallel layers over the replicas
-    (collective: every rank of the job calls it)."""
+    (collective: every rank of the job calls it).  Fully sharded over one node's replicas (``shard_span``
+    "node", HSDP) the replicas are ``(replicate, shard)``: a ``(pp, replicate, shard, tp)`` mesh."""
+    full = [st for st in plan.stages if st.shard == "full"]
+    shards = plan.shard_degree(full[0]) if full else plan.dp
+    if shards < plan.dp:  # HSDP: (replicate, shard) replicas, as torchtitan's dp_replicate x dp_shard x tp
+        mesh = init_device_mesh(device.type, (plan.pp, plan.dp // shards, shards, plan.tp),
+                                mesh_dim_names=("pp", "replicate", "shard", "tp"))
+        return mesh["tp"], mesh["replicate", "shard"]
     mesh = init_device_mesh(device.type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=("pp", "dp", "tp"))
     return mesh["tp"], mesh["dp"]
 

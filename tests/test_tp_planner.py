@@ -205,7 +205,10 @@ def test_full_sharding_spans_nodes_with_tensor_parallelism(
     whole, full = (sum(tp.problem(4, 1, mode).static_bytes) for mode in ("none", "full"))
     # fp32 + Adam: 16 B per parameter whole; fully sharded over 4: 16/4 + the gathered weights and gradients (8).
     assert full == pytest.approx(whole * 12 / 16, rel=1e-6)
-    assert sum(base.problem(4, 1, "full").static_bytes) > sum(base.problem(4, 1, "none").static_bytes)  # HSDP: 1 shard
+    # HSDP over one GPU per node: one shard, the gathered weights and gradients on top.
+    assert sum(base.problem(4, 1, "hsdp").static_bytes) > sum(base.problem(4, 1, "none").static_bytes)
+    world = sum(base.problem(4, 1, "full").static_bytes)  # over every replica, as with tp: 4 shards
+    assert world == pytest.approx(sum(base.problem(4, 1, "none").static_bytes) * 12 / 16, rel=1e-6)
     assert tp.problem(4, 1, "full").gpus_per_node == 1  # the links stay the layout's
     # ZeRO-1 is not tried with tp > 1 (runtime.tensorparallel runs replicated and fully sharded groups)
     assert options.shard_modes("1f1b", 4) == ("none", "full")

@@ -49,11 +49,23 @@ bandwidth in bytes/s and latency in seconds per message); no torch.
   first unit's all-gather, which nothing before it hides (Zhao et al. 2023,
   section 3.3.1; the backward's all-gathers and reduce-scatters share the link).
 * Topology: ranks are laid out stage-major, ``rank = stage x dp + replica``,
-  and node ``rank // gpus_per_node``.  A message or a ring that crosses nodes
-  is priced on the inter-node :class:`Link` (InfiniBand, one port per GPU),
-  one that stays inside a node on the intra-node one (NVLink).  A ring with any
-  hop between nodes runs at the inter-node link's pace: its slowest hop sets
-  every step's time (the ring model above with the slow link's numbers).
+  and node ``rank // gpus_per_node``.  A message that crosses nodes is priced on
+  the inter-node :class:`Link` (InfiniBand, one port per GPU: a point-to-point
+  message leaves through its own GPU's port), one that stays inside a node on
+  the intra-node one (NVLink).  A ring collective that crosses nodes
+  (:func:`ring_link`) runs at the inter-node latency per step, and at the
+  bandwidth of the ports of its members on one node: NCCL lays one ring per
+  channel through a node's members over NVLink and leaves the node through a
+  different member's port per channel, so a group with ``k`` members on every
+  node moves its inter-node bytes through ``k`` ports at once (bus bandwidth
+  ``k x`` one port's, capped by NVLink).  NVIDIA's NCCL developers measure
+  192 GB/s all-reduce bus bandwidth on DGX A100 nodes over 8 x 25 GB/s HDR ports
+  (github.com/NVIDIA/nccl issue 812), and an all-to-all, which cannot use the
+  rings, one port's (nccl-tests issue 267).  A group with one member per node
+  (tensor parallelism filling the node) runs at one port's pace.
+* What a step must move through each link, whatever overlaps, is
+  :mod:`partitioner.cost.bounds`'s: every predicted step is at least that over
+  the link's bandwidth.
 
 Example: 1 GB over 4 ranks at 100 GB/s and 10 µs, in 3 buckets::
 
@@ -78,11 +90,13 @@ __all__ = [
     "bucket_count",
     "bucket_share",
     "link",
+    "members_per_node",
     "message_seconds",
     "node_of",
     "p2p_crosses_nodes",
     "ring_allreduce_seconds",
     "ring_latency_seconds",
+    "ring_link",
     "ring_shard_seconds",
     "shard_step_seconds",
     "zero3_microbatch_seconds",
@@ -229,6 +243,44 @@ def node_of(rank: int, gpus_per_node: int | None) -> int:
     (0, 1, 0)
     """
     return 0 if gpus_per_node is None else rank // gpus_per_node
+
+
+def members_per_node(size: int, gpus_per_node: int | None) -> int:
+    """The fewest members a group of ``size`` consecutive ranks, aligned at a multiple of ``size``, has on a node.
+
+    Stage groups (``dp`` consecutive replicas from ``stage x dp``) are such
+    groups; a group that straddles nodes unevenly has at least ``gcd(size,
+    gpus_per_node)`` members on each node it touches.  ``None``: one node, all of them.
+
+    >>> members_per_node(16, 8), members_per_node(4, 8), members_per_node(12, 8), members_per_node(3, 8)
+    (8, 4, 4, 1)
+    >>> members_per_node(64, None)
+    64
+    """
+    if gpus_per_node is None or size <= 0:
+        return max(size, 1)
+    return math.gcd(size, gpus_per_node) if size % gpus_per_node and gpus_per_node % size else min(size,
+                                                                                                    gpus_per_node)
+
+
+def ring_link(spec: DeviceSpec, *, crosses: bool, members_per_node: int = 1) -> Link:
+    """The link a ring collective runs on: NVLink inside a node; across nodes, every member's port on a node.
+
+    ``members_per_node``: the group's fewest members on one node (:func:`members_per_node`);
+    the group's inter-node bytes leave and enter each node through that many
+    ports at once (module docstring), never faster than NVLink carries them.
+
+    >>> from partitioner.cost.devices import DEVICES
+    >>> ring_link(DEVICES["a100"], crosses=True, members_per_node=8)
+    Link(bandwidth=200000000000.0, latency=1.5e-05)
+    >>> ring_link(DEVICES["h100"], crosses=True, members_per_node=1), ring_link(DEVICES["h100"], crosses=False)
+    (Link(bandwidth=50000000000.0, latency=1.5e-05), Link(bandwidth=450000000000.0, latency=1e-05))
+    """
+    intra = link(spec)
+    if not crosses:
+        return intra
+    inter = link(spec, inter_node=True)
+    return Link(min(intra.bandwidth, max(1, members_per_node) * inter.bandwidth), inter.latency)
 
 
 def p2p_crosses_nodes(a: int, b: int, *, dp: int, gpus_per_node: int | None) -> bool:

@@ -57,10 +57,19 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
 
 from partitioner.units import GIB
 
-__all__ = ["DEVICES", "GIB", "H100_500W_PEAK_SHARE", "H100_EFFICIENCY", "DeviceSpec", "device_spec"]
+try:  # Python 3.11+; on 3.10 a device file is JSON
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    tomllib = None  # type: ignore[assignment]
+
+__all__ = ["DEVICES", "GIB", "H100_500W_PEAK_SHARE", "H100_EFFICIENCY", "DeviceSpec", "device_spec", "load_device"]
 
 # Share of the datasheet peak each op class reaches on a Hopper GPU (partitioner.cost.nodecost.op_class):
 # matmul fitted by ``tools/calibrate_published.py --fit`` to torchtitan's 8B/8 and 70B/256 and the Llama 3
@@ -95,6 +104,8 @@ class DeviceSpec:
     # Share of the peak each op class reaches in practice (1.0: the bare roofline); see
     # :func:`partitioner.cost.nodecost.op_class` for the classes and ``PUBLISHED_EFFICIENCY`` for values.
     efficiency: tuple[tuple[str, float], ...] = ()
+    # The published runs those efficiencies were fitted to (tools/validate_published.py); () : none calibrates it.
+    calibrated_by: tuple[str, ...] = ()
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
@@ -145,13 +156,108 @@ DEVICES: dict[str, DeviceSpec] = {
 
 
 def device_spec(name: str) -> DeviceSpec:
-    """Look up a device by name (``a100``, ``h100``, ``h100-500w``, ``h200``, ``cpu``)."""
-    key = name.lower()
-    if key not in DEVICES:
-        from partitioner.errors import AutopartitionError
+    """A device by name (``a100``, ``h100``, ``h100-500w``, ``h200``, ``cpu``), or read from a JSON/TOML file.
 
-        raise AutopartitionError(
-            f"Unknown device {name!r}. Choose one of {', '.join(sorted(DEVICES))}, "
-            "or 'auto' to measure on this machine."
-        )
-    return DEVICES[key]
+    A name ending in ``.json`` or ``.toml`` (or naming a file) is a user's own
+    device: :func:`load_device`.
+    """
+    from partitioner.errors import AutopartitionError
+
+    key = name.lower()
+    if key in DEVICES:
+        return DEVICES[key]
+    if key.endswith((".json", ".toml")) or os.path.isfile(name):
+        return load_device(name)
+    raise AutopartitionError(
+        f"Unknown device {name!r}. Choose one of {', '.join(sorted(DEVICES))}, 'auto' to measure on this "
+        "machine, or a JSON or TOML file describing your own (DeviceSpec's fields: see docs/devices.md)."
+    )
+
+
+# A device file's fields: DeviceSpec's, each required but those with a default here.
+_FILE_DEFAULTS: dict[str, Any] = {"kernel_overhead": 5e-6, "message_host_s": 0.0, "calibrated_by": ()}
+
+
+def load_device(path: str | os.PathLike[str]) -> DeviceSpec:
+    """A :class:`DeviceSpec` from a JSON or TOML file of its fields; a missing, unknown or ill-typed one refused by name.
+
+    Numbers in SI units: FLOP/s, bytes, bytes/s (one direction), seconds.  ``peak_flops``
+    maps dtypes (``float32``, ``bfloat16``, ...) to FLOP/s and must give ``float32``;
+    ``efficiency`` maps op classes (``matmul``, ``attention``, ``memory``) to the share
+    of the peak reached (0 .. 1]; ``calibrated_by`` optionally names the runs that fitted
+    them.  ``inter_node_bandwidth`` is one GPU's network port.
+
+    >>> import json, tempfile
+    >>> fields = {"name": "mine", "peak_flops": {"float32": 19.5e12, "bfloat16": 312e12}, "memory_bytes": 40e9,
+    ...           "memory_bandwidth": 1.555e12, "link_bandwidth": 300e9, "link_latency": 1e-5,
+    ...           "inter_node_bandwidth": 25e9, "inter_node_latency": 1.5e-5, "efficiency": {"matmul": 0.6}}
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    ...     _ = f.write(json.dumps(fields))
+    >>> spec = load_device(f.name)
+    >>> spec.name, spec.memory_bytes, spec.efficiency_of("matmul"), spec.efficiency_of("attention")
+    ('mine', 40000000000, 0.6, 1.0)
+    """
+    from partitioner.errors import AutopartitionError
+
+    file = Path(path)
+    what = f"device file {file}"
+    if not file.is_file():
+        raise AutopartitionError(f"No {what}: give --device a name ({', '.join(sorted(DEVICES))}) or an existing "
+                                 "JSON or TOML file.")
+    text = file.read_text()
+    toml = file.suffix.lower() == ".toml"
+    if toml and tomllib is None:
+        raise AutopartitionError(f"The {what} is TOML, which needs Python 3.11; write it as JSON instead.")
+    try:
+        data = tomllib.loads(text) if toml else json.loads(text)
+    except ValueError as exc:  # tomllib.TOMLDecodeError is a ValueError
+        raise AutopartitionError(f"The {what} is not valid {'TOML' if file.suffix == '.toml' else 'JSON'}: {exc}.")
+    if not isinstance(data, dict):
+        raise AutopartitionError(f"The {what} should hold one table of DeviceSpec's fields.")
+    fields = {f.name for f in dataclasses.fields(DeviceSpec)}
+    unknown = sorted(set(data) - fields)
+    missing = sorted(fields - set(data) - set(_FILE_DEFAULTS))
+    if unknown or missing:
+        parts = ([f"unknown fields {unknown} (DeviceSpec has {sorted(fields)})"] if unknown else []) + \
+                ([f"missing fields {missing}"] if missing else [])
+        raise AutopartitionError(f"The {what} has {' and '.join(parts)}.")
+    values = {**_FILE_DEFAULTS, **data}
+
+    def number(key: str, *, positive: bool = True) -> float:
+        value = values[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (positive and value == 0):
+            raise AutopartitionError(f"The {what}: {key} is {value!r}, expected a {'positive ' if positive else ''}"
+                                     "number (SI units).")
+        return float(value)
+
+    def table(key: str, *, share: bool) -> dict[str, float]:
+        value = values[key]
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise AutopartitionError(f"The {what}: {key} should be a table of names to numbers, got {value!r}.")
+        out: dict[str, float] = {}
+        for k, v in value.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (share and v > 1):
+                raise AutopartitionError(f"The {what}: {key}.{k} is {v!r}, expected "
+                                         f"{'a share in (0, 1]' if share else 'a positive number'}.")
+            out[k] = float(v)
+        return out
+
+    peaks = table("peak_flops", share=False)
+    if "float32" not in peaks:
+        raise AutopartitionError(f"The {what}: peak_flops must give float32 (the peak any other dtype falls back to).")
+    name = values["name"]
+    runs = values["calibrated_by"]
+    if not isinstance(name, str) or not name or not isinstance(runs, (list, tuple)) \
+            or not all(isinstance(r, str) for r in runs):
+        raise AutopartitionError(f"The {what}: name should be a non-empty string and calibrated_by a list of "
+                                 "strings.")
+    return DeviceSpec(
+        name=name, peak_flops=peaks, memory_bandwidth=number("memory_bandwidth"),
+        memory_bytes=int(number("memory_bytes")), link_bandwidth=number("link_bandwidth"),
+        link_latency=number("link_latency", positive=False), kernel_overhead=number("kernel_overhead", positive=False),
+        message_host_s=number("message_host_s", positive=False),
+        inter_node_bandwidth=number("inter_node_bandwidth"),
+        inter_node_latency=number("inter_node_latency", positive=False),
+        efficiency=tuple(sorted(table("efficiency", share=True).items())),
+        calibrated_by=tuple(runs),
+    )

@@ -107,6 +107,7 @@ __all__ = [
     "shard_degree",
     "shard_footprint",
     "shard_state_bytes",
+    "spans_nodes",
     "state_bytes",
     "static_bytes_per_element",
     "weight_bytes",
@@ -266,20 +267,34 @@ def _reduces_upcast(precision: str) -> bool:
     return check_precision(precision) == "bf16-mixed"
 
 
-def shard_degree(shard: str, dp: int, gpus_per_node: int | None) -> int:
+def shard_degree(shard: str, dp: int, gpus_per_node: int | None, *, span: str = "world") -> int:
     """Into how many shards a stage group of ``dp`` replicas splits its state under ``shard``.
 
-    A ``full`` group spanning whole nodes is HSDP: sharded inside a node, the
-    nodes replicas of each other (torchtitan's ``dp_replicate x dp_shard`` mesh;
-    runtime/shard.py builds the same); otherwise every replica holds one shard.
-    ``optimizer`` (ZeRO-1) shards over the whole group.
+    ``span`` (``full`` only): ``"world"``, every replica holds one shard;
+    ``"node"``, HSDP: sharded over the group's replicas on one node, the nodes
+    replicas of each other (torchtitan's ``dp_replicate x dp_shard`` mesh;
+    runtime/shard.py builds the same), where the group spans whole nodes of
+    ``gpus_per_node`` replicas (else as ``"world"``).  ``optimizer`` (ZeRO-1)
+    shards over the whole group.
 
-    >>> shard_degree("full", 4, 8), shard_degree("full", 16, 8), shard_degree("optimizer", 16, 8)
-    (4, 8, 16)
+    >>> shard_degree("full", 16, 8), shard_degree("full", 16, 8, span="node"), shard_degree("full", 4, 8, span="node")
+    (16, 8, 4)
+    >>> shard_degree("optimizer", 16, 8, span="node")
+    16
     """
-    if shard == "full" and gpus_per_node and dp > gpus_per_node and dp % gpus_per_node == 0:
+    if shard == "full" and span == "node" and spans_nodes(dp, gpus_per_node):
+        assert gpus_per_node is not None
         return gpus_per_node
     return dp
+
+
+def spans_nodes(dp: int, gpus_per_node: int | None) -> bool:
+    """Does a group of ``dp`` replicas span whole nodes of ``gpus_per_node`` (so HSDP differs from sharding over all)?
+
+    >>> spans_nodes(16, 8), spans_nodes(8, 8), spans_nodes(12, 8), spans_nodes(16, None)
+    (True, False, False, False)
+    """
+    return bool(gpus_per_node) and dp > gpus_per_node and dp % gpus_per_node == 0  # type: ignore[operator]
 
 
 def shard_state_bytes(

@@ -19,6 +19,7 @@ import textwrap
 from collections.abc import Sequence
 
 from partitioner.plan import Candidate, Plan, StagePlan
+from partitioner.schedule.bounds import step_bounds
 from partitioner.units import format_bytes, format_count, format_seconds, plural
 
 __all__ = [
@@ -163,7 +164,7 @@ def shard_summary(plan: Plan) -> str:
     >>> shard_summary(example_plan())
     'none: one replica per stage'
     """
-    from partitioner.cost.precision import gathered_bytes, shard_degree, shard_state_bytes
+    from partitioner.cost.precision import gathered_bytes, shard_state_bytes
 
     if plan.dp <= 1:
         return "none: one replica per stage"
@@ -177,20 +178,22 @@ def shard_summary(plan: Plan) -> str:
     words["zero3"] = ("full, ZeRO-3 (FSDP2, reshard_after_forward: one unit per layer, all-gathered before "
                       "each forward and backward and freed after, gradients reduce-scattered after every "
                       "micro-batch, behind compute)")
+    words["hsdp"] = "full, HSDP (" + words["full"].removeprefix("full (")
+    words["hsdp-zero3"] = "full, HSDP " + words["zero3"].removeprefix("full, ")
     parts = []
     for label in dict.fromkeys(shard_label(s) for s in plan.stages):
         stages = [s.index for s in plan.stages if shard_label(s) == label]
-        mode = "full" if label == "zero3" else label
-        shards = shard_degree(mode, plan.dp, plan.shard_gpus_per_node)
+        mode = "full" if label in ("zero3", "hsdp", "hsdp-zero3") else label
+        shards = plan.shard_degree(plan.stages[stages[0]])
         per = shard_state_bytes(plan.precision, states, mode, shards, elements=1, model_bytes=4)
-        extra = gathered_bytes(plan.precision, elements=1, model_bytes=4) if label == "full" else 0
+        extra = gathered_bytes(plan.precision, elements=1, model_bytes=4) if label in ("full", "hsdp") else 0
         where = "every stage" if len(stages) == len(plan.stages) else f"stage{'s' if len(stages) > 1 else ''} " \
             f"{_ranges(stages)}"
         over = f"{plan.dp} replicas" if shards == plan.dp else \
             f"{shards} shards per node ({plan.dp // shards} nodes replicate them: HSDP)"
         held = f"{per:.3g} bytes per parameter over {over}" + (
             f" + {extra:.3g} gathered during the step" if extra else "")
-        if label == "zero3":
+        if label in ("zero3", "hsdp-zero3"):
             units = max(s.predicted.gathered_bytes for s in plan.stages)
             held += (f" + at most {format_bytes(units)} of layers gathered (the largest one's weights and gradients, "
                      "the next one's weights, the previous one's reduce-scatter input)")
@@ -199,8 +202,12 @@ def shard_summary(plan: Plan) -> str:
 
 
 def shard_label(stage: StagePlan) -> str:
-    """A stage's shard mode as the tables show it: ``zero3`` for ``full`` with ``reshard_after_forward``."""
-    return "zero3" if stage.shard == "full" and stage.reshard_after_forward else stage.shard
+    """A stage's shard mode as the tables show it: ``zero3`` for ``full`` with ``reshard_after_forward``,
+    ``hsdp`` (and ``hsdp-zero3``) for ``full`` sharded over one node's replicas."""
+    if stage.shard != "full":
+        return stage.shard
+    label = "zero3" if stage.reshard_after_forward else "full"
+    return ("hsdp" if label == "full" else "hsdp-zero3") if stage.shard_span == "node" else label
 
 
 def crossing_links(plan: Plan) -> tuple[list[str], list[int]]:
@@ -257,8 +264,29 @@ def assumptions(plan: Plan) -> list[tuple[str, str]]:
         ("links", f"{nodes}; {intra}{inter}"),
         ("across nodes", carried),
         ("MFU", peak),
+        ("device", device_summary(plan)),
         *([("tensor parallel", tensor_parallel_summary(plan))] if plan.tp > 1 else []),
     ]
+
+
+def device_summary(plan: Plan) -> str:
+    """Where the device's numbers come from: measured here, or a datasheet roofline calibrated on published runs.
+
+    >>> from partitioner.plan import example_plan
+    >>> device_summary(example_plan())
+    'cpu: measured here'
+    """
+    cm = plan.cost_model
+    if cm.source.startswith("measured"):
+        return f"{plan.device.removesuffix(' (measured)')}: measured here"
+    shares = ", ".join(f"{k} {v:.2f}" for k, v in cm.efficiency)
+    if cm.calibrated_by:
+        runs = ", ".join(cm.calibrated_by)
+        return (f"{plan.device}: datasheet peaks at the shares fitted to {plural(len(cm.calibrated_by), 'published run')} "
+                f"({shares}; fitted to {runs}; tools/validate_published.py checks the others)")
+    if shares:
+        return f"{plan.device}: datasheet peaks at the shares {shares}; no published run calibrates it"
+    return f"{plan.device}: no published run calibrates it: the bare datasheet roofline (every op at its peak)"
 
 
 def tensor_parallel_summary(plan: Plan) -> str:
@@ -365,7 +393,7 @@ def _stage_table(plan: Plan) -> list[str]:
     notes = f"fwd/bwd ms and sends: per micro-batch (bwd with recomputation); peak memory: {where}, whole step"
     if replicated and any(s.shard != "none" for s in plan.stages):
         notes += "; allreduce ms: a sharded group's reduce-scatter and all-gather per step"
-        if any(shard_label(s) == "zero3" for s in plan.stages):
+        if any(shard_label(s) in ("zero3", "hsdp-zero3") for s in plan.stages):
             notes += " (zero3: per micro-batch, in fwd/bwd ms where compute does not hide them)"
     if any(s.allreduce_link == "inter" for s in plan.stages) and replicated:
         notes += "; *: across nodes"
@@ -386,6 +414,7 @@ def _summary(plan: Plan) -> list[str]:
     solved = (f"solver {solver.name}: {solver.status}, gap {100 * gap:.1f}% to the lower bound,"
               f" {solver.blocks} blocks, {format_seconds(solver.wall_s)}")
     lines = _wrap(prediction)
+    lines += _wrap(f"bounds: {step_bounds(plan).describe()} per step: no overlap goes below either")
     lines.append("assumptions:")
     for topic, text in assumptions(plan):
         lines += _wrap(f"{topic}: {text}", indent="  ", subsequent="    ")

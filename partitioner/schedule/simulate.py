@@ -83,13 +83,13 @@ from partitioner.cost.comm import Link, bucket_count, message_seconds, p2p_cross
 from partitioner.cost.precision import (
     activation_scale,
     gathered_bytes,
-    shard_degree,
     shard_state_bytes,
     state_bytes,
 )
 from partitioner.errors import ScheduleError
 from partitioner.orders import Action, Schedule
 from partitioner.plan import Plan
+from partitioner.schedule.bounds import rank_link_seconds
 from partitioner.schedule.timeline import ALLREDUCE_KIND, COMPUTE_KINDS, TimelineEvent
 
 JITTER_SAMPLES = 31  # jittered runs of a step (simulate_schedule's jitter): the median one is returned
@@ -335,7 +335,7 @@ def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simul
         # post-backward then) and all-gathers with no compute beside it: one exposed piece (cost/comm.py).
         buckets = [1 if _sharded(plan, st.shard) else
                    bucket_count(st.predicted.parameter_bytes, bucket_cap_mb=plan.bucket_cap_mb) for st in stages]
-    return simulate_schedule(
+    sim = simulate_schedule(
         plan.schedule_data(),
         forward_s=[st.predicted.forward_s for st in stages],
         backward_s=[st.predicted.backward_s for st in stages],
@@ -352,6 +352,13 @@ def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simul
         message_host_s=plan.cost_model.message_host_s,
         jitter=plan.cost_model.action_jitter,
     )
+    # No rank finishes before its links have moved the step's bytes (schedule/bounds.py): the schedule above
+    # queues each pair of ranks' messages and each rank's collectives on their own, not on one shared port.
+    floors = rank_link_seconds(plan)
+    if not floors or max(floors) <= sim.step_s:
+        return sim
+    ends = tuple(max(end, floor) for end, floor in zip(sim.rank_end_s, floors, strict=True))
+    return dataclasses.replace(sim, rank_end_s=ends, step_s=max(ends))
 
 
 def plan_links(plan: Plan) -> tuple[Link, Link]:
@@ -426,7 +433,7 @@ def stage_static_bytes(plan: Plan) -> list[float]:
         if not _sharded(plan, st.shard):
             out.append(float(state_bytes(precision, states, elements=elements, model_bytes=nbytes)))
             continue
-        shards = shard_degree(st.shard, plan.dp, getattr(plan, "shard_gpus_per_node", plan.gpus_per_node))
+        shards = plan.shard_degree(st)
         held = shard_state_bytes(precision, states, st.shard, shards, elements=elements, model_bytes=nbytes)
         if st.shard == "full":
             held += gathered_bytes(precision, elements=elements, model_bytes=nbytes,

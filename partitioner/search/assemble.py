@@ -50,11 +50,12 @@ from partitioner.plan import (
     TiedParameter,
     stage_topology,
 )
+from partitioner.schedule.bounds import step_bounds
 from partitioner.schedule.lower import compute_order, lower, validate
 from partitioner.schedule.simulate import simulate
 from partitioner.search.layouts import Solved
 from partitioner.search.options import PlanOptions, batch_size_of
-from partitioner.solve.formulate import ZERO3, GraphCosts, layer_runs, zero3_costs
+from partitioner.solve.formulate import GraphCosts, layer_runs, mode_parts, zero3_costs
 from partitioner.solve.problem import (
     StageRecompute,
     allreduce_latencies,
@@ -69,8 +70,10 @@ from partitioner.solve.problem import (
     within_limit,
 )
 from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
+from partitioner.units import format_seconds
 
-__all__ = ["build_plan", "mfu_peak_flops", "model_flops_utilization", "predict", "stage_codes", "stage_layout"]
+__all__ = ["build_plan", "check_bounds", "dtype_peaks", "mfu_peak_flops", "model_flops_utilization", "predict", "stage_codes",
+           "stage_layout"]
 
 
 def stage_layout(pp: int, dp: int) -> list[tuple[int, ...]]:
@@ -117,6 +120,8 @@ def build_plan(
             message_host_s=spec.message_host_s,
             calibration_scale=options.calibration.scale, action_host_s=options.calibration.action_s,
             action_jitter=options.calibration.jitter,
+            efficiency=() if options.measure else spec.efficiency,
+            calibrated_by=() if options.measure else spec.calibrated_by,
         ),
         candidates=(),  # compile: every combination's row, on the chosen plan
         bucket_cap_mb=options.bucket_cap_mb,
@@ -167,6 +172,13 @@ def _stages(
     count, dp, problem, partition = solved.stages, solved.dp, solved.problem, solved.partition
     m, kind, per_node = solved.microbatches, solved.schedule, options.gpus_per_node
     rank = stage_rank_of(problem, count)  # the pipeline rank of each of the pp x chunks stages
+    peak_of = dtype_peaks(graph.node_flops, graph.node_time_s, graph.node_dtype, spec=options.spec,
+                          precision=options.precision)
+
+    def at_peak(names: list[str]) -> float:
+        return sum(graph.node_flops.get(n, 0.0) / peak_of[_runs_at(graph.node_dtype.get(n, "float32"),
+                                                                   options.precision)]
+                   for n in names if graph.node_flops.get(n, 0.0) > 0) / dp
     stage_of_node = {name: partition.stage_of[b] for b, members in enumerate(graph.blocks) for name in members}
     compute_sets: list[set[str]] = [set() for _ in range(count)]
     for name, s in stage_of_node.items():
@@ -187,14 +199,16 @@ def _stages(
     latency = list(allreduce_latencies(problem, count))
     memory = stage_memory(problem, partition.stage_of, count, microbatches=m, schedule=kind, recompute=recompute,
                           ops=ops)
-    zero3 = solved.shard == ZERO3 and dp > 1
+    base, zero3, span = mode_parts(solved.shard)
+    zero3 = zero3 and dp > 1
     # ZeRO-3 is shard "full" with reshard_after_forward (runtime/shard.py); its exposed collectives per
     # micro-batch are in the problem's block times (formulate) and here in each stage's F and B.
-    shard = [("full" if zero3 else solved.shard) if dp > 1 else "none"] * count
+    shard = [base if dp > 1 else "none"] * count
     reshard = [zero3] * count
     exposed_f, exposed_b = [0.0] * count, [0.0] * count
     if zero3:
-        z = zero3_costs(graph, dp=dp, spec=options.spec, precision=options.precision, gpus_per_node=per_node)
+        z = zero3_costs(graph, dp=dp, spec=options.spec, precision=options.precision, gpus_per_node=per_node,
+                        span=span)
         for b, s in enumerate(partition.stage_of):
             exposed_f[s] += z.forward_s[b]
             exposed_b[s] += z.backward_s[b]
@@ -284,6 +298,8 @@ def _stages(
                 recompute_peak_bytes=max((recompute_peak(problem)[b] for b in (*redone, *light)), default=0.0),
                 weight_s=min(weight[s], backward),  # the same seconds, summed per block or per node
                 gathered_bytes=units[s] if reshard[s] else 0.0,
+                flops=sum(graph.node_flops.get(n, 0.0) for n in compute) / dp,
+                peak_s=at_peak(compute),
             ),
             recompute=mode,
             recompute_layers=layers,
@@ -293,6 +309,7 @@ def _stages(
             # "full": kept gathered across micro-batches, as torch's pipelining keeps FSDP2, or ZeRO-3.
             shard=shard[s],
             reshard_after_forward=reshard[s],
+            shard_span=span if shard[s] == "full" else "world",
         ))
     return tuple(stages)
 
@@ -340,17 +357,35 @@ def _lower(plan: Plan) -> Plan:
 
 
 def predict(plan: Plan) -> Plan:
-    """The step prediction, from a discrete-event simulation of the lowered plan, and the MFU it implies."""
+    """The step prediction, from a discrete-event simulation of the lowered plan, and the MFU it implies.
+
+    Checked against the plan's own bounds (:func:`check_bounds`): no plan leaves here faster than physics.
+    """
     sim = simulate(plan)
     flops, peak = plan.predicted.model_flops, plan.cost_model.peak_flops
-    return dataclasses.replace(plan, predicted=StepPrediction(
+    return check_bounds(dataclasses.replace(plan, predicted=StepPrediction(
         step_s=sim.step_s,
         bubble_fraction=sim.bubble_fraction,
         samples_per_s=plan.batch_size / sim.step_s if sim.step_s > 0 else 0.0,
         peak_memory_bytes=tuple(float(m) for m in sim.peak_memory_bytes),
         model_flops=flops,
         mfu=model_flops_utilization(flops, gpus=plan.gpus, peak_flops=peak, step_s=sim.step_s),
-    ))
+    )))
+
+
+def check_bounds(plan: Plan) -> Plan:
+    """``plan``, once its predicted step is seen to be at least its compute and link bounds; else an internal error.
+
+    A shorter step would be a defect of the cost model or the simulator (every node is priced at or
+    below its peak, every rank held to its links: :mod:`partitioner.schedule.bounds`), never a plan to ship.
+    """
+    bounds = step_bounds(plan)
+    if plan.predicted.step_s < bounds.lower_s * (1 - 1e-9):
+        raise InternalError(
+            f"the plan ({plan.pp} x {plan.dp} x tp {plan.tp}, {plan.schedule}) is predicted at "
+            f"{format_seconds(plan.predicted.step_s)}, below its own bounds ({bounds.describe()}): a defect "
+            "of the cost model; please report it with the command that planned it.")
+    return plan
 
 
 
@@ -398,18 +433,38 @@ def mfu_peak_flops(
     36.7
     """
     flops_at: dict[str, float] = {}
+    peak_of = dtype_peaks(flops, seconds, dtypes, spec=spec, precision=precision)
+    for name, count in flops.items():
+        if count > 0:
+            dtype = _runs_at(dtypes.get(name, "float32"), precision)
+            flops_at[dtype] = flops_at.get(dtype, 0.0) + count
+    at_peak_s = sum(count / peak_of[dtype] for dtype, count in flops_at.items() if peak_of[dtype] > 0)
+    return sum(flops_at.values()) / at_peak_s if at_peak_s > 0 else None
+
+
+def dtype_peaks(
+    flops: Mapping[str, float], seconds: Mapping[str, float], dtypes: Mapping[str, str], *,
+    spec: DeviceSpec, precision: str,
+) -> dict[str, float]:
+    """FLOP/s of each dtype's peak: ``spec``'s, raised to the fastest node timed at it (:func:`mfu_peak_flops`).
+
+    >>> from partitioner.cost.devices import DEVICES
+    >>> dtype_peaks({"mm": 100e12}, {"mm": 2.0}, {"mm": "float32"}, spec=DEVICES["cpu"], precision="fp32")
+    {'float32': 50000000000000.0}
+    """
     peak_of: dict[str, float] = {}
     for name, count in flops.items():
         if count <= 0:
             continue
-        dtype = dtypes.get(name, "float32")
-        if activation_scale(precision, dtype) != 1.0:  # at_precision's rule: float32 runs in the compute dtype
-            dtype = compute_dtype(precision)
+        dtype = _runs_at(dtypes.get(name, "float32"), precision)
         took = seconds.get(name, 0.0)
         peak_of[dtype] = max(peak_of.get(dtype, spec.peak(dtype)), count / took if took > 0 else 0.0)
-        flops_at[dtype] = flops_at.get(dtype, 0.0) + count
-    at_peak_s = sum(count / peak_of[dtype] for dtype, count in flops_at.items() if peak_of[dtype] > 0)
-    return sum(flops_at.values()) / at_peak_s if at_peak_s > 0 else None
+    return peak_of
+
+
+def _runs_at(dtype: str, precision: str) -> str:
+    """The dtype a node of ``dtype`` computes in at ``precision`` (at_precision's rule: float32 in the compute dtype)."""
+    return compute_dtype(precision) if activation_scale(precision, dtype) != 1.0 else dtype
 
 
 

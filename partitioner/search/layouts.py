@@ -37,10 +37,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from partitioner.cost.precision import static_bytes_per_element
+from partitioner.cost.precision import spans_nodes, static_bytes_per_element
 from partitioner.defaults import (
     SCHEDULES,
-    SHARD_MODES,
     schedule_chunks,
     shard_refusal,
     splits_backward,
@@ -50,7 +49,17 @@ from partitioner.orders import rank_orders, stage_ranks
 from partitioner.plan import Candidate, Plan
 from partitioner.report.table import schedule_label
 from partitioner.search.options import PlanOptions, Status
-from partitioner.solve.formulate import ZERO3, Zero3Costs, zero3_costs
+from partitioner.solve.formulate import (
+    FULL_MODES,
+    HSDP,
+    HSDP_ZERO3,
+    SEARCH_SHARD_MODES,
+    ZERO3,
+    Zero3Costs,
+    mode_parts,
+    reshards,
+    zero3_costs,
+)
 from partitioner.solve.ilp import is_chain, solve
 from partitioner.solve.problem import (
     Partition,
@@ -251,9 +260,11 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
         # Sharding only shrinks the state (cost/precision.py): where DDP's fits, every mode's does.
         # ZeRO-3's gathered units come off its problem's limit (formulate): its state must fit in the rest.
         room = {mode: limit for mode in modes}
-        if ZERO3 in modes and limit is not None:
-            room[ZERO3] = limit - zero3_costs(scaled.at(choices[0]), dp=d, spec=options.spec, precision=options.precision,
-                                              gpus_per_node=options.gpus_per_node).transient_bytes
+        for mode in modes:
+            if reshards(mode) and limit is not None:
+                room[mode] = limit - zero3_costs(scaled.at(choices[0]), dp=d, spec=options.spec,
+                                                 precision=options.precision, gpus_per_node=options.gpus_per_node,
+                                                 span=mode_parts(mode)[2]).transient_bytes
         state = {mode: whole if mode == "none" or (room_of := room[mode]) is None or whole <= room_of else
                  _state_bound(scaled.problem(d, choices[0], mode), p) for mode in modes}
         fitting = [mode for mode in modes if (room_of := room[mode]) is None or state[mode] <= room_of]
@@ -271,14 +282,14 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                                     chunks=v))
             else:
                 variants.append((k, v))
-        z3: dict[int, Zero3Costs] = {}  # per micro-batch count
+        z3: dict[tuple[int, str], Zero3Costs] = {}  # per micro-batch count and ZeRO-3 mode
         for m in choices:
             problem = scaled.problem(d, m)  # DDP's: the bound (compute alone) is every mode's
             for mode in fitting:
                 for k, v in variants:
                     if mode not in _policies(options, k, d):
                         continue
-                    if mode in ("full", ZERO3) and k == "zbv" and tied:
+                    if mode in FULL_MODES and k == "zbv" and tied:
                         trials.append(Trial(p, d, m, k, "skipped", _TIED_IN_A_V, chunks=v, shard=mode))
                         continue
                     why = _cannot_run(k, p, m, v, blocks)
@@ -286,10 +297,10 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                         trials.append(Trial(p, d, m, k, "skipped", why, chunks=v, shard=mode))
                         continue
                     bound = _time_bound(problem, p, m, schedule=k, chunks=v)
-                    if mode == ZERO3:  # its collectives' least exposure: the bound loses sooner (formulate)
-                        z = z3.get(m) or z3.setdefault(m, zero3_costs(
+                    if reshards(mode):  # its collectives' least exposure: the bound loses sooner (formulate)
+                        z = z3.get((m, mode)) or z3.setdefault((m, mode), zero3_costs(
                             scaled.at(m), dp=d, spec=options.spec, precision=options.precision,
-                            gpus_per_node=options.gpus_per_node))
+                            gpus_per_node=options.gpus_per_node, span=mode_parts(mode)[2]))
                         bound = _time_bound(problem, p, m, schedule=k, chunks=v, added=sum(z.forward_s)
                                             + sum(z.backward_s) + 2 * p * v * z.first_gather_s)
                     # A sharded trial's problem is formulated when it is screened (most are not needed).
@@ -323,6 +334,13 @@ def _policies(options: PlanOptions, schedule: ScheduleKind, dp: int) -> tuple[st
     if dp > 1 and options.shard in ("auto", "full") and not splits_backward(schedule) \
             and shard_refusal(schedule, "full") is None:
         modes = (*modes, ZERO3)
+    if not spans_nodes(dp, options.gpus_per_node):  # the group fits a node: one span
+        return modes
+    node = {"full": HSDP, ZERO3: HSDP_ZERO3}
+    if options.shard_span == "node":
+        return tuple(node.get(m, m) for m in modes)
+    if options.shard_span == "auto":
+        return (*modes, *(node[m] for m in modes if m in node))
     return modes
 
 
@@ -387,7 +405,8 @@ def _needs_shard(t: Trial, by_key: dict[CombinationKey, Trial]) -> bool:
         return True
     # ZeRO-3 against its kept-gathered twin as well: it only holds less (cost/precision.py), at the price
     # of collectives every micro-batch, so it is worth solving only where that twin needs more memory.
-    for other in ("none", "full") if t.shard == ZERO3 else ("none",):
+    twins = {ZERO3: ("none", "full"), HSDP: ("none",), HSDP_ZERO3: ("none", HSDP)}
+    for other in twins.get(t.shard, ("none",)):
         twin = by_key.get((t.pp, t.dp, t.microbatches, t.schedule, t.chunks, other))
         if twin is not None and twin.status == "pruned":
             return False  # the same bound: pruned alike, one row says so
@@ -406,7 +425,7 @@ def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, 
     found: list[float] = []  # closed forms so far, ascending
     announced: set[tuple[int, int]] = set()
     by_key = {t.key: t for t in pending}
-    order: dict[str, int] = {mode: i for i, mode in enumerate((*SHARD_MODES, ZERO3))}
+    order: dict[str, int] = {mode: i for i, mode in enumerate(SEARCH_SHARD_MODES)}
     for t in sorted(pending, key=lambda t: (t.bound, order.get(t.shard, 0))):
         if not _needs_shard(t, by_key):
             t.status = _UNNEEDED
@@ -420,10 +439,10 @@ def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, 
             # --shard auto, one stage per rank (several share its memory: one mode for them all).
             if options.shard == "auto" and t.chunks == 1:
                 t.whole = schedule_problem(scaled.problem(t.dp, t.microbatches), t.schedule, t.pp, t.chunks)
-            if t.shard == ZERO3:
+            if reshards(t.shard):
                 o = options
                 t.gathered = zero3_costs(scaled.at(t.microbatches), dp=t.dp, spec=o.spec, precision=o.precision,
-                                         gpus_per_node=o.gpus_per_node).transient_bytes
+                                         gpus_per_node=o.gpus_per_node, span=mode_parts(t.shard)[2]).transient_bytes
         if (t.pp, t.dp) not in announced:
             announced.add((t.pp, t.dp))
             say(f"solving {plural(t.pp, 'stage')} x {plural(t.dp, 'replica')}")
@@ -590,7 +609,7 @@ def best_candidates(trials: list[Trial]) -> list[Solved]:
         # One refined slot per layout (its shard modes' closed forms differ by little and refine alike), and
         # one for ZeRO-3's several layouts: the closed form ranks splits only roughly, so the slots go to
         # different layouts (refinement, not the closed form, found 70B/64's best plan).
-        if any(k.key[:5] == t.key[:5] or (k.shard == t.shard == ZERO3) for k in kept):
+        if any(k.key[:5] == t.key[:5] or (k.shard == t.shard and reshards(t.shard)) for k in kept):
             continue
         kept.append(t)
         if len(kept) == SIMULATED_CANDIDATES:
@@ -608,7 +627,7 @@ def candidate_rows(trials: list[Trial], chosen: Trial, options: PlanOptions) -> 
     """Every trial as a report row, with why it lost to ``chosen`` (or ``chosen``)."""
     rows = []
     order: dict[str | None, int] = {k: i for i, k in enumerate(SCHEDULES)}
-    modes: dict[str, int] = {mode: i for i, mode in enumerate((*SHARD_MODES, ZERO3))}
+    modes: dict[str, int] = {mode: i for i, mode in enumerate(SEARCH_SHARD_MODES)}
     for t in sorted(trials, key=lambda t: (t.dp, t.microbatches or 0, order.get(t.schedule, -1), t.chunks,
                                            modes.get(t.shard, -1))):
         recomputed = sum(1 for r in _recompute_of(t) if r) if t.partition is not None else None

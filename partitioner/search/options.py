@@ -33,6 +33,7 @@ from partitioner.cost.precision import (
 from partitioner.defaults import (
     SCHEDULES,
     SHARD_MODES,
+    SHARD_SPANS,
     schedule_chunks,
     shard_refusal,
     splits_backward,
@@ -109,6 +110,8 @@ class PlanOptions:
     calibration: Calibration = dataclasses.field(default_factory=Calibration)  # from a traced run (partitioner.cost.calibration); default: none
     costed_size: int | None = None  # samples per micro-batch the costs were counted at, where compile chose (else the rule below)
     shard: str = AUTO  # how stage groups' replicas hold their state: auto (searched) or one of SHARD_MODES
+    # over which replicas "full" shards where a group spans nodes: auto (both weighed), or one of SHARD_SPANS
+    shard_span: str = AUTO
     tp: int = 1  # GPUs per tensor-parallel group: ``gpus`` counts groups while a degree is searched (search/planner.py)
 
     def shard_modes(self, schedule: str, dp: int) -> tuple[str, ...]:
@@ -138,8 +141,7 @@ class PlanOptions:
         # A sharded mode that holds and moves no fewer bytes per parameter than another is never worth
         # solving (every cost it adds is one of the two times the parameters: shard_footprint).  DDP stays:
         # its all-reduce overlaps the last backward.
-        per_node = None if self.tp > 1 else self.gpus_per_node  # tensor parallel: FSDP across nodes (solve/tensorparallel.py)
-        cost = {m: shard_footprint(self.precision, self.optimizer_states, m, shard_degree(m, dp, per_node))
+        cost = {m: shard_footprint(self.precision, self.optimizer_states, m, shard_degree(m, dp, self.gpus_per_node))
                 for m in modes}
         return tuple(m for m in modes if m == "none" or not any(
             o != m and o != "none" and cost[o][0] <= cost[m][0] and cost[o][1] <= cost[m][1] for o in modes
@@ -271,6 +273,7 @@ def check_options(
     gpus_per_node: int | None,
     chunks: int | None = None,
     shard: str = AUTO,
+    shard_span: str = AUTO,
     **resolved: Any,
 ) -> PlanOptions:
     """Check every option (an :class:`AutopartitionError` on the first bad one) and resolve the defaults."""
@@ -321,6 +324,11 @@ def check_options(
                 f"--pp {pp} it needs a multiple of {pp} micro-batches, not {micro}; {which} "
                 "(or --microbatches auto)."
             )
+    if shard_span != AUTO and shard_span not in SHARD_SPANS:
+        raise AutopartitionError(
+            f"Unknown --shard-span {shard_span!r}; choose auto (the planner weighs both), world (a fully sharded "
+            "stage group shards over every replica: FSDP FULL_SHARD, ZeRO-3) or node (over the replicas of one "
+            "node, the nodes replicating each other: HSDP).")
     if recompute not in RECOMPUTE_MODES:
         raise AutopartitionError(
             f"Unknown recomputation {recompute!r}; choose auto (each stage recomputes only if it would "
@@ -340,7 +348,7 @@ def check_options(
         precision=check_precision(precision), optimizer=check_optimizer(optimizer),
         optimizer_states=OPTIMIZERS[optimizer] if optimizer_states is None else optimizer_states,
         recompute=next(m for m in RECOMPUTE_MODES if m == recompute),  # narrows str to RecomputeMode
-        gpus_per_node=gpus_per_node or default_gpus_per_node(gpus), shard=shard,
+        gpus_per_node=gpus_per_node or default_gpus_per_node(gpus), shard=shard, shard_span=shard_span,
         **resolved,
     )
 
@@ -416,7 +424,7 @@ def resolve_device(device: str) -> tuple[DeviceSpec, bool, torch.device]:
         return DEVICES[known], True, torch.device("cuda")
     if name == "cpu":
         return DEVICES["cpu"], True, torch.device("cpu")
-    return device_spec(name), False, torch.device("cpu")
+    return device_spec(device if name not in DEVICES else name), False, torch.device("cpu")
 
 
 

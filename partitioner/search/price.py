@@ -56,6 +56,7 @@ class Layout:
     shard: str = "none"
     recompute: str = "auto"
     source: str = ""
+    shard_span: str = "auto"  # "full" over every replica ("world") or one node's (HSDP, "node"); auto: weighed
 
     def __post_init__(self) -> None:
         if self.tp * self.pp * self.dp != self.gpus:
@@ -64,6 +65,8 @@ class Layout:
     def describe(self) -> str:
         chunks = f" ({self.chunks} stages per rank)" if self.chunks and self.chunks > 1 else ""
         shard = {"none": "", "optimizer": " (optimizer-sharded)", "full": " (fully sharded)"}[self.shard]
+        if self.shard == "full" and self.shard_span != "auto":
+            shard = {"world": " (fully sharded over all)", "node": " (fully sharded per node: HSDP)"}[self.shard_span]
         return (f"TP{self.tp} x PP{self.pp}{chunks} x DP{self.dp}{shard}, {self.microbatches} micro-batches, "
                 f"{self.schedule}, recompute {self.recompute}")
 
@@ -140,7 +143,8 @@ def price_layout(
     """
     fixed: dict[str, Any] = dict(
         gpus=layout.gpus, tp=layout.tp, pp=layout.pp, dp=layout.dp, microbatches=layout.microbatches,
-        schedule=layout.schedule, chunks=layout.chunks, shard=layout.shard, recompute=layout.recompute, **common)
+        schedule=layout.schedule, chunks=layout.chunks, shard=layout.shard, shard_span=layout.shard_span,
+        recompute=layout.recompute, **common)
     if leaves_no_choice(layout):  # one plan whatever the limit: planned once, compared with the limit
         plan = compile(model, example_inputs, memory_per_gpu=UNLIMITED_MEMORY, **fixed)
         limit = memory_per_gpu if memory_per_gpu is not None else _device_limit(fixed.get("device", "auto"))

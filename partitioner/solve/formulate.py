@@ -45,6 +45,7 @@ adds per block: per parameter-reading node, ``split_overhead_s`` of host time an
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,8 @@ from partitioner.cost.comm import (
     Link,
     bucket_share,
     link,
+    members_per_node,
+    ring_link,
     shard_step_seconds,
     zero3_microbatch_seconds,
 )
@@ -86,6 +89,10 @@ if TYPE_CHECKING:  # types only: this module imports without torch
     from partitioner.graph.capture import CapturedModel
 
 __all__ = [
+    "FULL_MODES",
+    "HSDP",
+    "HSDP_ZERO3",
+    "SEARCH_SHARD_MODES",
     "WEIGHT_SHARE",
     "ZERO3",
     "GraphCosts",
@@ -95,7 +102,9 @@ __all__ = [
     "formulate",
     "graph_costs",
     "layer_runs",
+    "mode_parts",
     "node_times",
+    "reshards",
     "transfer_seconds",
     "weight_seconds",
     "zero3_costs",
@@ -103,8 +112,32 @@ __all__ = [
 
 WEIGHT_SHARE = 0.5  # of a parameter-reading node's backward: its weight gradient (see the module docstring)
 
-# The planner's name for shard "full" with reshard_after_forward (ZeRO-3, a plan's StagePlan.shard stays "full").
+# The planner's names for its ways of sharding "full" (a plan's StagePlan.shard stays "full", with
+# reshard_after_forward and shard_span): ZeRO-3 (reshard_after_forward) over every replica, and both kept gathered
+# and ZeRO-3 sharded over one node's replicas, the nodes replicating (HSDP; shard_span "node").
 ZERO3 = "zero3"
+HSDP = "hsdp"
+HSDP_ZERO3 = "hsdp-zero3"
+FULL_MODES = ("full", ZERO3, HSDP, HSDP_ZERO3)
+SEARCH_SHARD_MODES = ("none", "optimizer", *FULL_MODES)
+
+
+def mode_parts(mode: str) -> tuple[str, bool, str]:
+    """A search shard mode as the plan records it: (``StagePlan.shard``, ``reshard_after_forward``, ``shard_span``).
+
+    >>> mode_parts("zero3"), mode_parts("hsdp"), mode_parts("optimizer")
+    (('full', True, 'world'), ('full', False, 'node'), ('optimizer', False, 'world'))
+    """
+    if mode not in SEARCH_SHARD_MODES:
+        raise ValueError(f"shard is {mode!r}, expected one of {', '.join(SEARCH_SHARD_MODES)}")
+    if mode in FULL_MODES:
+        return "full", mode in (ZERO3, HSDP_ZERO3), "node" if mode in (HSDP, HSDP_ZERO3) else "world"
+    return mode, False, "world"
+
+
+def reshards(mode: str) -> bool:
+    """Is ``mode`` ZeRO-3 (per-layer units gathered and freed every micro-batch), over the world or a node?"""
+    return mode in (ZERO3, HSDP_ZERO3)
 
 @dataclasses.dataclass(frozen=True)
 class GraphCosts:
@@ -396,15 +429,23 @@ def formulate(
     everything sharded, no per-step collective; each block's time carries what its
     layer's per-micro-batch all-gathers and reduce-scatter add beyond its compute,
     ``action_s`` a stage's first unit's all-gather per forward and backward, and
-    ``memory_limit`` loses the gathered units (:func:`zero3_costs`).
+    ``memory_limit`` loses the gathered units (:func:`zero3_costs`).  :data:`HSDP`
+    and :data:`HSDP_ZERO3`: the same sharded over one node's replicas
+    (``gpus_per_node`` of them, where the group spans whole nodes), the shards'
+    gradients all-reduced across the nodes (:func:`mode_parts`).  A group's
+    collectives that cross nodes run on :func:`~partitioner.cost.comm.ring_link`.
     """
     check_precision(precision)
-    if shard not in ("none", "optimizer", "full", ZERO3):
-        raise ValueError(f"shard is {shard!r}, expected none, optimizer, full or {ZERO3}")
-    sharded = shard != "none" and dp > 1
-    zero3 = shard == ZERO3 and dp > 1
+    base, reshard, span = mode_parts(shard)
+    sharded = base != "none" and dp > 1
+    zero3 = reshard and dp > 1
+    shards = shard_degree(base, dp, gpus_per_node, span=span)
     scale = 1.0 / dp
     intra, inter = link(spec), link(spec, inter_node=True)
+    # A stage group's collectives inside a node run on NVLink; across nodes on the ports of its members on a
+    # node (cost/comm.py); HSDP's across nodes are an all-reduce per shard, each with one member per node.
+    ring = ring_link(spec, crosses=True, members_per_node=members_per_node(dp, gpus_per_node))
+    hsdp = sharded and base == "full" and shards < dp
     readers: dict[str, list[int]] = {}
     for b, params in enumerate(graph.block_parameters):
         for p in params:
@@ -419,20 +460,22 @@ def formulate(
         held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=nbytes)
         grads = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
         if zero3:  # everything sharded; its collectives are per micro-batch (zero3_costs, below)
-            held = shard_state_bytes(precision, optimizer_states, "full", shard_degree("full", dp, gpus_per_node),
-                                     elements=elements, model_bytes=nbytes)
+            held = shard_state_bytes(precision, optimizer_states, "full", shards, elements=elements, model_bytes=nbytes)
             fast = slow = 0.0
         elif sharded:
-            shards = shard_degree(shard, dp, gpus_per_node)  # HSDP across nodes: the collectives priced over dp
-            held = shard_state_bytes(precision, optimizer_states, shard, shards, elements=elements, model_bytes=nbytes)
-            if shard == "full":
+            held = shard_state_bytes(precision, optimizer_states, base, shards, elements=elements, model_bytes=nbytes)
+            if base == "full":
                 held += gathered_bytes(precision, elements=elements, model_bytes=nbytes)
-            held_weights = weight_bytes(precision, elements=elements, model_bytes=nbytes)
-            gathered = weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True)
-            fast, slow = (shard_step_seconds(shard, dp, on, gradient_bytes=grads, weight_bytes=held_weights,
-                                             gathered_bytes=gathered) for on in (intra, inter))
+            once = functools.partial(
+                shard_step_seconds, base, gradient_bytes=grads,
+                weight_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes),
+                gathered_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True))
+            fast = once(dp, intra)
+            # HSDP: gathered and reduce-scattered inside the node, the shard's gradients all-reduced across nodes.
+            slow = once(shards, intra) + inter.allreduce_seconds(grads / shards, dp // shards) if hsdp \
+                else once(dp, ring)
         else:
-            fast, slow = (_allreduce(grads, dp, on, bucket_cap_mb) for on in (intra, inter))
+            fast, slow = (_allreduce(grads, dp, on, bucket_cap_mb) for on in (intra, ring))
         if len(blocks) == 1:
             static[blocks[0]] += held
             allreduce[blocks[0]] += fast
@@ -447,7 +490,7 @@ def formulate(
         "transfer_slow_s": tuple(2 * inter.message_seconds(b) for b in sent),
         "allreduce_slow_s": tuple(allreduce_slow),
         "shared_slow_allreduce_s": tuple(shared_slow),
-        "allreduce_latency_slow_s": inter.latency_seconds(dp),
+        "allreduce_latency_slow_s": ring.latency_seconds(dp),
         "replicas": dp,
         "gpus_per_node": gpus_per_node,
         "recompute_bytes": tuple(
@@ -477,7 +520,7 @@ def formulate(
     times = [scale * (sum(graph.node_time_s[m] for m in members) + (sum(graph.loss_s) if b == last else 0.0))
              for b, members in enumerate(graph.blocks)]
     if zero3:
-        z = zero3_costs(graph, dp=dp, spec=spec, precision=precision, gpus_per_node=gpus_per_node)
+        z = zero3_costs(graph, dp=dp, spec=spec, precision=precision, gpus_per_node=gpus_per_node, span=span)
         times = [t + f + b for t, f, b in zip(times, z.forward_s, z.backward_s, strict=True)]
         optional["action_s"] = graph.action_s + z.first_gather_s  # every F and B waits for its first unit
         if memory_limit is not None:
@@ -528,20 +571,24 @@ class Zero3Costs:
 
 
 def zero3_costs(
-    graph: GraphCosts, *, dp: int, spec: DeviceSpec, precision: str, gpus_per_node: int | None
+    graph: GraphCosts, *, dp: int, spec: DeviceSpec, precision: str, gpus_per_node: int | None,
+    span: str = "world",
 ) -> Zero3Costs:
     """ZeRO-3's exposed collectives and transient memory for ``graph`` on ``dp`` replicas (see :class:`Zero3Costs`).
 
     The runtime's units are layers (runtime/shard.py groups a stage's nodes by
     their layer, ``partitioner.graph.ir.layer_of``); a parameter's layer is its
     name's prefix up to the first list index (``model.layers.3``), or the name's
-    module (``lm_head``).  The shard collectives run on the intra-node link
-    unless the replicas span nodes without filling them (HSDP keeps them inside
-    a node and all-reduces each shard's gradients across the nodes).
+    module (``lm_head``).  Sharded over every replica (``span`` "world") a group
+    that crosses nodes gathers and reduce-scatters on
+    :func:`~partitioner.cost.comm.ring_link` (its members' ports on a node); over
+    one node's replicas ("node", HSDP, where the group spans whole nodes) on
+    NVLink, each shard's gradients then all-reduced across the nodes on one port.
     """
-    shards = shard_degree("full", dp, gpus_per_node)
+    shards = shard_degree("full", dp, gpus_per_node, span=span)
     crosses = gpus_per_node is not None and (dp > gpus_per_node or gpus_per_node % dp != 0)
-    on = link(spec, inter_node=crosses and shards == dp)
+    hsdp = shards < dp
+    on = ring_link(spec, crosses=crosses and not hsdp, members_per_node=members_per_node(dp, gpus_per_node))
     inter = link(spec, inter_node=True)
     units: dict[str, tuple[float, float]] = {}  # layer -> (elements, model bytes)
     for name, nbytes in graph.parameter_bytes.items():
@@ -563,7 +610,7 @@ def zero3_costs(
             continue
         w = weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True)
         g = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
-        across = inter.allreduce_seconds(g / shards, dp // shards) if shards < dp else 0.0
+        across = inter.allreduce_seconds(g / shards, dp // shards) if hsdp else 0.0
         f = scale * sum(graph.node_forward_s[m] for m in members)
         total = scale * sum(graph.node_time_s[m] for m in members)
         fe, be = zero3_microbatch_seconds(shards, on, weight_bytes=w, gradient_bytes=g, forward_s=f,

@@ -53,8 +53,7 @@ from partitioner.cost.tensorparallel import (
 )
 from partitioner.graph.ir import dtype_itemsize
 from partitioner.graph.tensorparallel import TPLayout
-from partitioner.solve.formulate import ZERO3, GraphCosts
-from partitioner.solve.problem import PartitionProblem
+from partitioner.solve.formulate import GraphCosts
 from partitioner.solve.scaledcosts import CostSettings, ScaledCosts
 
 __all__ = ["TensorParallelCosts", "node_share", "tensor_parallel_costs", "tp_comm_seconds"]
@@ -202,7 +201,6 @@ class TensorParallelCosts(ScaledCosts):
                          calibration=base.calibration)
         self.base, self.layout, self.tp, self.sequence_parallel = base, layout, tp, sequence_parallel
         self._tp_graphs: dict[int, GraphCosts] = {}
-        self._full: dict[tuple[int, int, str], PartitionProblem] = {}
 
     def at(self, microbatches: int) -> GraphCosts:
         if microbatches not in self._tp_graphs:
@@ -210,26 +208,6 @@ class TensorParallelCosts(ScaledCosts):
                 self.base.at(microbatches), self.layout, tp=self.tp, spec=self.options.spec,
                 precision=self.options.precision, sequence_parallel=self.sequence_parallel)
         return self._tp_graphs[microbatches]
-
-    def problem(self, dp: int, microbatches: int, shard: str = "none", **changes: Any) -> PartitionProblem:
-        """As :meth:`ScaledCosts.problem`, but ``full`` shards over the whole replica group.
-
-        A tensor-parallel group fills most of a node, so its replicas sit on other
-        nodes, and FSDP shards across them (torchtitan's 2D and 3D layouts: its
-        ``dp_shard`` spans nodes); a plan without tensor parallelism shards inside a
-        node (HSDP, what ``runtime/shard.py`` runs).  The links stay those of the
-        layout (the group's all-gathers and reduce-scatters cross nodes).
-        """
-        if shard not in ("full", ZERO3) or dp <= 1 or "gpus_per_node" in changes:  # ZeRO-3 is "full" too
-            return super().problem(dp, microbatches, shard, **changes)
-        key = (dp, microbatches, shard)
-        if not changes and key in self._full:
-            return self._full[key]
-        problem = dataclasses.replace(super().problem(dp, microbatches, shard, gpus_per_node=None, **changes),
-                                      gpus_per_node=self.options.gpus_per_node)
-        if not changes:
-            self._full[key] = problem
-        return problem
 
     def comm_s(self, microbatches: int) -> dict[str, tuple[float, float]]:
         """(forward, backward) tensor-parallel collective seconds per node, one micro-batch at dp = 1."""
