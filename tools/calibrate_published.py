@@ -6,7 +6,8 @@ Commands (from the repository root)::
     .venv/bin/python tools/calibrate_published.py --fit       # fit them to the "fit" runs (~15 min)
     .venv/bin/python tools/calibrate_published.py --only 8b-8 --set matmul=0.7,peak500=0.9
 
-Each published bf16 run (``tools/published_runs.py``: layout as published, on the
+Each published bf16 Hopper run of issue 23's set (``tools/published``'s ``CALIBRATION_RUNS``;
+``tools/validate_published.py`` prices every run and fits every generation): layout as published, on the
 machine it ran on) is priced by our own cost model
 (:func:`partitioner.search.price.price_layout`: the split solved for the layout and
 simulated as any plan), and its predicted throughput set beside the published one.
@@ -53,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.published_runs import RUNS, PublishedRun
+from tools.published_runs import CALIBRATION_RUNS, RUNS, PublishedRun
 
 __all__ = ["ATTENTION_EFFICIENCY", "BOUNDS", "FITTED", "SAC_SHARE", "current_parameters", "main", "relative_error",
            "with_parameters"]
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated run names (prefixes)")
     parser.add_argument("--iterations", type=int, default=2, help="Gauss-Newton steps of --fit (default 2)")
     args = parser.parse_args(argv)
-    runs = [r for r in RUNS if r.role != "fp8"
+    runs = [r for r in RUNS if r.role != "fp8" and r.name in CALIBRATION_RUNS
             and (not args.only or any(r.name.startswith(o) for o in args.only.split(",")))]
     if not runs:
         parser.error(f"--only {args.only!r} names no bf16 run; runs: {', '.join(r.name for r in RUNS if r.role != 'fp8')}")

@@ -5,6 +5,14 @@ Peak numbers are the vendors' dense (no sparsity) figures:
 * A100 SXM4 80GB: NVIDIA A100 datasheet (2021): FP32 19.5 TFLOP/s, BF16/FP16
   tensor core 312 TFLOP/s, HBM2e 2,039 GB/s, NVLink 3 600 GB/s total (300 GB/s
   each way), 80 GB.
+* A100 SXM4 40GB (``a100-40gb``): NVIDIA A100 datasheet (2021): compute as the 80 GB part,
+  HBM2 1,555 GB/s, 40 GB; MosaicML's benchmark nodes (llm-foundry
+  ``scripts/train/benchmarking/README.md``: "1600 Gbps node-node interconnect (RoCE)" per
+  8-GPU node) give 200 Gb/s = 25 GB/s per GPU between nodes, as DGX A100's HDR.
+* ``a100-opa``: the A100 SXM4 80GB nodes of Jean Zay that BLOOM trained on (BigScience
+  ``train/tr11-176B-ml/README.md``: 8 GPUs per node, NVLink, "4 OmniPath links" per node):
+  Intel Omni-Path 100 Series links are 100 Gb/s each, so 4 x 100 Gb/s per 8 GPUs is
+  50 Gb/s = 6.25 GB/s per GPU between nodes.
 * H100 SXM5 80GB: NVIDIA H100 datasheet (2023): FP32 67 TFLOP/s, BF16/FP16
   989 TFLOP/s, HBM3 3.35 TB/s, NVLink 4 900 GB/s total (450 GB/s each way).
 * H200 SXM 141GB: NVIDIA H200 datasheet (2024): compute as H100, HBM3e
@@ -135,6 +143,8 @@ def _gpu(
 
 DEVICES: dict[str, DeviceSpec] = {
     "a100": _gpu("a100", 19.5e12, 312e12, 2.039e12, 80, 300e9, 25e9),  # HDR 200 Gb/s per GPU
+    "a100-40gb": _gpu("a100-40gb", 19.5e12, 312e12, 1.555e12, 40, 300e9, 25e9),  # RoCE 1600 Gb/s per node
+    "a100-opa": _gpu("a100-opa", 19.5e12, 312e12, 2.039e12, 80, 300e9, 6.25e9),  # 4 x 100 Gb/s OPA per node
     "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9, H100_EFFICIENCY),  # NDR 400 Gb/s per GPU
     "h100-500w": _gpu("h100-500w", 67e12 * H100_500W_PEAK_SHARE, 989e12 * H100_500W_PEAK_SHARE, 2.4e12, 96,
                       450e9, 50e9, H100_EFFICIENCY),
@@ -156,7 +166,8 @@ DEVICES: dict[str, DeviceSpec] = {
 
 
 def device_spec(name: str) -> DeviceSpec:
-    """A device by name (``a100``, ``h100``, ``h100-500w``, ``h200``, ``cpu``), or read from a JSON/TOML file.
+    """A device by name (``a100``, ``a100-40gb``, ``a100-opa``, ``h100``, ``h100-500w``, ``h200``, ``cpu``), or
+    read from a JSON/TOML file.
 
     A name ending in ``.json`` or ``.toml`` (or naming a file) is a user's own
     device: :func:`load_device`.
