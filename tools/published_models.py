@@ -11,7 +11,8 @@ table is as long as the run's sequence, so its parameter count moves with it)::
 
 The model is the GPT of Megatron-LM (Narayanan et al. 2021, Appendix; Korthikanti et al.
 2022, section 3): token embedding (and learned positions, unless the run used ALiBi),
-``layers`` pre-LayerNorm blocks (fused q/k/v and output projection, GELU MLP of width
+``layers`` pre-LayerNorm blocks (fused q/k/v, each head's three side by side as Megatron-LM lays
+them out, and output projection, GELU MLP of width
 ``ffn``, biases everywhere), a final LayerNorm and an LM head tied to the token embedding.
 Its parameters are ``l (12 h^2 + 13 h) + V h + s h + 2 h`` (Narayanan et al. 2021, Eq. 2),
 which :func:`parameter_count` gives and the tests check against each published size.
@@ -169,10 +170,11 @@ class _Attention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.size()
         d = self.hidden // self.heads
-        q, k, v = self.c_attn(x).split(self.hidden, dim=2)
-        q = q.view(b, t, self.heads, d).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(b, t, self.heads, d).transpose(1, 2)
-        v = v.view(b, t, self.heads, d).transpose(1, 2)
+        # Megatron-LM's fused projection: each head's q, k and v side by side (``view(s, b, np, 3 hn)`` in its
+        # ParallelAttention), so a column split over heads keeps every head whole on one rank.
+        qkv = self.c_attn(x).view(b, t, self.heads, 3 * d)  # (B, T, H, 3 D)
+        q, k, v = qkv.split(d, dim=3)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) each
         if self.flash:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

@@ -20,8 +20,9 @@ How a run is priced:
   limit, or none for a run marked ``unlimited`` (a layout our memory model says does not fit
   is priced anyway, as :func:`~partitioner.search.price.price_layout` does, and marked).
 * Selective recomputation (Korthikanti et al.'s attention core, torchtitan's per-op SAC) as
-  no recomputation plus ``selective_share`` of the difference to full recomputation (two
-  plans); "fits" is then the fully recomputing plan's.
+  no recomputation (priced without the memory limit: the run fit keeping all but its attention
+  cores, and our split must not bend to memory it did not use) plus ``selective_share`` of the
+  difference to full recomputation (two plans); "fits" is then the fully recomputing plan's.
 * The sharding span: a run whose state is sharded over every replica (ZeRO-3 / FSDP over all
   GPUs) is priced with that span when ``price_layout`` (or ``Layout``, or ``compile``) takes a
   ``shard_span`` or ``span`` keyword; otherwise as today (``shard="full"`` at tp = 1 over more
@@ -217,12 +218,14 @@ def price_run(run: PublishedRun, *, values: dict[str, dict[str, float]] | None =
         (common if span[0] == "call" else keywords)[span[1]] = run.shard_span
     limit = UNLIMITED_MEMORY if run.unlimited else None
 
-    def priced(recompute: str) -> Any:
+    def priced(recompute: str, memory: float | None = limit) -> Any:
         layout = Layout(gpus=run.gpus, **{**keywords, "recompute": recompute})
-        return price_layout(model, inputs, layout, tokens_per_sample=run.seq, memory_per_gpu=limit, **common)
+        return price_layout(model, inputs, layout, tokens_per_sample=run.seq, memory_per_gpu=memory, **common)
 
     if run.checkpointing == "selective":
-        none, full = priced("none"), priced("full")
+        # The run kept all but its attention cores and fit: its no-recomputation side is priced without the
+        # limit, so that memory does not bend the split (the limit holds for the fully recomputing plan).
+        none, full = priced("none", UNLIMITED_MEMORY), priced("full")
         step = none.step_s + run.selective_share * (full.step_s - none.step_s)
         chosen = full
     else:

@@ -264,7 +264,7 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
             if reshards(mode) and limit is not None:
                 room[mode] = limit - zero3_costs(scaled.at(choices[0]), dp=d, spec=options.spec,
                                                  precision=options.precision, gpus_per_node=options.gpus_per_node,
-                                                 span=mode_parts(mode)[2]).transient_bytes
+                                                 unit=options.zero3_unit, span=mode_parts(mode)[2]).transient_bytes
         state = {mode: whole if mode == "none" or (room_of := room[mode]) is None or whole <= room_of else
                  _state_bound(scaled.problem(d, choices[0], mode), p) for mode in modes}
         fitting = [mode for mode in modes if (room_of := room[mode]) is None or state[mode] <= room_of]
@@ -300,7 +300,7 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                     if reshards(mode):  # its collectives' least exposure: the bound loses sooner (formulate)
                         z = z3.get((m, mode)) or z3.setdefault((m, mode), zero3_costs(
                             scaled.at(m), dp=d, spec=options.spec, precision=options.precision,
-                            gpus_per_node=options.gpus_per_node, span=mode_parts(mode)[2]))
+                            gpus_per_node=options.gpus_per_node, unit=options.zero3_unit, span=mode_parts(mode)[2]))
                         bound = _time_bound(problem, p, m, schedule=k, chunks=v, added=sum(z.forward_s)
                                             + sum(z.backward_s) + 2 * p * v * z.first_gather_s)
                     # A sharded trial's problem is formulated when it is screened (most are not needed).
@@ -442,7 +442,7 @@ def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, 
             if reshards(t.shard):
                 o = options
                 t.gathered = zero3_costs(scaled.at(t.microbatches), dp=t.dp, spec=o.spec, precision=o.precision,
-                                         gpus_per_node=o.gpus_per_node, span=mode_parts(t.shard)[2]).transient_bytes
+                                         gpus_per_node=o.gpus_per_node, unit=options.zero3_unit, span=mode_parts(t.shard)[2]).transient_bytes
         if (t.pp, t.dp) not in announced:
             announced.add((t.pp, t.dp))
             say(f"solving {plural(t.pp, 'stage')} x {plural(t.dp, 'replica')}")

@@ -41,6 +41,7 @@ from partitioner.defaults import (
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import CaptureMethod
 from partitioner.schedule.refine import REFINE_SIMULATIONS
+from partitioner.solve.formulate import ZERO3_UNITS
 from partitioner.solve.problem import RECOMPUTE_MODES, RecomputeMode, ScheduleKind
 
 __all__ = [
@@ -112,6 +113,9 @@ class PlanOptions:
     shard: str = AUTO  # how stage groups' replicas hold their state: auto (searched) or one of SHARD_MODES
     # over which replicas "full" shards where a group spans nodes: auto (both weighed), or one of SHARD_SPANS
     shard_span: str = AUTO
+    # what one ZeRO-3 gather holds: "layer" (FSDP2, what the runtime runs) or "module" (DeepSpeed's ZeRO-3:
+    # pricing published runs only, partitioner.search.price)
+    zero3_unit: str = "layer"
     tp: int = 1  # GPUs per tensor-parallel group: ``gpus`` counts groups while a degree is searched (search/planner.py)
 
     def shard_modes(self, schedule: str, dp: int) -> tuple[str, ...]:
@@ -324,6 +328,8 @@ def check_options(
                 f"--pp {pp} it needs a multiple of {pp} micro-batches, not {micro}; {which} "
                 "(or --microbatches auto)."
             )
+    if resolved.get("zero3_unit", "layer") not in ZERO3_UNITS:
+        raise AutopartitionError(f"zero3_unit is {resolved['zero3_unit']!r}; choose one of {', '.join(ZERO3_UNITS)}.")
     if shard_span != AUTO and shard_span not in SHARD_SPANS:
         raise AutopartitionError(
             f"Unknown --shard-span {shard_span!r}; choose auto (the planner weighs both), world (a fully sharded "

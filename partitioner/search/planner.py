@@ -161,6 +161,7 @@ def compile(
     chunks: int | None = None,
     shard: str = "auto",
     shard_span: str = "auto",
+    zero3_unit: str = "layer",
     calibration: Calibration | str | Path | None = None,
     remeasure: bool = False,
     tp: int | str = 1,
@@ -176,7 +177,8 @@ def compile(
     ``interleaved-1f1b`` (default: 2 and 4 are tried); ``shard`` ("auto", "none", "optimizer",
     "full") how each stage group's replicas hold their state (auto: searched with the rest); ``shard_span``
     ("auto", "world", "node") over which replicas a fully sharded group spanning nodes shards: every one, or
-    one node's (HSDP; auto: both weighed).  With ``loss_fn`` and ``target`` (one mini-batch of
+    one node's (HSDP; auto: both weighed); ``zero3_unit`` what one ZeRO-3 gather holds ("layer": FSDP2's,
+    what the runtime runs; "module": DeepSpeed's, for pricing published runs).  With ``loss_fn`` and ``target`` (one mini-batch of
     targets) the loss's cost is charged to the last stage, which computes it.
     ``calibration`` (a :class:`~partitioner.cost.calibration.Calibration` or its
     file, from ``autopartition calibrate``) scales every node time and charges
@@ -197,7 +199,7 @@ def compile(
     options = check_options(
         gpus=gpus // fixed_tp, batch=batch, microbatches=microbatches, schedule=schedule, pp=pp, dp=dp,
         precision=precision, optimizer=optimizer, optimizer_states=optimizer_states, recompute=recompute,
-        gpus_per_node=None if gpus_per_node is None and fixed_tp == 1 else per_node // fixed_tp, chunks=chunks, shard=shard, shard_span=shard_span, spec=spec, measure=measure, local=local,
+        gpus_per_node=None if gpus_per_node is None and fixed_tp == 1 else per_node // fixed_tp, chunks=chunks, shard=shard, shard_span=shard_span, zero3_unit=zero3_unit, spec=spec, measure=measure, local=local,
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
         refine_simulations=refine_simulations,

@@ -95,6 +95,7 @@ __all__ = [
     "SEARCH_SHARD_MODES",
     "WEIGHT_SHARE",
     "ZERO3",
+    "ZERO3_UNITS",
     "GraphCosts",
     "Zero3Costs",
     "allreduce_seconds",
@@ -118,6 +119,7 @@ WEIGHT_SHARE = 0.5  # of a parameter-reading node's backward: its weight gradien
 ZERO3 = "zero3"
 HSDP = "hsdp"
 HSDP_ZERO3 = "hsdp-zero3"
+ZERO3_UNITS = ("layer", "module")  # one ZeRO-3 gather: FSDP2's layer (prefetched), DeepSpeed's module (in its hook)
 FULL_MODES = ("full", ZERO3, HSDP, HSDP_ZERO3)
 SEARCH_SHARD_MODES = ("none", "optimizer", *FULL_MODES)
 
@@ -411,6 +413,7 @@ def formulate(
     gpus_per_node: int | None = None,
     recompute: str = "none",
     shard: str = "none",
+    zero3_unit: str = "layer",
 ) -> PartitionProblem:
     """The solver's problem for ``dp`` replicas per stage (any number of stages).
 
@@ -520,7 +523,8 @@ def formulate(
     times = [scale * (sum(graph.node_time_s[m] for m in members) + (sum(graph.loss_s) if b == last else 0.0))
              for b, members in enumerate(graph.blocks)]
     if zero3:
-        z = zero3_costs(graph, dp=dp, spec=spec, precision=precision, gpus_per_node=gpus_per_node, span=span)
+        z = zero3_costs(graph, dp=dp, spec=spec, precision=precision, gpus_per_node=gpus_per_node, span=span,
+                        unit=zero3_unit)
         times = [t + f + b for t, f, b in zip(times, z.forward_s, z.backward_s, strict=True)]
         optional["action_s"] = graph.action_s + z.first_gather_s  # every F and B waits for its first unit
         if memory_limit is not None:
@@ -572,7 +576,7 @@ class Zero3Costs:
 
 def zero3_costs(
     graph: GraphCosts, *, dp: int, spec: DeviceSpec, precision: str, gpus_per_node: int | None,
-    span: str = "world",
+    span: str = "world", unit: str = "layer",
 ) -> Zero3Costs:
     """ZeRO-3's exposed collectives and transient memory for ``graph`` on ``dp`` replicas (see :class:`Zero3Costs`).
 
@@ -584,7 +588,15 @@ def zero3_costs(
     :func:`~partitioner.cost.comm.ring_link` (its members' ports on a node); over
     one node's replicas ("node", HSDP, where the group spans whole nodes) on
     NVLink, each shard's gradients then all-reduced across the nodes on one port.
+    Each unit's collectives pay a ring's latency once (``(D - 1)`` steps: at thousands
+    of replicas, tens of milliseconds each), on the block where the unit starts:
+    ``unit`` "layer" is FSDP2's (one unit per layer, as runtime/shard.py and
+    torchtitan wrap), each prefetched behind the compute before it; "module", one per
+    parameter-owning module, fetched in that module's own hook before its compute, is
+    how DeepSpeed's ZeRO-3 fetched parameters (for pricing published runs): none hides.
     """
+    if unit not in ZERO3_UNITS:
+        raise ValueError(f"unit is {unit!r}, expected one of {', '.join(ZERO3_UNITS)}")
     shards = shard_degree("full", dp, gpus_per_node, span=span)
     crosses = gpus_per_node is not None and (dp > gpus_per_node or gpus_per_node % dp != 0)
     hsdp = shards < dp
@@ -601,7 +613,11 @@ def zero3_costs(
     first_unit = max(layers, key=lambda eb: eb[1], default=largest)
     forward, backward = [], []
     scale = 1.0 / dp
+    started: set[str] = set()
     for b, members in enumerate(graph.blocks):
+        owners = {p.rpartition(".")[0] for p in graph.block_parameters[b]}
+        keys = {layer_of(o) if unit == "layer" else o for o in owners} - started
+        started |= keys
         elements = sum(graph.parameter_elements.get(p, graph.parameter_bytes[p] / 4) for p in graph.block_parameters[b])
         nbytes = sum(graph.parameter_bytes[p] for p in graph.block_parameters[b])
         if not nbytes:
@@ -613,8 +629,11 @@ def zero3_costs(
         across = inter.allreduce_seconds(g / shards, dp // shards) if hsdp else 0.0
         f = scale * sum(graph.node_forward_s[m] for m in members)
         total = scale * sum(graph.node_time_s[m] for m in members)
-        fe, be = zero3_microbatch_seconds(shards, on, weight_bytes=w, gradient_bytes=g, forward_s=f,
-                                          backward_s=total - f, across_s=across)
+        # DeepSpeed's module hooks fetched synchronously (no compute beside them): nothing hides them.
+        hidden = unit == "layer"
+        fe, be = zero3_microbatch_seconds(shards, on, weight_bytes=w, gradient_bytes=g,
+                                          forward_s=f if hidden else 0.0, backward_s=total - f if hidden else 0.0,
+                                          across_s=across, messages=len(keys))
         forward.append(fe)
         backward.append(be)
     e, nb = first_unit

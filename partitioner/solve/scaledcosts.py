@@ -108,7 +108,8 @@ class ScaledCosts:
         kwargs: dict[str, Any] = {
             "spec": o.spec, "memory_limit": o.memory_limit, "precision": o.precision,
             "optimizer_states": o.optimizer_states, "bucket_cap_mb": o.bucket_cap_mb,
-            "gpus_per_node": o.gpus_per_node, "recompute": o.recompute, "shard": shard, **changes,
+            "gpus_per_node": o.gpus_per_node, "recompute": o.recompute, "shard": shard,
+            "zero3_unit": getattr(o, "zero3_unit", "layer"), **changes,
         }
         problem = formulate(self.at(microbatches), dp=dp, **kwargs)
         if not changes:

@@ -72,7 +72,8 @@ def _zero3(model: str, size: str, *, gpus: int, batch: int, mbs: int, tflops: fl
            role: str = "held-out") -> PublishedRun:
     return PublishedRun(
         f"megatron2021-t2-zero3-{size}-{gpus}", f"tools/published_models.py:{model}", gpus, batch, 2048,
-        layout(f"ZeRO-3 DP{gpus}", tp=1, pp=1, dp=gpus, microbatches=batch // (gpus * mbs), zero=3),
+        {**layout(f"ZeRO-3 DP{gpus}", tp=1, pp=1, dp=gpus, microbatches=batch // (gpus * mbs), zero=3),
+         "zero3_unit": "module"},  # DeepSpeed's ZeRO-3 gathers each parameter-owning module on its own
         tflops, "TFLOP/s/GPU", "fp16", "a100", True, "full", role, f"{_N21}, Table 2",
         shape=gpt_shape(model), micro_batch=mbs, counts="megatron-eq3", counting=_EQ3,
         framework="Megatron-LM + DeepSpeed ZeRO-3", zero_stage=3, zero_ranks=gpus, group=group,
