@@ -29,7 +29,9 @@ CRC-32: twice as fast as SHA-256 here and enough against truncation and bit rot;
 this guards against accidents, not tampering, for which see the pickle below).
 
 DCP entries (names are the original model's; a tied parameter once, under its
-canonical name, the first in ``model.named_parameters()``):
+canonical name, the first in ``model.named_parameters()``; one read by several
+stages under one name is written by each holding rank with equal values, and DCP
+keeps one):
 
 * ``model.<name>``: each parameter and persistent buffer;
 * ``optim.state.<name>.<key>``: each tensor of the optimizer's per-parameter

@@ -4,7 +4,8 @@ After :meth:`runtime.Pipeline.step` every replica of a stage holds the same
 (averaged) gradients and every copy of a tied parameter the same (summed)
 gradient, so the whole model's norm counts each stage once (replica 0's ranks
 contribute, the others add nothing) and each tied parameter once (on the
-lowest stage holding it).  Per-tensor norms are combined across ranks with one
+lowest stage holding it: ``plan.tied``, aliases and parameters read by several
+stages under one name alike).  Per-tensor norms are combined across ranks with one
 all-reduce (a sum of ``norm ** p``, or a max for ``inf``); every rank then
 scales all of its gradients, every copy and replica alike, by the same factor,
 so replicas and tied copies stay equal.  A fully sharded stage's gradients are

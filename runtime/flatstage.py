@@ -105,7 +105,10 @@ class FlatStage(nn.Module):
         if self._saved is not None:  # the probe's backward is done by now: its buffer changes can go
             with torch.no_grad():
                 for buffer, value in self._saved:
-                    buffer.copy_(value)
+                    # Only what the probe changed: a buffer another stage of this rank shares (tied by use) may
+                    # be saved for that stage's backward, which a write (a new version) would break.
+                    if not torch.equal(buffer, value):
+                        buffer.copy_(value)
             self._saved = None
         if self._probing:
             self._probing = False

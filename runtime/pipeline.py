@@ -90,7 +90,12 @@ from runtime.tensorparallel import (
     tensor_parallel_refusal,
     tensor_parallel_step,
 )
-from runtime.torch_engine import TorchEngine, engine_from_env, torch_engine_refusal
+from runtime.torch_engine import (
+    TorchEngine,
+    engine_from_env,
+    torch_engine_refusal,
+    torch_stage_refusal,
+)
 from runtime.weights import load_weights, weights_from_env
 
 __all__ = ["Pipeline"]
@@ -211,6 +216,8 @@ class Pipeline:
                      stage_rank=plan.stage_ranks())
             # Every stage this rank holds: one with chunks == 1, several for interleaved and V schedules.
             self._stages = build_local_stages(plan, model, plan.stages_of(self.pipeline_rank))
+            if self.engine == "torch" and (refusal := torch_stage_refusal(plan, self._stages)) is not None:
+                raise AutopartitionError(refusal)  # every rank raises it (_agree, below)
             weights = weights_from_env(weights)  # `autopartition run --weights PATH` sets the variable
             if weights is not None:  # this rank's tensors only; meta ones are replaced, the rest copied into
                 load_weights([s.module for s in self._stages], weights, keys=self._state_keys, tied=plan.tied)

@@ -18,8 +18,10 @@ per pipeline rank serves all of them.
 * A pipeline rank whose stages are planned ``shard="full"`` uses neither: FSDP2
   reduce-scatters its gradients (:mod:`runtime.shard`); under ``"optimizer"``
   gradients are averaged as above and the optimizer state is split.
-* A parameter tied across stages (GPT-2's token embedding is also its LM head)
-  is one Parameter object within a rank (:func:`share_tied_parameters`; its
+* A parameter tied across stages (GPT-2's token embedding is also its LM head;
+  or tied by use: one name read by several stages, an LM head
+  ``F.linear(h, self.emb.weight)``, a layer applied at every depth: ``plan.tied``
+  lists both kinds) is one Parameter object within a rank (:func:`share_tied_parameters`; its
   gradients add up there by themselves), and one copy per pipeline rank
   holding it; the copies start equal (broadcast from the rank of the first
   stage holding it) and their gradients are summed over those ranks, replica

@@ -76,7 +76,8 @@ SC 2020, section 5) name them:
   sharded rank never holds its whole stage at start-up.
 
 One pipeline rank runs one mode on all of its stages (one process group serves
-them).  A tied parameter's copies on several pipeline ranks are summed shard for
+them).  A tied parameter's copies on several pipeline ranks (aliases, or one name
+read by several stages) are summed shard for
 shard when every stage holding it is ``full`` (:mod:`runtime.replicate`); a
 ``full`` copy beside a whole one, or two ``full`` stages of one rank holding it
 (one parameter, two FSDP units), are refused.  :func:`shard_refusal` says why a plan
@@ -176,8 +177,9 @@ def shard_refusal(plan: Plan) -> str | None:
                         f"planned {plan.stages[other].shard!r}: its copies are summed shard for shard, so every "
                         "stage holding it must be 'full', or none of them.")
             ranks = [plan.stages[s].rank for s in full]
-            if len(set(ranks)) < len(ranks):
-                return (f"the tied parameter {t.name} is held by fully sharded stages {full} on one pipeline rank: "
+            shared = [s for s in full if ranks.count(plan.stages[s].rank) > 1]
+            if shared:
+                return (f"the tied parameter {t.name} is held by fully sharded stages {shared} on one pipeline rank: "
                         "one parameter cannot be two FSDP units. Plan those stages 'optimizer' or 'none', or "
                         "a schedule with one stage per rank.")
     return None

@@ -67,6 +67,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.nn.parallel import DistributedDataParallel
 
 from partitioner.errors import AutopartitionError
+from partitioner.graph.ir import node_parameters
 from partitioner.plan import Plan
 from runtime.flatstage import Feed, FlatStage, IndexedLoss, carried_values
 from runtime.launch import ENGINE_ENV  # `autopartition run --engine torch` sets it for every rank
@@ -79,7 +80,10 @@ from runtime.replicate import (
 )
 from runtime.stage import LocalStage
 
-__all__ = ["ENGINES", "ENGINE_ENV", "TorchEngine", "engine_from_env", "torch_engine_refusal", "torch_schedule_name"]
+__all__ = [
+    "ENGINES", "ENGINE_ENV", "TorchEngine", "engine_from_env", "torch_engine_refusal", "torch_schedule_name",
+    "torch_stage_refusal",
+]
 
 ENGINES = ("ours", "torch")
 
@@ -115,6 +119,32 @@ def torch_engine_refusal(plan: Plan, *, trace: bool = False) -> str | None:
                 "trace (or torch.profiler around the step with engine='torch').")
     if plan.schedule not in _CLASSES and plan.schedule != "zb-h1":
         return f"engine='torch' has no schedule for {plan.schedule!r}; run it with --engine ours."
+    return None
+
+
+def torch_stage_refusal(plan: Plan, stages: Sequence[LocalStage]) -> str | None:
+    """Why ``engine="torch"`` cannot run these stages of ``plan`` (None: it can).
+
+    torch's split backward (``zb-h1``, ``zbv``: ``stage_backward_weight``) groups a
+    stage's weights by the autograd nodes between them and its inputs; a parameter
+    read at several ops of one stage (a layer applied at every depth) lands in several
+    groups and the second group's ``autograd.grad`` finds the graph freed.
+    """
+    if not plan.schedule_data().splits_backward:
+        return None
+    for local in stages:
+        gm = local.module
+        counts: dict[str, int] = {}
+        for node in gm.graph.nodes:
+            if node.op in ("call_function", "call_method", "call_module"):
+                for name in node_parameters(gm, node):
+                    counts[name] = counts.get(name, 0) + 1
+        reused = sorted(name for name, n in counts.items() if n > 1)
+        if reused:
+            return (f"stage {local.plan.index} reads {reused[0]} at {counts[reused[0]]} ops; torch's split backward "
+                    f"({plan.schedule}) computes each weight's gradient once per group of ops and cannot for a "
+                    "parameter read at several: run it with --engine ours, or plan --schedule 1f1b, gpipe or "
+                    "interleaved-1f1b for --engine torch.")
     return None
 
 

@@ -21,7 +21,8 @@ A truncated or garbage file, or a shard shorter than the entries it should hold,
 is an error naming the file (never torch's or safetensors' own exception alone).
 
 Names are the original model's.  A tied parameter is found under any of its
-names (Hugging Face drops ``lm_head.weight`` when it is ``wte.weight``).  A
+names (Hugging Face drops ``lm_head.weight`` when it is ``wte.weight``); one read
+by several stages under one name is loaded into each of them, equal.  A
 tensor stored in another floating dtype is cast to the wanted one (a bf16 file
 into an fp32 model); a missing or misshapen tensor is an error naming it.
 

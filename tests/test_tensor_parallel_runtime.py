@@ -167,7 +167,8 @@ def test_tensor_parallel_training_matches_whole_model(runs: dict[str, Any], name
         if evaluates and r["losses"][0] is not None:  # no dropout: the eval loss is the step's training loss
             assert r["eval_losses"] == pytest.approx(want["losses"], abs=TOLERANCE)
         if name.endswith(("-fsdp", "-zero3")):  # FSDP2 over the replicas, around the tensor-parallel split
-            assert r["fsdp_units"] >= 1 and r["local_numel"] < r["whole_numel"] * 0.3, (
+            # under 1/2: FSDP2 halves everything, tp halves the split layers again (GPT's fused attention: whole)
+            assert r["fsdp_units"] >= 1 and r["local_numel"] < r["whole_numel"] * 0.4, (
                 r["fsdp_units"], r["local_numel"], r["whole_numel"])
         if name.endswith("-zero3"):  # one unit per layer
             assert "FSDPLayerUnit" in r["runtime_modules"] and r["fsdp_units"] > 2, r["runtime_modules"]
@@ -212,8 +213,8 @@ def test_each_role_gets_megatron_placements_and_gqa_heads_beyond_tp_stay_whole()
 
     gpt = parameter_placements(_captured(GPT), 2)
     assert gpt["wte.weight"] == Shard(0)  # vocabulary rows (and the tied LM head's rows)
-    assert gpt["blocks.0.attn.c_attn.weight"] == Shard(0) and gpt["blocks.0.attn.c_attn.bias"] == Shard(0)
-    assert gpt["blocks.0.attn.c_proj.weight"] == Shard(1) and "blocks.0.attn.c_proj.bias" not in gpt
+    # The fused c_attn is cut into q, k, v along its split: the attention stays whole (issue 29).
+    assert "blocks.0.attn.c_attn.weight" not in gpt and "blocks.0.attn.c_proj.weight" not in gpt
     assert gpt["blocks.0.mlp.c_fc.weight"] == Shard(0) and gpt["blocks.0.mlp.c_proj.weight"] == Shard(1)
     assert not any("ln_" in name or "wpe" in name for name in gpt)  # norms, positions: replicated
     llama = _captured(LLAMA)  # 4 query heads, 2 key/value heads

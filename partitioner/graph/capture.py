@@ -20,6 +20,9 @@ runtime all work with one flat tuple of tensors in a recorded order.
 Either way the graph keeps each node's ``nn_module_stack`` so that plans speak in
 the user's module names, and non-compute nodes (export guards, metadata
 asserts) are dropped.  Every node gets its kind under :data:`partitioner.graph.ir.KIND_KEY`.
+:meth:`CapturedModel.state_readers` says which groups of nodes read each parameter
+and buffer (tied by use when a split separates them), :meth:`CapturedModel.written_buffers`
+which buffers the forward writes.
 
 Example::
 
@@ -37,7 +40,7 @@ import json
 import linecache
 import os
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -296,11 +299,54 @@ class CapturedModel:
         return pytree.tree_unflatten(list(flat), self.output_spec)
 
     def tied_parameters(self) -> dict[str, list[str]]:
-        """Canonical name -> every graph name that refers to the same tensor (only ties)."""
+        """Canonical name -> every graph name that refers to the same tensor (aliases only).
+
+        A parameter read in several places under one name (``F.linear(h, self.emb.weight)``,
+        a layer applied at every depth) is no alias: :meth:`state_readers` finds those.
+        """
         groups: dict[str, list[str]] = {}
         for graph_name, canonical in self.parameter_names.items():
             groups.setdefault(canonical, []).append(graph_name)
         return {k: sorted(v) for k, v in groups.items() if len(v) > 1}
+
+    def state_readers(self, groups: Sequence[Iterable[str]]) -> dict[str, tuple[int, ...]]:
+        """Every parameter (canonical name) and buffer -> the indices of ``groups`` whose nodes read it.
+
+        ``groups``: collections of compute node names (the blocks of a split, or its
+        stages).  A node reads what it takes as an argument (a ``get_attr`` in any
+        form, through constants made from buffers), and a module call everything its
+        module holds.  A parameter read by two groups is *tied by use*: two stages
+        holding it must sum its gradients (aliases under two names included).
+        """
+        nodes = self.nodes()
+        reads: dict[str, set[int]] = {}
+        memo: dict[fx.Node, frozenset[str]] = {}
+        for index, group in enumerate(groups):
+            for name in group:
+                for state in _state_read(self, nodes[name], memo):
+                    reads.setdefault(state, set()).add(index)
+        return {name: tuple(sorted(found)) for name, found in reads.items()}
+
+    def shared_parameters(self, groups: Sequence[Iterable[str]]) -> dict[str, tuple[int, ...]]:
+        """The parameters (canonical names) :meth:`state_readers` finds in more than one of ``groups``."""
+        params = set(self.parameter_names.values())
+        return {n: g for n, g in self.state_readers(groups).items() if n in params and len(g) > 1}
+
+    def written_buffers(self) -> dict[str, tuple[str, ...]]:
+        """Buffers the forward writes -> the compute nodes writing them, in graph order.
+
+        Running statistics (a norm module or ``batch_norm`` in training), in-place ops
+        on a buffer or a view of it (``self.count.add_(1)``, ``copy_``), aten ops whose
+        schema writes an argument.  Two stages cannot share such a buffer: each would
+        write its own copy (the planner keeps them in one stage or refuses).
+        """
+        written: dict[str, list[str]] = {}
+        for node in self.graph_module.graph.nodes:
+            if node.meta.get(KIND_KEY) != "compute":
+                continue
+            for name in _buffers_written(self.graph_module, node):
+                written.setdefault(name, []).append(node.name)
+        return {k: tuple(v) for k, v in written.items()}
 
 
 def capture(
@@ -573,6 +619,75 @@ def _is_random(node: fx.Node) -> bool:
     # Random ops must run once and be sent, or stages would disagree.
     name = str(getattr(node.target, "__name__", node.target))
     return any(word in name for word in ("rand", "dropout", "bernoulli", "normal"))
+
+
+# --------------------------------------------------------------------------- state read and written
+
+# Ops that update running statistics in place when their training flag (argument 5 in every one of
+# these signatures, aten's and torch.nn.functional's alike) is set.
+_RUNNING_STATS = frozenset({"batch_norm", "instance_norm", "_native_batch_norm_legit", "native_batch_norm",
+                            "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm"})
+_INPLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "setitem"})
+
+
+def _state_read(captured: CapturedModel, node: fx.Node, memo: dict[fx.Node, frozenset[str]]) -> frozenset[str]:
+    """Parameters (canonical names) and buffers ``node`` reads: its arguments, through constants; a module's own."""
+    if node in memo:
+        return memo[node]
+    gm, found = captured.graph_module, set[str]()
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        found.update(captured.parameter_names.get(f"{node.target}.{n}", f"{node.target}.{n}")
+                     for n, _ in sub.named_parameters(remove_duplicate=False))
+        found.update(f"{node.target}.{n}" for n, _ in sub.named_buffers(remove_duplicate=False))
+    for arg in node.all_input_nodes:
+        kind = arg.meta.get(KIND_KEY)
+        if kind == "parameter":
+            found.add(captured.parameter_names.get(str(arg.target), str(arg.target)))
+        elif kind == "buffer":
+            found.add(str(arg.target))
+        elif kind == "constant":  # a buffer's slice or view: duplicated into every stage reading it
+            found.update(_state_read(captured, arg, memo))
+    memo[node] = frozenset(found)
+    return memo[node]
+
+
+def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """Buffers ``node`` writes in place (see :meth:`CapturedModel.written_buffers`)."""
+    targets: list[Any] = []
+    name = _op_name(node)
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        if isinstance(sub, torch.nn.modules.batchnorm._NormBase) and sub.track_running_stats and sub.training:
+            return [f"{node.target}.{n}" for n, _ in sub.named_buffers()]
+    elif name in _RUNNING_STATS:
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get(
+            "training", node.kwargs.get("use_input_stats", False))
+        if training is True:
+            targets.extend(node.all_input_nodes)
+    elif isinstance(node.target, torch._ops.OpOverload):
+        for i, arg in enumerate(node.target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                targets.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    elif node.op in ("call_function", "call_method") and node.args and (
+            name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))):
+        targets.append(node.args[0])
+    written = []
+    for target in targets:
+        # A view of a buffer is a constant made from it: follow it back to the buffer itself.
+        while isinstance(target, fx.Node) and target.meta.get(KIND_KEY) == "constant" and target.all_input_nodes:
+            target = target.all_input_nodes[0]
+        if isinstance(target, fx.Node) and target.op == "get_attr" and target.meta.get(KIND_KEY) == "buffer":
+            written.append(str(target.target))
+    return written
+
+
+def _op_name(node: fx.Node) -> str:
+    """``aten.add_.Tensor`` and ``torch.add`` -> ``add_`` / ``add``; a method's own name."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target.overloadpacket.__name__)
+    return target if isinstance(target, str) else str(getattr(target, "__name__", ""))
 
 
 def _describe_failure(exc: BaseException) -> str:

@@ -15,6 +15,16 @@ sin tables), never the residual stream itself.  Such a pair splits over ``tp``
 GPUs by columns then rows, and communicates only after the row (forward) and
 before the columns (backward): :mod:`partitioner.cost.tensorparallel`.
 
+A pair's roles are written only when the split holds (:func:`_split_breaks`): the
+columns' output, split by features into contiguous shares, must stay one whole
+dimension of every value up to the row's input features.  A fused projection viewed
+as ``(B, T, 3, heads, head_dim)`` or cut into q, k and v along the split (GPT-2's
+``c_attn``) does not: each GPU would hold q and part of k, so the runtime would
+gather (or fail to unflatten) what the planner priced split.  Such a pair runs
+whole, priced so (``TPLayout.whole``), with the reason in ``TPLayout.dropped``.  A
+parameter read in several places gets one placement: where two readers would split
+it differently, their patterns run whole (:func:`_one_placement_per_parameter`).
+
 Heads: a column whose value is viewed as ``(..., H, D)`` with ``H x D`` its
 width (or a third of it, fused q/k/v) splits by heads: ``tp`` must divide the
 query heads, and divide the key/value heads or be a multiple of them (they are
@@ -78,7 +88,7 @@ _ELEMENTWISE = frozenset({
 _SHAPE = frozenset({
     "view", "reshape", "_unsafe_view", "transpose", "permute", "expand", "unsqueeze", "squeeze", "split",
     "split_with_sizes", "chunk", "getitem", "slice", "cat", "narrow", "repeat_interleave", "flatten",
-    "unflatten", "select", "t",
+    "unflatten", "select", "t", "unbind",
 })
 _ATTENTION = frozenset({
     "matmul", "bmm", "baddbmm", "softmax", "_softmax", "scaled_dot_product_attention",
@@ -135,13 +145,18 @@ class TPLayout:
 
     ``parameters``: canonical parameter name -> (pattern, units) for every
     parameter that splits (a row's bias and the norms are not in it: replicated).
-    ``reason``: why nothing splits ("" when something does).
+    ``reason``: why nothing splits ("" when something does).  ``dropped``: pairs
+    found but left replicated (their row -> why: the split does not survive what
+    reads it, or a parameter they share with another layer would be placed two ways), ``whole``
+    their nodes, which run whole on every GPU of a group (priced so).
     """
 
     roles: Mapping[str, TPRole]
     patterns: tuple[TPPattern, ...]
     parameters: Mapping[str, tuple[int, int]]
     reason: str = ""
+    dropped: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a pair's row -> why it stays whole
+    whole: frozenset[str] = frozenset()  # the nodes of those pairs: they run whole on every GPU of a group
 
     @property
     def pairs(self) -> tuple[TPPattern, ...]:
@@ -183,7 +198,10 @@ class TPLayout:
                  if count["attention"] else "", f"{count['mlp']} MLP" if count["mlp"] else "",
                  "vocabulary-parallel embedding" if count["embedding"] else "",
                  "vocabulary-parallel head" if count["head"] else ""]
-        return "tensor parallelism: " + ", ".join(p for p in parts if p)
+        row, why = next(iter(self.dropped.items()), ("", ""))
+        whole = f"; {len(self.dropped)} pair{'s' if len(self.dropped) > 1 else ''} kept whole ({row}: {why})" \
+            if self.dropped else ""
+        return "tensor parallelism: " + ", ".join(p for p in parts if p) + whole
 
 
 def degrees(gpus_per_node: int, heads: Iterable[tuple[int, int]], widths: Iterable[int] = ()) -> tuple[int, ...]:
@@ -227,6 +245,8 @@ def find_tensor_parallel(captured: CapturedModel) -> TPLayout:
                 continue  # a row's bias is added once, after the all-reduce: replicated
             parameters.setdefault(captured.parameter_names.get(p, p), (pattern, units))
 
+    refused: dict[str, str] = {}  # row -> why its pair stays replicated
+    whole: set[str] = set()  # the nodes of the pairs refused
     for row in nodes:
         if row not in linears or row.name in roles:
             continue
@@ -237,6 +257,11 @@ def find_tensor_parallel(captured: CapturedModel) -> TPLayout:
         if any(c.name in roles for c in columns):
             continue
         heads = {c: _heads(c, region) for c in columns}
+        broken = _split_breaks(columns, region, row, heads)
+        if broken:
+            refused[row.name] = broken
+            whole.update(n.name for n in (*columns, *region, row))
+            continue
         widths = {c: _width(c) for c in columns}
         index = len(patterns)
         counted = [h for h in heads.values() if h is not None]
@@ -256,12 +281,16 @@ def find_tensor_parallel(captured: CapturedModel) -> TPLayout:
         for n in region:
             roles[n.name] = TPRole(index, "inner", units_of.get(n, pattern.heads[0] if pattern.heads else pattern.width))
         own(index, row, "row", pattern.heads[0] if pattern.heads else pattern.width)
-    pairs = bool(patterns)
-    _vocabulary(gm, captured, nodes, linears, roles, patterns, own)
+    _vocabulary(gm, captured, [n for n in nodes if n.name not in whole], linears, roles, patterns, own)
+    roles, patterns, parameters = _one_placement_per_parameter(gm, captured, roles, patterns, parameters, refused,
+                                                               whole)
     for n in gm.graph.nodes:
         if n.name in roles:
             n.meta[TP_KEY] = roles[n.name]
-    return TPLayout(roles, tuple(patterns), parameters, "" if pairs else NO_PATTERN)
+    pairs = any(p.kind in ("attention", "mlp") for p in patterns)
+    reason = "" if pairs else NO_PATTERN if not refused else (
+        "no column/row pair keeps its split: " + "; ".join(f"{row}: {why}" for row, why in refused.items()))
+    return TPLayout(roles, tuple(patterns), parameters, reason, dropped=dict(refused), whole=frozenset(whole))
 
 
 # ------------------------------------------------------------------ pairs
@@ -283,8 +312,8 @@ def _pair(row: fx.Node, linears: set[fx.Node]) -> tuple[list[fx.Node], list[fx.N
         if n in linears:
             columns[n] = None
             continue
-        if n.meta.get(KIND_KEY) != "compute" or _name(n) not in _ALLOWED:
-            continue
+        if n.meta.get(KIND_KEY) != "compute" or _name(n) not in _ALLOWED or _info(n).kind == "static":
+            continue  # a shape read (x.size(1)) carries no split: the value it was read from is no column's
         stack.extend(n.all_input_nodes)
     if not columns:
         return None
@@ -364,6 +393,238 @@ def _region_units(columns: list[fx.Node], region: list[fx.Node], heads: dict[fx.
             got.add(h)
             stack.extend(n.users)
     return {n: min(hs) if q not in hs else q for n, hs in reach.items()}
+
+
+# ------------------------------------------------------------------ does the split survive?
+
+_VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "unsqueeze", "squeeze",
+                    "expand_as", "view_as", "reshape_as"})
+_PERMUTES = frozenset({"transpose", "permute", "t", "swapaxes", "movedim"})
+_CHUNKS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "tensor_split"})
+_REDUCE_ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum"})
+_NO_VALUE = frozenset({"size", "sym_size", "getattr", "dim"})  # read shapes, not values
+_SDPA_OPS = frozenset(name for name in _ATTENTION if "attention" in name)
+
+
+def _split_breaks(columns: list[fx.Node], region: list[fx.Node], row: fx.Node,
+                  heads: Mapping[fx.Node, int | None]) -> str:
+    """Why a column split does not reach ``row`` intact ("" when it does).
+
+    Each column's output is split along its last dimension into contiguous shares
+    (``Shard`` of its output features); the share must stay one dimension of every
+    value in between, whole (elementwise ops, views that split it as
+    ``(heads, head_dim)`` or merge it back, permutes, attention over heads), and
+    arrive as the row's input features.  A view whose leading factor is not a
+    multiple of the column's heads (a fused ``(3, heads, head_dim)``), an index,
+    slice, ``split`` or softmax along it (a fused ``3 x hidden`` output split into
+    q, k and v), or a matmul contracting it would need the whole value on every GPU.
+    """
+    dims: dict[fx.Node, tuple[int, int]] = {}  # value -> (its split dimension, the units it splits into)
+    for c in columns:
+        shape = _shape(c)
+        if not shape:
+            return f"{c.name} has no known shape"
+        units = heads.get(c)
+        dims[c] = (len(shape) - 1, units if units is not None else shape[-1])
+    for n in region:
+        split = [(a, dims[a]) for a in n.all_input_nodes if a in dims]
+        name = _name(n)
+        if not split or name in _NO_VALUE:
+            continue
+        found = _carry(n, name, split)
+        if isinstance(found, str):
+            return f"{n.name} ({name}) {found}"
+        dims[n] = found
+    source = _activation(row)
+    if source is None or source not in dims:
+        return f"the row {row.name} reads no split value"
+    shape = _shape(source)
+    if shape is None or dims[source][0] != len(shape) - 1:
+        return f"the row {row.name} reads the split along dimension {dims[source][0]}, not its input features"
+    return ""
+
+
+def _carry(node: fx.Node, name: str, split: list[tuple[fx.Node, tuple[int, int]]]) -> tuple[int, int] | str:
+    """The split dimension and units of ``node``'s value from its split inputs', or why it breaks."""
+    first, (dim, units) = split[0]
+    before, after = _shape(first), _shape(node)
+    if name in _SDPA_OPS:  # (B, H, T, D) inputs, split by heads: the output stays split by heads
+        if any(d != len(_shape(a) or ()) - 3 for a, (d, _) in split):
+            return "runs attention on a value not split by heads"
+        return dim, units
+    if name in _CHUNKS:
+        along = _dim_argument(node, 1 if name == "unbind" else 2, default=0, ndim=len(before or ()))
+        if along is None or along == dim:
+            return "cuts the split dimension into parts (a fused projection whose parts are not each split)"
+        return (dim - 1 if name == "unbind" and along < dim else dim), units
+    if before is None or after is None or _info(node).kind != "tensor":
+        return dim, units  # a tuple (a split's parts, dropout's mask) or getitem of one: carried as it is
+    if name == "getitem":
+        return _indexed(node, dim, units, before)
+    if name in _ELEMENTWISE or name in ("repeat_interleave", "baddbmm", "matmul", "bmm"):
+        aligned = {d + len(after) - len(_shape(a) or ()) for a, (d, _) in split}
+        if len(aligned) > 1:
+            return "joins values split along different dimensions"
+        (out,) = aligned
+        if name in ("matmul", "bmm", "baddbmm") and out >= len(after) - 2:
+            return "multiplies along the split dimension (a partial sum, not a split)"
+        return out, min(u for _, (_, u) in split)
+    if name in _REDUCE_ALONG or name in ("select", "narrow", "slice", "cat", "index_select", "gather"):
+        default = -1 if name in _REDUCE_ALONG else 0
+        along = _dim_argument(node, 1, default=default, ndim=len(before if name != "cat" else after))
+        if along is None or along == dim:
+            return "works along the split dimension"
+        return (dim - 1 if name == "select" and along < dim else dim), units
+    if name in _PERMUTES:
+        order = _permutation(node, name, len(before))
+        if order is None:
+            return "permutes in a way not read here"
+        return order.index(dim), units
+    if name in _VIEWS:
+        return _viewed(dim, units, before, after)
+    return "is an op the split is not known to survive"
+
+
+def _viewed(dim: int, units: int, before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, int] | str:
+    """The split dimension after a view from ``before`` to ``after`` (row-major): it must start a dimension of
+    ``after``; a larger one merges it with the dimensions after it, a smaller one splits it (its leading
+    factor must be a multiple of the units: ``(heads, head_dim)``)."""
+    start = 1
+    for size in before[:dim]:
+        start *= size
+    offset = 1
+    for k, size in enumerate(after):
+        if offset == start and (size != 1 or before[dim] == 1):
+            if size == before[dim]:
+                return k, units
+            if size > before[dim]:  # merged with the dimensions after it: the split still leads
+                return (k, units) if size % before[dim] == 0 else "views the split dimension unevenly"
+            if before[dim] % size == 0 and size % units == 0:
+                return k, units
+            return (f"views the split dimension ({before[dim]}) as ({size}, ...), whose {size} is not a multiple of "
+                    f"the {units} units it splits into (a fused (3, heads, head_dim) view, say)")
+        offset *= size
+        if offset > start:
+            break
+    return "merges the split dimension into the one before it"
+
+
+def _indexed(node: fx.Node, dim: int, units: int, before: tuple[int, ...]) -> tuple[int, int] | str:
+    """``x[index]``: the split dimension must be taken whole (``:``); dimensions before it may go or come."""
+    index = node.args[1] if len(node.args) > 1 else None
+    items = list(index) if isinstance(index, tuple) else [index]
+    if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items):
+        return "is indexed by a tensor"
+    if Ellipsis in items:  # ... stands for the dimensions the other items leave
+        at = items.index(Ellipsis)
+        named = sum(1 for i in items if i is not None and i is not Ellipsis)
+        items[at:at + 1] = [slice(None)] * (len(before) - named)
+    out = 0
+    position = 0  # the input dimension the next item indexes
+    for item in items:
+        if item is None:
+            out += 1
+            continue
+        if position == dim:
+            if not (isinstance(item, slice) and item == slice(None)):
+                return "indexes or slices the split dimension"
+            return out, units
+        position += 1
+        out += 0 if isinstance(item, int) else 1
+    return out + (dim - position), units
+
+
+def _dim_argument(node: fx.Node, position: int, *, default: int, ndim: int) -> int | None:
+    """The dimension argument at ``position`` (or ``dim=``), made non-negative; None when not a plain int."""
+    value = node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    return value % ndim if ndim else value
+
+
+def _permutation(node: fx.Node, name: str, ndim: int) -> list[int] | None:
+    """``order[k]``: the input dimension output dimension k comes from (None: not read here)."""
+    args = list(node.args[1:])
+    if name == "t":
+        return [1, 0] if ndim == 2 else list(range(ndim))
+    ints = [a for a in args if isinstance(a, int)]
+    if name in ("transpose", "swapaxes") and len(args) >= 2 and len(ints) >= 2 and ints[:2] == args[:2]:
+        a, b = (x % ndim for x in ints[:2])
+        order = list(range(ndim))
+        order[a], order[b] = order[b], order[a]
+        return order
+    if name == "permute":
+        dims = list(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        found = [d for d in dims if isinstance(d, int)]
+        if len(found) == len(dims) == ndim:
+            return [d % ndim for d in found]
+    return None
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    info = _info(node)
+    return tuple(info.shape) if info.kind == "tensor" else None
+
+
+# ------------------------------------------------------------------ one placement per parameter
+
+
+def _placement_key(gm: fx.GraphModule, node: fx.Node, param: str, role: TPRole | None) -> tuple[str, int]:
+    """How ``node``'s role splits ``param``: (dimension of the tensor, units), or whole (runtime/tensorparallel.py)."""
+    if role is None or role.role not in ("column", "row", "embedding", "head"):
+        return ("whole", 0)
+    dim2 = _param_dim(gm, param) == 2
+    in_out = node.op == "call_module" and _name(node) == "conv1d" or (
+        node.op != "call_module" and _name(node) in ("addmm", "mm", "conv1d_hf"))
+    out = 1 if in_out and dim2 else 0
+    if role.role == "row":
+        return (f"dim{1 - out}", role.units) if dim2 else ("whole", 0)
+    return (f"dim{0 if role.role == 'embedding' else out}", role.units)
+
+
+def _one_placement_per_parameter(
+    gm: fx.GraphModule, captured: CapturedModel, roles: dict[str, TPRole], patterns: list[TPPattern],
+    parameters: dict[str, tuple[int, int]], refused: dict[str, str], whole: set[str],
+) -> tuple[dict[str, TPRole], list[TPPattern], dict[str, tuple[int, int]]]:
+    """Drop the patterns whose parameters another reader would place another way, and renumber the rest.
+
+    A parameter read in several places (an embedding's weight read again by ``h @ emb.weight.T``, a layer
+    applied at every depth) has one placement on each GPU, and its copies in several stages are summed
+    shard for shard: every node reading it must split it alike, or none may.  Dropped patterns stay
+    replicated (and are priced so: the cost passes read only the patterns kept).
+    """
+    readers: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.meta.get(KIND_KEY) == "compute":
+            for p in node_parameters(gm, n):
+                readers.setdefault(p, []).append(n)
+    dropped: set[int] = set()
+    while True:
+        live = {k: r for k, r in roles.items() if r.pattern not in dropped}
+        conflict = None
+        for p, nodes in readers.items():
+            keys = {_placement_key(gm, n, p, live.get(n.name)) for n in nodes}
+            if len(keys) > 1:
+                conflict = (p, nodes)
+                break
+        if conflict is None:
+            break
+        p, nodes = conflict
+        name = captured.parameter_names.get(p, p)
+        for n in nodes:
+            role = live.get(n.name)
+            if role is not None:
+                dropped.add(role.pattern)
+                row = patterns[role.pattern].row or patterns[role.pattern].columns[0]
+                refused.setdefault(row, f"{name} is read elsewhere ({', '.join(m.name for m in nodes[:3])}) "
+                                        "in a way that would place it differently")
+    if not dropped:
+        return roles, patterns, parameters
+    whole.update(k for k, r in roles.items() if r.pattern in dropped)
+    index = {old: new for new, old in enumerate(i for i in range(len(patterns)) if i not in dropped)}
+    return ({k: dataclasses.replace(r, pattern=index[r.pattern]) for k, r in roles.items() if r.pattern in index},
+            [p for i, p in enumerate(patterns) if i in index],
+            {k: (index[pat], u) for k, (pat, u) in parameters.items() if pat in index})
 
 
 # ------------------------------------------------------------------ vocabulary

@@ -55,15 +55,13 @@ def format_plan(plan: Plan) -> str:
     lines += _summary(plan)
     if plan.tied:
         lines.append("")
-        lines.append("tied parameters (one tensor under several names):")
+        lines.append("tied parameters (one tensor under several names, or read by several stages):")
         for tied in plan.tied:
             others = [a for a in tied.aliases if a != tied.name]
             where = "stage" if len(tied.stages) == 1 else "stages"
             note = "; gradients summed across stages" if len(tied.stages) > 1 else ""
-            lines += _wrap(
-                f"{tied.name} = {', '.join(others) or tied.name} on {where} {', '.join(map(str, tied.stages))}{note}",
-                indent="  ",
-            )
+            named = f"{tied.name} = {', '.join(others)}" if others else tied.name
+            lines += _wrap(f"{named} on {where} {', '.join(map(str, tied.stages))}{note}", indent="  ")
     if plan.candidates:
         lines.append("")
         lines += _candidates(plan)

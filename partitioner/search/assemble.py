@@ -224,12 +224,13 @@ def _stages(
                             ops=ops)
         _, reduce = stage_costs(whole, partition.stage_of, count, recompute=recompute, ops=ops)
         wait = allreduce_latencies(whole, count)
-        # Every stage holding a tied parameter keeps the combination's mode: the runtime sums a tied
+        # Every stage holding a tied parameter (any parameter two stages read: aliases, a reused layer, a
+        # head reading the embedding's weight) keeps the combination's mode: the runtime sums a tied
         # parameter's copies shard for shard, or whole, never one of each (runtime/shard.py).
-        holders: dict[str, set[int]] = {name: set() for name in captured.tied_parameters()}
+        holders: dict[str, set[int]] = {}
         for b, read in enumerate(graph.block_parameters):
-            for name in holders.keys() & set(read):
-                holders[name].add(partition.stage_of[b])
+            for name in read:
+                holders.setdefault(name, set()).add(partition.stage_of[b])
         pinned = {s for stages in holders.values() if len(stages) > 1 for s in stages}
         for s in range(count):
             if s not in pinned and within_limit(kept[s], whole.memory_limit):
@@ -524,10 +525,18 @@ def _boundaries(
 
 
 def _tied(captured: CapturedModel, stages: tuple[StagePlan, ...]) -> tuple[TiedParameter, ...]:
+    """Every parameter held by several stages, or under several names: the runtime sums its gradients over
+    the stages holding it.  Held by several stages under one name is *tied by use* (a layer applied at
+    every depth, ``F.linear(h, self.emb.weight)``): its aliases are that name alone."""
+    groups = captured.tied_parameters()  # canonical -> graph names, aliases only
+    for st in stages:
+        for name in st.parameters:
+            groups.setdefault(captured.parameter_names.get(name, name), [name])
     tied = []
-    for canonical, aliases in sorted(captured.tied_parameters().items()):
+    for canonical, aliases in sorted(groups.items()):
         holders = tuple(st.index for st in stages if set(aliases) & set(st.parameters))
-        tied.append(TiedParameter(canonical, tuple(aliases), holders))
+        if len(aliases) > 1 or len(holders) > 1:
+            tied.append(TiedParameter(canonical, tuple(sorted(aliases)), holders))
     return tuple(tied)
 
 

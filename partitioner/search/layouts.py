@@ -227,16 +227,56 @@ class Trial:
 
 
 
-# zbv puts the first and the last stage on one rank; the runtime cannot make a tied parameter two FSDP units there.
-_TIED_IN_A_V = ("zbv holds the first and last stages on one rank, and a tied parameter held by two fully sharded "
-                "stages of one rank cannot be two FSDP units (runtime/shard.py)")
+def _shared_state(scaled: ScaledCosts) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], set[int]]:
+    """(tied parameters, buffers written in forward) read by several blocks -> those blocks, and the ends:
+    the first block reading a parameter and the last block.
+
+    A parameter read by several blocks is tied if a split separates them (by use:
+    a layer applied at every depth, a head reading the embedding's weight; or under
+    two names).  The last block is always in the last stage, and the first block
+    reading a parameter in the first stage (the blocks before it are shape and
+    index ops a split does not stand alone).
+    """
+    captured = scaled.captured
+    readers = captured.state_readers(scaled.blocks)
+    params = set(captured.parameter_names.values())
+    tied = {name: blocks for name, blocks in readers.items() if name in params and len(blocks) > 1}
+    written = {b: readers[b] for b in captured.written_buffers() if len(readers.get(b, ())) > 1}
+    first = min((b for name, blocks in readers.items() if name in params for b in blocks), default=0)
+    return tied, written, {first, len(scaled.blocks) - 1}
+
+
+def _tied_on_one_rank(tied: dict[str, tuple[int, ...]], kind: str, p: int, v: int, ends: set[int]) -> list[str]:
+    """Tied parameters (read by several blocks, under one name or several) that two stages of one pipeline
+    rank may hold under this schedule (several stages per rank): fully sharded, that is one parameter in
+    two FSDP units, which the runtime refuses (runtime/shard.py).  Interleaved places the first stage on
+    rank 0 and the last on rank P-1, so a parameter read only at the ends (an embedding and its tied
+    head) is safe there (should a split still put them on one rank, the runtime refuses it by name)."""
+    if v == 1:
+        return []
+    return sorted(name for name, readers in tied.items()
+                  if kind != "interleaved-1f1b" or p == 1 or not set(readers) <= ends)
+
+
+def _tied_in_one_rank_reason(names: list[str], kind: str) -> str:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    where = "the first and last stages on one rank" if kind == "zbv" else "several stages on one rank"
+    return (f"{kind} holds {where}, and a tied parameter held by two fully sharded stages of one rank cannot be "
+            f"two FSDP units (runtime/shard.py): {shown} {'is' if len(names) == 1 else 'are'} read by several "
+            "blocks that such stages may hold")
+
+
+def _written_buffer_reason(written: dict[str, tuple[int, ...]]) -> str:
+    name, blocks = next(iter(sorted(written.items())))
+    return (f"the buffer {name} is written in forward and read by {len(blocks)} blocks (a module applied in several "
+            "places, e.g. a BatchNorm's running statistics): stages cannot share it, each would update its own copy")
 
 
 def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[list[Trial], list[Solved]]:
     """Every allowed combination as a trial (bounded, screened, refined: see the module docstring)."""
     gpus, batch, limit = options.gpus, options.batch, options.memory_limit
     blocks = len(scaled.blocks)
-    tied = bool(scaled.captured.tied_parameters())
+    tied, written, ends = _shared_state(scaled)
     trials: list[Trial] = []
     pending: list[Trial] = []
     for d in sorted(k for k in range(1, gpus + 1) if gpus % k == 0):
@@ -280,6 +320,8 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
             if p * v > blocks:  # whatever the micro-batches: one row for the shape
                 trials.append(Trial(p, d, options.microbatches, k, "skipped", f"only {blocks} blocks for {p} x {v} stages",
                                     chunks=v))
+            elif written and p * v > 1:
+                trials.append(Trial(p, d, options.microbatches, k, "skipped", _written_buffer_reason(written), chunks=v))
             else:
                 variants.append((k, v))
         z3: dict[tuple[int, str], Zero3Costs] = {}  # per micro-batch count and ZeRO-3 mode
@@ -289,8 +331,10 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                 for k, v in variants:
                     if mode not in _policies(options, k, d):
                         continue
-                    if mode in FULL_MODES and k == "zbv" and tied:
-                        trials.append(Trial(p, d, m, k, "skipped", _TIED_IN_A_V, chunks=v, shard=mode))
+                    on_one_rank = _tied_on_one_rank(tied, k, p, v, ends) if mode in FULL_MODES else []
+                    if on_one_rank:
+                        trials.append(Trial(p, d, m, k, "skipped", _tied_in_one_rank_reason(on_one_rank, k),
+                                            chunks=v, shard=mode))
                         continue
                     why = _cannot_run(k, p, m, v, blocks)
                     if why:
@@ -692,6 +736,17 @@ def percent_more(value: float, base: float) -> str:
 def infeasible_error(scaled: ScaledCosts, options: PlanOptions, trials: list[Trial]) -> AutopartitionError:
     """Why nothing fits, under which assumptions, and what would: GPUs, memory, precision, recomputation."""
     gpus = options.gpus
+    shared = next((t.reason for t in trials if t.status == "skipped" and "is written in forward" in (t.reason or "")),
+                  None)
+    tied = next((t.reason for t in trials if t.status == "skipped" and "two FSDP units" in (t.reason or "")), None)
+    if (shared or tied) and all(t.status in ("skipped", "pruned") for t in trials):
+        return AutopartitionError(
+            f"No plan for {gpus} GPUs splits this model into stages: {shared}. Plan it with --pp 1 (data-parallel "
+            "replicas only), or give each place its own module (copy.deepcopy) or no running statistics "
+            "(track_running_stats=False)." if shared else
+            f"No plan for {gpus} GPUs: {tied}. Use --shard optimizer or none with that schedule, or a schedule "
+            "with one stage per rank (--schedule 1f1b, gpipe or zb-h1)."
+        )
     unordered = sorted({schedule_label(t.schedule, t.chunks) for t in trials
                         if t.status == "skipped" and "cannot order" in (t.reason or "")})
     if unordered and all(t.status in ("skipped", "pruned") for t in trials):

@@ -19,6 +19,8 @@ per micro-batch count.  Per node, at degree ``tp``:
 * a replicated node (norms, residual adds, rotary tables) runs whole, or, with
   sequence parallelism, on ``1 / tp`` of the sequence (Korthikanti et al. 2022,
   section 4.2.2): its time, saved activations and output divided by ``tp``;
+  a node of a pair left whole (``TPLayout.whole``: its split would not survive
+  a view, or its weight is read elsewhere another way) runs whole;
 * split parameters hold ``1 / share`` of their elements (a vocabulary padded to a
   multiple of ``tp``); the others stay whole (norms, a row's bias);
 * each pair adds its forward collective to its row's forward and its backward
@@ -69,7 +71,7 @@ def node_share(layout: TPLayout, name: str, tp: int, *, sequence_parallel: bool)
     >>> node_share(layout, "norm", 4, sequence_parallel=False), node_share(layout, "norm", 4, sequence_parallel=True)
     (1, 4)
     """
-    if tp <= 1:
+    if tp <= 1 or name in layout.whole:  # a pair whose split would not survive runs whole (graph/tensorparallel.py)
         return 1
     role = layout.roles.get(name)
     if role is None:
