@@ -66,6 +66,13 @@ TIED_CASE = "tied-1f1b-full-resharded"
 HSDP_CASE = "hsdp-2x2-full"
 # The same under ZeRO-3: each layer's gradients reduce-scattered inside a node and all-reduced across, per micro-batch.
 HSDP_ZERO3_CASE = "hsdp-2x2-zero3"
+# ZeRO-3 over every replica of a group that spans nodes (shard_span "world", a 1-D mesh): pp=1 x dp=4 on two
+# nodes of 2, and pp=2 x dp=2 with every rank on its own node; and HSDP at pp=2 x dp=2 there (one shard per node).
+WORLD_CASES: dict[str, tuple[int, int, int, str]] = {  # name: (pp, dp, gpus per node, span)
+    "world-1x4-zero3": (1, 4, 2, "world"),
+    "world-2x2-zero3": (2, 2, 1, "world"),
+    "hsdp-2x2-zero3-pp2": (2, 2, 1, "node"),
+}
 # A plan the runtime refuses (the tied weight in two fully sharded stages of one rank): refused on every rank.
 REFUSED_CASE = "refused-tied-zbv-full"
 # Resumed runs: name -> (the case that saved, schedule, shard, pp, dp, optimizer); one more step each.
@@ -93,11 +100,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                       "save": str(root / f"ckpt-{name}") if name in SAVERS else None, "eval": name in EVALS})
     plan_sharded(TIED, root / TIED_CASE, schedule="1f1b", shard="full", reshard_after_forward=True)
     cases.append({"name": TIED_CASE, "plan": str(root / TIED_CASE), "spec": TIED, "clip": CLIP})
-    plan_sharded(SPEC, root / HSDP_CASE, schedule="1f1b", shard="full", pp=1, dp=4, gpus_per_node=2)
+    plan_sharded(SPEC, root / HSDP_CASE, schedule="1f1b", shard="full", pp=1, dp=4, gpus_per_node=2,
+                 shard_span="node")
     cases.append({"name": HSDP_CASE, "plan": str(root / HSDP_CASE), "clip": CLIP, "mesh": True})
     plan_sharded(SPEC, root / HSDP_ZERO3_CASE, schedule="1f1b", shard="full", pp=1, dp=4, gpus_per_node=2,
-                 reshard_after_forward=True)
+                 reshard_after_forward=True, shard_span="node")
     cases.append({"name": HSDP_ZERO3_CASE, "plan": str(root / HSDP_ZERO3_CASE), "clip": CLIP, "mesh": True})
+    for name, (pp, dp, per_node, span) in WORLD_CASES.items():
+        plan_sharded(SPEC, root / name, schedule="1f1b", shard="full", pp=pp, dp=dp, gpus_per_node=per_node,
+                     reshard_after_forward=True, shard_span=span)
+        cases.append({"name": name, "plan": str(root / name), "clip": CLIP, "mesh": True})
     plan_sharded(TIED, root / REFUSED_CASE, schedule="zbv", shard="full")
     cases.append({"name": REFUSED_CASE, "plan": str(root / REFUSED_CASE), "spec": TIED, "expect_error": True})
     for name, (saver, kind, mode, pp, dp, optimizer) in RESUMES.items():
@@ -239,6 +251,22 @@ def test_replicas_on_two_nodes_shard_inside_a_node_and_replicate_across(runs: di
         assert r["mesh"] == {"replicate": 2, "shard": 2}, r["mesh"]
         assert r["norms"] == pytest.approx(want["norms"], abs=TOLERANCE)  # a shard counted once, not per node
         assert r["local_numel"] * 2 == pytest.approx(r["whole_numel"], rel=0.05)
+
+
+@pytest.mark.slow  # spawns ranks (once per module, every case in one job)
+@pytest.mark.parametrize("case", list(WORLD_CASES))
+def test_zero3_over_every_replica_across_nodes_and_hsdp_beside_it(runs: dict[str, Any], case: str) -> None:
+    """shard_span "world": one shard per replica over a group spanning nodes (a 1-D mesh); "node": per node."""
+    pp, dp, _, span = WORLD_CASES[case]
+    ranks = runs["results"][case]
+    want = runs["hsdp"] if pp == 1 else runs["clipped"]
+    diff = _max_diff(ranks, want)
+    print(f"{case}: max abs diff {diff:.2e}")
+    assert diff <= TOLERANCE, f"{case}: max abs diff {diff:.3g} > {TOLERANCE}"
+    shards = dp if span == "world" else 1  # one rank per node at pp = 2: HSDP keeps whole shards, replicated
+    for r in ranks:
+        assert r["mesh"] == ({"shard": dp} if span == "world" else {"replicate": dp // shards, "shard": shards}), r["mesh"]
+        assert r["local_numel"] * shards == pytest.approx(r["whole_numel"], rel=0.05)
 
 
 @pytest.mark.slow  # spawns ranks (once per module, every case in one job)

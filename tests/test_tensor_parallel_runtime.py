@@ -63,6 +63,8 @@ CASES: dict[str, tuple[str, int, int, int, str, int, str, float | None, bool]] =
     "gpt-tp2-pp2-interleaved-recomputed": (GPT, 2, 2, 1, "interleaved-1f1b", 2, "full", None, False),
     "gpt-tp2-pp2-zb-h1-clipped": (GPT, 2, 2, 1, "zb-h1", 1, "none", CLIP, False),
     "gpt-tp4-eval": (GPT, 4, 1, 1, "gpipe", 1, "none", None, True),
+    # One tensor-parallel group per node (two nodes of 2): HSDP over the replicas, a (replicate, shard, tp) mesh.
+    "llama-tp2-dp2-hsdp-zero3": (LLAMA, 2, 1, 2, "1f1b", 1, "none", CLIP, False),
 }
 SAVER = "llama-tp2-pp2"
 # Resumed from SAVER's checkpoint, one more step: name -> (tp, pp, dp)
@@ -70,15 +72,17 @@ RESUMES: dict[str, tuple[int, int, int]] = {"resume-tp2-as-tp1": (1, 2, 2)}
 
 
 def plan_tp(spec: str, directory: Path, *, tp: int, pp: int, dp: int, schedule: str, chunks: int = 1,
-            recompute: str = "none", shard: str = "none", reshard_after_forward: bool = False) -> Plan:
+            recompute: str = "none", shard: str = "none", reshard_after_forward: bool = False,
+            shard_span: str = "world", gpus_per_node: int = 4) -> Plan:
     """Plan ``spec`` at this layout (predicted h100 costs: deterministic), give every stage ``recompute`` and
-    ``shard``, and save it into ``directory``."""
+    ``shard`` (over ``shard_span``) on nodes of ``gpus_per_node``, and save it into ``directory``."""
     model_file = load_model_file(spec)
     torch.manual_seed(0)
     plan = compile(model_file.build(), model_file.example_inputs(BATCH), gpus=tp * pp * dp, tp=tp, pp=pp, dp=dp,
                    chunks=chunks, microbatches=MICROBATCHES, schedule=schedule, device="h100", gpus_per_node=4)
-    plan = dataclasses.replace(plan, stages=tuple(
-        dataclasses.replace(s, recompute=recompute, shard=shard, reshard_after_forward=reshard_after_forward)
+    plan = dataclasses.replace(plan, gpus_per_node=gpus_per_node, stages=tuple(
+        dataclasses.replace(s, recompute=recompute, shard=shard, reshard_after_forward=reshard_after_forward,
+                            shard_span=shard_span if shard == "full" else "world")
         for s in plan.stages))
     plan.save(directory)
     return plan
@@ -87,11 +91,13 @@ def plan_tp(spec: str, directory: Path, *, tp: int, pp: int, dp: int, schedule: 
 def _cases(root: Path) -> list[dict[str, Any]]:
     cases = []
     for name, (spec, tp, pp, dp, schedule, chunks, recompute, clip, evaluates) in CASES.items():
+        hsdp = "-hsdp" in name
         plan_tp(spec, root / name, tp=tp, pp=pp, dp=dp, schedule=schedule, chunks=chunks, recompute=recompute,
                 shard="full" if name.endswith(("-fsdp", "-zero3")) else "none",
-                reshard_after_forward=name.endswith("-zero3"))
+                reshard_after_forward=name.endswith("-zero3"), shard_span="node" if hsdp else "world",
+                gpus_per_node=2 if hsdp else 4)
         cases.append({"name": name, "plan": str(root / name), "spec": spec, "clip": clip, "eval": evaluates,
-                      "save": str(root / "ckpt") if name == SAVER else None, "optimizer": "sgd"})
+                      "save": str(root / "ckpt") if name == SAVER else None, "optimizer": "sgd", "mesh": hsdp})
     for name, (tp, pp, dp) in RESUMES.items():
         plan_tp(LLAMA, root / name, tp=tp, pp=pp, dp=dp, schedule="1f1b")
         cases.append({"name": name, "plan": str(root / name), "spec": LLAMA, "steps": 1, "load": str(root / "ckpt"),
@@ -166,7 +172,9 @@ def test_tensor_parallel_training_matches_whole_model(runs: dict[str, Any], name
             assert r["norms"] == pytest.approx(want["norms"], abs=TOLERANCE)
         if evaluates and r["losses"][0] is not None:  # no dropout: the eval loss is the step's training loss
             assert r["eval_losses"] == pytest.approx(want["losses"], abs=TOLERANCE)
-        if name.endswith(("-fsdp", "-zero3")):  # FSDP2 over the replicas, around the tensor-parallel split
+        if "-hsdp" in name:  # one replica per node: HSDP replicates whole shards across the two nodes
+            assert {k: r["mesh"].get(k) for k in ("replicate", "shard")} == {"replicate": 2, "shard": 1}, r["mesh"]
+        elif name.endswith(("-fsdp", "-zero3")):  # FSDP2 over the replicas, around the tensor-parallel split
             # under 1/2: FSDP2 halves everything, tp halves the split layers again (GPT's fused attention: whole)
             assert r["fsdp_units"] >= 1 and r["local_numel"] < r["whole_numel"] * 0.4, (
                 r["fsdp_units"], r["local_numel"], r["whole_numel"])

@@ -39,10 +39,11 @@ SGD_LR = 0.1
 def plan_sharded(
     spec: str, directory: Path, *, schedule: str, shard: str | tuple[str, ...], reshard_after_forward: bool = False,
     pp: int = 2, dp: int = 2, microbatches: int = 2, batch: int = 8, recompute: str = "none",
-    gpus_per_node: int | None = None, precision: str = "fp32",
+    gpus_per_node: int | None = None, precision: str = "fp32", shard_span: str = "world",
 ) -> Plan:
     """Plan ``spec`` (predicted h100 costs: deterministic) at ``precision``, give every stage ``shard`` (a tuple:
-    one per stage) and ``recompute`` (``gpus_per_node``: nodes of that many ranks), save it into ``directory``."""
+    one per stage, fully sharded ones over ``shard_span``) and ``recompute`` (``gpus_per_node``: nodes of that
+    many ranks), save it into ``directory``."""
     model_file = load_model_file(spec)
     torch.manual_seed(0)
     plan = compile(model_file.build(), model_file.example_inputs(batch), gpus=pp * dp, pp=pp, dp=dp,
@@ -50,7 +51,8 @@ def plan_sharded(
     modes = shard if isinstance(shard, tuple) else (shard,) * len(plan.stages)
     assert len(modes) == len(plan.stages), (modes, len(plan.stages))
     stages = tuple(dataclasses.replace(s, shard=m, reshard_after_forward=reshard_after_forward and m == "full",
-                                       recompute=recompute) for s, m in zip(plan.stages, modes))
+                                       recompute=recompute, shard_span=shard_span if m == "full" else "world")
+                   for s, m in zip(plan.stages, modes))
     plan = dataclasses.replace(plan, stages=stages)
     if gpus_per_node is not None:
         plan = dataclasses.replace(plan, gpus_per_node=gpus_per_node)
