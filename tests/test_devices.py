@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
-from partitioner.cost.devices import DEVICES, DeviceSpec
+from partitioner.cost.devices import DEVICES, DeviceSpec, device_spec
+from partitioner.errors import AutopartitionError
 
 
 @pytest.mark.parametrize(
@@ -36,3 +42,68 @@ def test_specs_without_inter_node_numbers_still_build() -> None:
     assert made.inter_node_bandwidth is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.link_bandwidth = 0.0  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------- a user's own device (--device FILE)
+
+_FIELDS = {"name": "mine", "peak_flops": {"float32": 19.5e12, "bfloat16": 312e12}, "memory_bytes": 40e9,
+           "memory_bandwidth": 1.555e12, "link_bandwidth": 300e9, "link_latency": 1e-5,
+           "inter_node_bandwidth": 12.5e9, "inter_node_latency": 1.5e-5,
+           "efficiency": {"matmul": 0.6, "attention": 0.5}}
+
+
+def _write(path: Path, fields: dict[str, object]) -> Path:
+    path.write_text(json.dumps(fields))
+    return path
+
+
+def test_a_device_file_in_json_and_toml(tmp_path: Path) -> None:
+    spec = device_spec(str(_write(tmp_path / "mine.json", _FIELDS)))
+    assert (spec.name, spec.memory_bytes, spec.inter_node_bandwidth) == ("mine", 40_000_000_000, 12.5e9)
+    assert spec.efficiency_of("matmul") == 0.6 and spec.efficiency_of("memory") == 1.0
+    toml = tmp_path / "mine.toml"
+    toml.write_text(textwrap.dedent("""\
+        name = "mine"
+        memory_bytes = 40e9
+        memory_bandwidth = 1.555e12
+        link_bandwidth = 300e9
+        link_latency = 1e-5
+        inter_node_bandwidth = 12.5e9
+        inter_node_latency = 1.5e-5
+        calibrated_by = ["my-run"]
+        [peak_flops]
+        float32 = 19.5e12
+        bfloat16 = 312e12
+        [efficiency]
+        matmul = 0.6
+        """))
+    spec = device_spec(str(toml))
+    assert spec.peak("bfloat16") == 312e12 and spec.calibrated_by == ("my-run",)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"memory_bytes": None}, "missing fields ['memory_bytes']"),
+    ({"nvlink": 1}, "unknown fields ['nvlink']"),
+    ({"efficiency": {"matmul": 1.5}}, "efficiency.matmul is 1.5"),
+    ({"peak_flops": {"bfloat16": 1e12}}, "must give float32"),
+    ({"link_bandwidth": -1}, "link_bandwidth is -1"),
+])
+def test_a_bad_device_file_is_refused_by_name(tmp_path: Path, change: dict[str, object], message: str) -> None:
+    fields = {k: v for k, v in {**_FIELDS, **change}.items() if v is not None}
+    with pytest.raises(AutopartitionError, match=re.escape(message)):
+        device_spec(str(_write(tmp_path / "bad.json", fields)))
+
+
+def test_the_planner_predicts_for_a_device_file_and_says_who_calibrated_it(tmp_path: Path) -> None:
+    from torch import nn
+
+    from partitioner.report.table import device_summary, format_plan
+    from partitioner.search.planner import compile
+
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    path = _write(tmp_path / "mine.json", _FIELDS)
+    plan = compile(model, (torch.randn(8, 64),), gpus=2, microbatches=2, device=str(path))
+    assert plan.device == "mine" and plan.cost_model.inter_node_bandwidth == 12.5e9
+    assert "no published run calibrates it" in device_summary(plan) and "device: mine" in format_plan(plan)
+    calibrated = compile(model, (torch.randn(8, 64),), gpus=2, microbatches=2, device="h100")
+    assert "fitted to" in device_summary(calibrated), device_summary(calibrated)

@@ -46,12 +46,13 @@ loopback); its numbers are rough measurements, not a datasheet, and its
 "nodes" talk over the same link.
 
 What the kernels reach of those peaks (``DeviceSpec.efficiency``, per op class of
-:func:`partitioner.cost.nodecost.op_class`) is fitted to published bf16 training runs
-by ``tools/calibrate_published.py --fit`` (README, "How far the predictions are from
-measured runs"): :data:`H100_EFFICIENCY`, for every Hopper GPU here (the same
-die and the same cuBLAS / FlashAttention kernels; H200 and the 500 W H100 differ in
-memory and power, priced by their own bandwidth and peak).  Other devices keep the bare
-roofline (1.0): no published run calibrates them.
+:func:`partitioner.cost.nodecost.op_class`) is fitted per GPU generation to published
+bf16/fp16 training runs by ``tools/validate_published.py --fit`` (docs/accuracy.md):
+:data:`H100_EFFICIENCY` for every Hopper GPU here (the same die and the same cuBLAS /
+FlashAttention kernels; H200 and the 500 W H100 differ in memory and power, priced by their
+own bandwidth and peak), :data:`A100_EFFICIENCY` for every Ampere one.  A device's
+``calibrated_by`` names the runs fitted; a device no run calibrates (a user's file without
+them) says so in every report.
 
 Example::
 
@@ -77,14 +78,22 @@ try:  # Python 3.11+; on 3.10 a device file is JSON
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     tomllib = None  # type: ignore[assignment]
 
-__all__ = ["DEVICES", "GIB", "H100_500W_PEAK_SHARE", "H100_EFFICIENCY", "DeviceSpec", "device_spec", "load_device"]
+__all__ = ["A100_EFFICIENCY", "AMPERE_RUNS", "DEVICES", "GIB", "H100_500W_PEAK_SHARE", "H100_EFFICIENCY", "HOPPER_RUNS",
+           "DeviceSpec", "device_spec", "load_device"]
 
-# Share of the datasheet peak each op class reaches on a Hopper GPU (partitioner.cost.nodecost.op_class):
-# matmul fitted by ``tools/calibrate_published.py --fit`` to torchtitan's 8B/8 and 70B/256 and the Llama 3
-# 405B/8K runs (each within 9%); attention from FlashAttention-2's published ~35% of the H100 peak on causal
-# attention, twice that of our count, which prices the whole square (FlashAttention-3 paper,
-# arXiv:2407.08608); memory-bound ops at the datasheet bandwidth (no run tells that share apart).
-H100_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 0.56), ("attention", 0.70), ("memory", 1.0))
+# Share of the datasheet peak each op class reaches (partitioner.cost.nodecost.op_class), per GPU generation:
+# fitted by ``tools/validate_published.py --fit`` (least worst |log error|) to that generation's published runs
+# marked "fit" (HOPPER_RUNS, AMPERE_RUNS: at most a third of the runs; every other run is held out and priced
+# by the same tool); memory-bound ops at the datasheet bandwidth (no run tells that share apart).
+HOPPER_RUNS = ("mosaicml-70b-2048-512-h100", "mosaicml-7b-2048-8-h100", "8b-8-torchtitan", "70b-256-torchtitan",
+               "405b-8k-llama3")
+H100_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 0.538), ("attention", 0.74), ("memory", 1.0))
+AMPERE_RUNS = ("megatron2021-t1-1.7b", "megatron2021-t1-18b", "megatron2021-t1-145b", "megatron2021-t1-1t",
+               "megatron2021-t2-zero3-175b-384", "megatron2021-t2-ptdp-175b-768", "korthikanti2022-22b-selective",
+               "korthikanti2022-175b-full", "korthikanti2022-530b-selective", "megascale2024-175b-256",
+               "bloom-176b-training", "bloom-181b-tp8-pp6-m4", "mosaicml-70b-2048-64-a100",
+               "mosaicml-7b-2048-8-a100", "mosaicml-13b-2048-64-a100-40gb")
+A100_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 0.647), ("attention", 0.543), ("memory", 1.0))
 # The 500 W Grand Teton H100's tensor-core peak over the SXM datasheet's, in [835 / 989, 1] (see above):
 # the fit runs into the lower end, the H100 NVL's 835 TFLOP/s, so that is what it is.
 H100_500W_PEAK_SHARE = 835e12 / 989e12
@@ -125,7 +134,7 @@ class DeviceSpec:
 
 def _gpu(
     name: str, fp32: float, half: float, hbm: float, mem_gb: float, link: float, network: float,
-    efficiency: tuple[tuple[str, float], ...] = (),
+    efficiency: tuple[tuple[str, float], ...] = (), calibrated_by: tuple[str, ...] = (),
 ) -> DeviceSpec:
     return DeviceSpec(
         name=name,
@@ -138,17 +147,20 @@ def _gpu(
         inter_node_bandwidth=network,
         inter_node_latency=15e-6,
         efficiency=efficiency,
+        calibrated_by=calibrated_by,
     )
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "a100": _gpu("a100", 19.5e12, 312e12, 2.039e12, 80, 300e9, 25e9),  # HDR 200 Gb/s per GPU
-    "a100-40gb": _gpu("a100-40gb", 19.5e12, 312e12, 1.555e12, 40, 300e9, 25e9),  # RoCE 1600 Gb/s per node
-    "a100-opa": _gpu("a100-opa", 19.5e12, 312e12, 2.039e12, 80, 300e9, 6.25e9),  # 4 x 100 Gb/s OPA per node
-    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9, H100_EFFICIENCY),  # NDR 400 Gb/s per GPU
+    "a100": _gpu("a100", 19.5e12, 312e12, 2.039e12, 80, 300e9, 25e9, A100_EFFICIENCY, AMPERE_RUNS),  # HDR 200 Gb/s
+    "a100-40gb": _gpu("a100-40gb", 19.5e12, 312e12, 1.555e12, 40, 300e9, 25e9, A100_EFFICIENCY,
+                      AMPERE_RUNS),  # RoCE 1600 Gb/s per node
+    "a100-opa": _gpu("a100-opa", 19.5e12, 312e12, 2.039e12, 80, 300e9, 6.25e9, A100_EFFICIENCY,
+                     AMPERE_RUNS),  # 4 x 100 Gb/s OPA per node
+    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),  # NDR 400 Gb/s
     "h100-500w": _gpu("h100-500w", 67e12 * H100_500W_PEAK_SHARE, 989e12 * H100_500W_PEAK_SHARE, 2.4e12, 96,
-                      450e9, 50e9, H100_EFFICIENCY),
-    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, H100_EFFICIENCY),
+                      450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
+    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
     # CPU ranks talking over gloo/loopback on this 2-core machine.
     "cpu": DeviceSpec(
         name="cpu",

@@ -18,8 +18,8 @@ Example::
     >>> round(forward * 1e3, 3), round(backward * 1e3, 3)   # 1 ms and 2 ms of FLOPs at 989 TFLOP/s, + launch
     (1.005, 2.005)
     >>> matmul = NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 0, "bfloat16", weight_bytes=1)
-    >>> round(predicted_times(matmul, device_spec("h100"))[0] * 1e3, 3)  # at the fitted share of the peak (0.56)
-    1.791
+    >>> round(predicted_times(matmul, device_spec("h100"))[0] * 1e3, 3)  # at the fitted share of the peak (0.538)
+    1.864
 """
 
 from __future__ import annotations
