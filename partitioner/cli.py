@@ -39,7 +39,7 @@ _CAPTURE = ("auto", "export", "symbolic_trace")
 _DEFAULT_BATCH = 32
 _AUTO = "auto"
 _RECOMPUTE = ("auto", "none", "full")
-_SHARD = ("auto", *SHARD_MODES)
+_SHARD = ("auto", *SHARD_MODES, "zero3")
 _SPAN = ("auto", *SHARD_SPANS)
 _WIDTH = 100
 _EXAMPLES = Path(__file__).resolve().parent.parent / "examples"  # in a checkout (pip install -e .)
@@ -211,7 +211,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard", choices=_SHARD, default=_AUTO, type=str.lower,
                         help="how each stage group's replicas hold their state: auto (chosen with pp, dp and the "
                         "schedule), none (whole on every replica: DDP), optimizer (optimizer state sharded), "
-                        "full (weights, gradients and optimizer state sharded: FSDP2) (default auto)")
+                        "full (weights, gradients and optimizer state sharded: FSDP2, kept gathered across "
+                        "micro-batches or resharded, as it prices best), zero3 (full, resharded after every "
+                        "forward) (default auto)")
     parser.add_argument("--shard-span", choices=_SPAN, default=_AUTO, type=str.lower,
                         help="over which replicas a fully sharded stage group spanning nodes shards: auto (both "
                         "weighed), world (every replica: FSDP FULL_SHARD, ZeRO-3), node (the replicas of one node, "

@@ -176,7 +176,7 @@ def _model(spec: str) -> Any:
 def _flags(run: PublishedRun, span: tuple[str, str] | None) -> list[str]:
     lay = run.layout
     flags = []
-    wide = lay["shard"] == "full" and lay["tp"] == 1 and lay["dp"] > min(8, run.gpus)
+    wide = lay["shard"] in ("full", "zero3") and lay["tp"] == 1 and lay["dp"] > min(8, run.gpus)
     if run.shard_span == "world" and wide and span is None:
         flags.append("span not priced")
     if run.sequence_parallel:

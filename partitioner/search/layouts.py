@@ -375,7 +375,7 @@ def _policies(options: PlanOptions, schedule: ScheduleKind, dp: int) -> tuple[st
     under a split backward, whose W the runtime cannot reduce per backward (runtime/shard.py).
     """
     modes = options.shard_modes(schedule, dp)
-    if dp > 1 and options.shard in ("auto", "full") and not splits_backward(schedule) \
+    if dp > 1 and options.shard in ("auto", "full", ZERO3) and not splits_backward(schedule) \
             and shard_refusal(schedule, "full") is None:
         modes = (*modes, ZERO3)
     if not spans_nodes(dp, options.gpus_per_node):  # the group fits a node: one span

@@ -41,7 +41,7 @@ from partitioner.defaults import (
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import CaptureMethod
 from partitioner.schedule.refine import REFINE_SIMULATIONS
-from partitioner.solve.formulate import ZERO3_UNITS
+from partitioner.solve.formulate import ZERO3, ZERO3_UNITS
 from partitioner.solve.problem import RECOMPUTE_MODES, RecomputeMode, ScheduleKind
 
 __all__ = [
@@ -138,6 +138,8 @@ class PlanOptions:
         """
         if dp <= 1:
             return ("none",)
+        if self.shard == ZERO3:
+            return ()  # the search's ZeRO-3 mode alone (search.layouts._policies)
         if self.shard != AUTO:
             return (self.shard,) if shard_refusal(schedule, self.shard) is None else ()
         modes = [m for m in SHARD_MODES if shard_refusal(schedule, m) is None
@@ -366,14 +368,23 @@ def _check_shard(kinds: tuple[ScheduleKind, ...], shard: str, *, fixed: bool) ->
     >>> _check_shard(("gpipe", "1f1b"), "full", fixed=False), _check_shard(SCHEDULES, "auto", fixed=False) == SCHEDULES
     (('gpipe', '1f1b'), True)
     """
-    if shard != AUTO and shard not in SHARD_MODES:
+    if shard != AUTO and shard not in (*SHARD_MODES, ZERO3):
         raise AutopartitionError(
             f"Unknown --shard {shard!r}; choose auto (the planner picks per stage group), none (every replica "
-            "holds its stage whole: DDP), optimizer (optimizer state sharded across the replicas) or full "
-            "(weights, gradients and optimizer state sharded: FSDP2)."
+            "holds its stage whole: DDP), optimizer (optimizer state sharded across the replicas), full "
+            "(weights, gradients and optimizer state sharded: FSDP2, kept gathered or resharded as it prices "
+            "best) or zero3 (full, resharded after every forward)."
         )
     if shard == AUTO:
         return kinds
+    if shard == ZERO3:  # full, resharded: not under a split backward (runtime/shard.py)
+        allowed = tuple(k for k in kinds if not splits_backward(k) and shard_refusal(k, "full") is None)
+        if allowed:
+            return allowed
+        raise AutopartitionError(
+            f"--shard zero3 reduces each layer's gradients after its backward, which a schedule splitting the "
+            f"backward (B now, W later) cannot do; use --schedule {' or '.join(SCHEDULES[:3])} with it, or "
+            "--shard full.")
     allowed = tuple(k for k in kinds if shard_refusal(k, shard) is None)
     if allowed:
         return allowed  # under --schedule auto the refused schedules take no part

@@ -65,7 +65,8 @@ class Layout:
 
     def describe(self) -> str:
         chunks = f" ({self.chunks} stages per rank)" if self.chunks and self.chunks > 1 else ""
-        shard = {"none": "", "optimizer": " (optimizer-sharded)", "full": " (fully sharded)"}[self.shard]
+        shard = {"none": "", "optimizer": " (optimizer-sharded)", "full": " (fully sharded)",
+                 "zero3": " (ZeRO-3)"}[self.shard]
         if self.shard == "full" and self.shard_span != "auto":
             shard = {"world": " (fully sharded over all)", "node": " (fully sharded per node: HSDP)"}[self.shard_span]
         return (f"TP{self.tp} x PP{self.pp}{chunks} x DP{self.dp}{shard}, {self.microbatches} micro-batches, "

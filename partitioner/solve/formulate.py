@@ -172,6 +172,7 @@ class GraphCosts:
     node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
     node_writes_in_place: frozenset[str] = frozenset()  # nodes writing an input in place (no per-op recomputation)
+    node_gemm: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # (M, N, K): NodeCost.gemm
     split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
     split_share: float = 0.0  # and this share of the node's forward + backward seconds
     split_forward: float = 0.0  # the part of the split's cost spent in F
@@ -365,6 +366,7 @@ def graph_costs(
         split_overhead_s=split_overhead_s,
         split_share=split_share,
         node_writes_in_place=frozenset(k for k, c in costs.items() if c.writes_in_place),
+        node_gemm={k: c.gemm for k, c in costs.items() if c.gemm},
         split_forward=split_forward,
         split_weight=split_weight,
         action_s=action_s,
@@ -602,13 +604,15 @@ def zero3_costs(
     hsdp = shards < dp
     on = ring_link(spec, crosses=crosses and not hsdp, members_per_node=members_per_node(dp, gpus_per_node))
     inter = link(spec, inter_node=True)
-    units: dict[str, tuple[float, float]] = {}  # layer -> (elements, model bytes)
+    units: dict[str, tuple[float, float]] = {}  # unit (layer or module) -> (elements, model bytes)
     for name, nbytes in graph.parameter_bytes.items():
         elements = graph.parameter_elements.get(name, nbytes / 4)
-        e, b = units.get(layer_of(name.rpartition(".")[0]), (0.0, 0.0))
-        units[layer_of(name.rpartition(".")[0])] = (e + elements, b + nbytes)
+        owner = name.rpartition(".")[0]
+        key = layer_of(owner) if unit == "layer" else owner
+        e, b = units.get(key, (0.0, 0.0))
+        units[key] = (e + elements, b + nbytes)
     largest = max(units.values(), key=lambda eb: eb[1], default=(0.0, 0.0))
-    # A stage's first unit in a pass is one of its layers (the embedding or the LM head only at the ends).
+    # A stage's first unit in a pass is one of its layers' (the embedding or the LM head only at the ends).
     layers = [eb for name, eb in units.items() if any(part.isdigit() for part in name.split("."))]
     first_unit = max(layers, key=lambda eb: eb[1], default=largest)
     forward, backward = [], []

@@ -9,7 +9,8 @@ from tools.published_models import SHAPES
 
 __all__ = ["gpt_shape", "layout", "llama_shape"]
 
-_SHARD = {0: "none", 1: "optimizer", 2: "optimizer", 3: "full"}  # ZeRO-2 is priced as ZeRO-1
+# ZeRO-2 is priced as ZeRO-1; ZeRO-3 (DeepSpeed stage 3, FSDP FULL_SHARD) reshards after every forward.
+_SHARD = {0: "none", 1: "optimizer", 2: "optimizer", 3: "zero3"}
 
 
 def layout(name: str, *, tp: int, pp: int, dp: int, microbatches: int, schedule: str = "1f1b",
