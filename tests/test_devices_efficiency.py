@@ -6,7 +6,15 @@ import dataclasses
 
 import pytest
 
-from partitioner.cost.devices import DEVICES, H100_500W_PEAK_SHARE, H100_EFFICIENCY, device_spec
+from partitioner.cost.devices import (
+    A100_EFFICIENCY,
+    AMPERE_RUNS,
+    DEVICES,
+    H100_500W_PEAK_SHARE,
+    H100_EFFICIENCY,
+    HOPPER_RUNS,
+    device_spec,
+)
 from partitioner.cost.nodecost import OP_CLASSES, NodeCost, op_class, predicted_times
 from partitioner.solve.formulate import node_times
 
@@ -33,12 +41,21 @@ def test_measured_times_ignore_the_efficiencies() -> None:
     assert node_times(measured, DEVICES["h100"], measure=True) == {"mm": (0.25, 0.5)}
 
 
-def test_hopper_devices_carry_the_fitted_efficiencies_and_others_none() -> None:
-    assert {k for k, _ in H100_EFFICIENCY} == set(OP_CLASSES)
-    for name in ("h100", "h100-500w", "h200"):
-        assert DEVICES[name].efficiency == H100_EFFICIENCY
-    for name in ("a100", "cpu"):
-        assert all(DEVICES[name].efficiency_of(c) == 1.0 for c in OP_CLASSES)
+def test_each_generation_carries_its_fitted_efficiencies_and_names_the_runs() -> None:
+    """Hopper and Ampere devices: their generation's fitted shares and the published runs fitted (a third at most
+    of that generation's runs, tools/published); measured CPU ranks: none."""
+    from tools.published import RUNS
+
+    for efficiency, runs, names in ((H100_EFFICIENCY, HOPPER_RUNS, ("h100", "h100-500w", "h200")),
+                                    (A100_EFFICIENCY, AMPERE_RUNS, ("a100", "a100-40gb", "a100-opa"))):
+        assert {k for k, _ in efficiency} == set(OP_CLASSES)
+        for name in names:
+            assert DEVICES[name].efficiency == efficiency and DEVICES[name].calibrated_by == runs
+        generation = {r.name: r for r in RUNS}
+        assert all(generation[r].role == "fit" and generation[r].device in names for r in runs)
+        priced = [r for r in RUNS if r.device in names and r.precision != "fp8"]
+        assert 3 * len(runs) <= len(priced), (len(runs), len(priced))
+    assert all(DEVICES["cpu"].efficiency_of(c) == 1.0 for c in OP_CLASSES) and not DEVICES["cpu"].calibrated_by
 
 
 def test_the_500w_grand_teton_h100() -> None:

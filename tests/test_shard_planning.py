@@ -254,8 +254,16 @@ def test_cli_refusal_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_unknown_mode_from_python() -> None:
-    with pytest.raises(AutopartitionError, match="Unknown --shard 'zero3'"):
-        _plan(shard="zero3")
+    with pytest.raises(AutopartitionError, match="Unknown --shard 'zero2'"):
+        _plan(shard="zero2")
+
+
+def test_zero3_asked_for_is_planned_resharded() -> None:
+    """--shard zero3: "full" with every stage resharded after each forward (ZeRO-3), never kept gathered."""
+    plan = _plan(shard="zero3")
+    assert all(s.shard == "full" and s.reshard_after_forward for s in plan.stages)
+    with pytest.raises(AutopartitionError, match="zero3 reduces each layer's gradients"):
+        _plan(shard="zero3", schedule="zb-h1")
 
 
 def test_one_replica_shards_nothing() -> None:

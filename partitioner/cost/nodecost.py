@@ -97,14 +97,18 @@ def wave_efficiency(m: int, n: int, sms: int) -> float:
 
     Each SM computes one output tile at a time; ``ceil(tiles / sms)`` waves run, the
     last one partly idle, and edge tiles partly empty (tile quantization).  The best of
-    :data:`_TILES` is taken.  ``sms`` 0: no such model (1.0).
+    :data:`_TILES` is taken.  A product too small to fill one wave of the smallest tiles
+    is left at 1.0: its time is mostly the launch overhead the roofline adds, and the
+    library splits its inner dimension to fill the SMs (split-K).  ``sms`` 0: no such model (1.0).
 
     >>> wave_efficiency(8192, 8192, 108)  # 2,048 tiles of 128 x 256: 19 waves of 108, the last nearly full
     0.998...
     >>> round(wave_efficiency(4096, 1792, 108), 3), round(wave_efficiency(4096, 3584, 108), 3)
     (0.83, 0.922)
+    >>> wave_efficiency(64, 512, 108)  # 4 tiles: less than a wave
+    1.0
     """
-    if sms <= 0 or m <= 0 or n <= 0:
+    if sms <= 0 or m <= 0 or n <= 0 or math.ceil(m / 128) * math.ceil(n / 128) <= sms:
         return 1.0
     best = 0.0
     for rows, cols in _TILES:

@@ -44,7 +44,7 @@ Example (the two-stage plan of ``example_plan``: one node, no replicas)::
     >>> b.compute_s, sorted(b.links_s)
     (0.0, ['NVLink'])
     >>> b.describe()
-    'compute bound 0 s, link bound 64 ns (NVLink)'
+    'compute bound 0 s, link bound 64.0 ns (NVLink)'
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class StepBounds:
 def step_bounds(plan: Plan) -> StepBounds:
     """The compute and link bounds of ``plan``'s step (module docstring)."""
     ranks = range(plan.pp)
-    compute = max((plan.microbatches * sum(plan.stages[s].predicted.peak_s for s in plan.stages_of(r))
+    compute = max((plan.microbatches * sum(st.predicted.peak_s for st in plan.stages if st.rank == r)
                    for r in ranks), default=0.0)
     per_rank = rank_link_bytes(plan)
     bandwidth = _bandwidths(plan)
@@ -114,7 +114,7 @@ def rank_link_seconds(plan: Plan) -> list[float]:
 
 def rank_link_bytes(plan: Plan) -> list[dict[str, tuple[float, float]]]:
     """Per pipeline rank, per link: (bytes one of its GPUs sends, bytes it receives) through it per step."""
-    moved: list[dict[str, list[float]]] = [{} for _ in range(plan.pp)]
+    moved: list[dict[str, list[float]]] = [{} for _ in range(max(plan.pp, *(st.rank + 1 for st in plan.stages)))]
 
     def add(rank: int, name: str, out: float, into: float) -> None:
         pair = moved[rank].setdefault(name, [0.0, 0.0])
@@ -124,6 +124,8 @@ def rank_link_bytes(plan: Plan) -> list[dict[str, tuple[float, float]]]:
     m, tp = plan.microbatches, plan.tp
     for st in plan.stages:
         for b in st.outputs:
+            if not 0 <= b.target < len(plan.stages):
+                continue  # a hand-made plan's dangling boundary: plan.json's checks refuse those on load
             target = plan.stages[b.target]
             if target.rank == st.rank:
                 continue  # handed over in memory
