@@ -116,7 +116,7 @@ def leaves_no_choice(layout: Layout) -> bool:
     """True when the memory limit cannot change ``layout``'s plan: the unconstrained plan fits or nothing does.
 
     The choices a limit can change are the split (pp > 1), recomputation (``auto``)
-    and, for ``full`` sharding, ZeRO-3 against stages kept gathered.
+    and, for ``full`` sharding, ZeRO-3 against stages kept gathered (and either span, unless fixed).
 
     >>> leaves_no_choice(Layout("x", gpus=8, tp=1, pp=1, dp=8, microbatches=1, schedule="1f1b", recompute="full"))
     True
@@ -124,7 +124,8 @@ def leaves_no_choice(layout: Layout) -> bool:
     ...                         recompute="full"))
     False
     """
-    return layout.pp == 1 and layout.recompute != "auto" and layout.shard in ("none", "optimizer")
+    fixed = layout.shard in ("none", "optimizer") or (layout.shard == "zero3" and layout.shard_span != "auto")
+    return layout.pp == 1 and layout.recompute != "auto" and fixed
 
 
 def price_layout(
