@@ -58,7 +58,7 @@ examples:
   autopartition run plan/ --nproc-per-node 8 -- train.py --epochs 1
   autopartition calibrate plan/ trace.json -o calib.json   # fit the costs to a traced run
   autopartition model.py --gpus 8 --calibration calib.json   # plan again with them
-  autopartition export plan/ --to torchtitan -o pp.toml      # the plan as torchtitan settings
+  autopartition export plan/ --to torchtitan -o pp.toml      # the plan as torchtitan (or megatron) settings
 
 model file: build_model() (or a module-level `model`), example_inputs(batch_size) (or a
 module-level tuple), optionally loss_fn(outputs, target) and example_target(batch_size).
@@ -537,45 +537,60 @@ def _export_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopartition export",
         description=_fill("Write a plan as another framework's settings, to run it with that framework's "
-        "trainer. torchtitan: its [parallelism] (stages as module_fqns_per_model_part, schedule, micro-batch "
-        "size, data-parallel degrees), [training] and [activation_checkpoint] sections as TOML, with "
-        "torchtitan 0.3's command-line flags in its header. What torchtitan cannot express is said on stderr "
-        "with the nearest setting written."),
+        "trainer. torchtitan: its [parallelism] (stages as module_fqns_per_model_part, schedule, micro-batches, "
+        "data-parallel degrees and resharding), [training] and [activation_checkpoint] sections as TOML, with "
+        "torchtitan 0.3's full command line in its header. megatron: a Megatron-Bridge recipe override (YAML) "
+        "with the Megatron-LM arguments in its header. Stages are whole blocks, placed from the parameter sizes "
+        "of the plan's model file. What the framework cannot express is said on stderr with the nearest setting "
+        "written."),
         epilog="examples:\n  autopartition export plan/ --to torchtitan -o pp.toml\n"
-        "  autopartition export plan/ --to torchtitan --names torchtitan-llama   # Hugging Face Llama -> torchtitan's",
+        "  autopartition export plan/ --to megatron -o megatron.yaml",
         formatter_class=_formatter,
     )
     parser.add_argument("plan", metavar="DIR", help="plan directory (or its plan.json)")
-    parser.add_argument("--to", required=True, metavar="FRAMEWORK", help="the framework: torchtitan")
+    parser.add_argument("--to", required=True, metavar="FRAMEWORK", help="the framework: torchtitan or megatron")
     parser.add_argument("-o", "--out", metavar="FILE", help="file to write (default: standard output)")
-    parser.add_argument("--names", default="model", metavar="STYLE",
-                        help="module names: model (the model's own; default) or torchtitan-llama "
-                        "(a Hugging Face LlamaForCausalLM's blocks as torchtitan's Llama names them)")
+    parser.add_argument("--names", default="auto", metavar="STYLE",
+                        help="torchtitan module names: auto (default: torchtitan's Llama 3 for a Hugging Face "
+                        "LlamaForCausalLM, else the model's own), model or torchtitan-llama")
     return parser
 
 
 def _export(args: argparse.Namespace) -> int:
+    from partitioner.export.megatron import export_megatron
+    from partitioner.export.sizes import plan_parameter_sizes
     from partitioner.export.torchtitan import export_torchtitan
     from partitioner.plan import Plan
 
-    if args.to != "torchtitan":
-        raise AutopartitionError(f"--to {args.to}: autopartition exports to torchtitan only; use --to torchtitan.")
+    if args.to not in ("torchtitan", "megatron"):
+        raise AutopartitionError(f"--to {args.to}: autopartition exports to torchtitan or megatron; use one of those.")
+    if args.to == "megatron" and args.names != "auto":
+        raise AutopartitionError("--names applies to --to torchtitan; Megatron names no modules. Drop --names.")
     plan = Plan.load(args.plan)
-    exported = export_torchtitan(plan, names=args.names, source=args.plan)
-    for note in exported.notes:
+    sizes, why = plan_parameter_sizes(plan)  # a plan names its parameters, not their sizes: the model file has them
+    if sizes is None:
+        _stderr(f"export: parameter sizes unknown: {why}")
+    if args.to == "torchtitan":
+        exported = export_torchtitan(plan, names=args.names, sizes=sizes, source=args.plan)
+        notes, text, example = exported.notes, exported.toml(), "torchtitan.toml"
+    else:
+        megatron = export_megatron(plan, sizes=sizes, source=args.plan)
+        notes, text, example = megatron.notes, megatron.yaml(), "megatron.yaml"
+    for note in notes:
         _stderr(f"export: {note}")
     if args.out is None:
-        sys.stdout.write(exported.toml())
+        sys.stdout.write(text)
         return 0
     out = Path(args.out)
     if out.is_dir():
-        raise AutopartitionError(f"-o {args.out} is a directory; give a file name, e.g. -o {out / 'torchtitan.toml'}.")
+        raise AutopartitionError(f"-o {args.out} is a directory; give a file name, e.g. -o {out / example}.")
     try:
-        out.write_text(exported.toml())
+        out.write_text(text)
     except OSError as exc:
         raise AutopartitionError(f"cannot write -o {args.out}: {exc.strerror}.") from exc
-    _stderr(f"export: wrote {out}: torchtitan 0.2 reads it with --job.config_file {shlex.quote(str(out))}; "
-            "torchtitan 0.3 takes the flags in its header")
+    run = "torchtitan 0.3 reads no TOML: run the command in its header" if args.to == "torchtitan" else \
+        "Megatron-LM: the arguments in its header; Megatron-Bridge: the file itself, as a recipe override"
+    _stderr(f"export: wrote {out} ({run})")
     return 0
 
 

@@ -1,53 +1,61 @@
-"""A plan as torchtitan settings: ``[parallelism]``, ``[training]``, ``[activation_checkpoint]``.
+"""A plan as torchtitan 0.3 settings: its command line, and the same as ``[parallelism]``, ``[training]`` TOML.
 
 torchtitan (pytorch/torchtitan) splits a model for pipelining by module names:
 ``parallelism.module_fqns_per_model_part`` lists, per stage, the top-level
 blocks that stage keeps (``tok_embeddings``, ``layers.N``, ``norm``,
 ``lm_head``); its splitter keeps the named children of the model's root, one
-level into a ``ModuleList`` / ``ModuleDict``, and drops the rest.  Stage ``i``
-of that list is placed as torchtitan's schedules place it: looped schedules
-put stage ``i`` on pipeline rank ``i mod pp``, the V schedules rank ``r`` on
-stages ``r`` and ``2 pp - 1 - r``; that is our placement
-(:func:`partitioner.orders.stage_ranks`), so our stage ``i`` is its model part
-``i`` and :func:`export_torchtitan` checks that it is.
+level into a ``ModuleList`` / ``ModuleDict``, and silently drops every other
+name.  Stage ``i`` of that list is placed as torchtitan's schedules place it:
+looped schedules put stage ``i`` on pipeline rank ``i mod pp``, the V schedules
+rank ``r`` on stages ``r`` and ``2 pp - 1 - r``; that is our placement
+(:func:`partitioner.orders.stage_ranks`), and :func:`export_torchtitan` checks it.
 
 Mapping rules (each departure is a note naming the nearest setting):
 
-* **Stages.** Each stage's blocks come from its parameter names: the tensor's
-  own name dropped, then cut after the first numeric part (``model.layers.3``),
-  so every block with parameters is listed once.  A plan may cut inside a
-  block (the planner cuts between any two ops); torchtitan cannot, so a block
-  held by several stages goes whole to one of them, chosen for all blocks at
-  once to keep the most parameter tensors where the plan put them, every
-  stage keeping at least one block.  Fewer blocks than stages is an error.
-* **Names** follow the model's own (``names="model"``); ``"torchtitan-llama"``
-  maps a Hugging Face ``LlamaForCausalLM`` (``model.embed_tokens``,
-  ``model.layers.N``, ``model.norm``, ``lm_head``) to torchtitan 0.3's Llama
-  (``tok_embeddings``, ``layers.N``, ``norm``, ``lm_head``; 0.2 named the last
-  ``output``).
+* **Target model and names.** ``names="auto"`` (the default): a Hugging Face
+  ``LlamaForCausalLM`` (``model.embed_tokens``, ``model.layers.N``,
+  ``model.norm``, ``lm_head``) becomes torchtitan's own Llama 3 (``--module
+  llama3``; ``tok_embeddings``, ``layers.N``, ``norm``, ``lm_head``), with the
+  ``--config`` whose layers and parameter count are the model's (:data:`LLAMA3_CONFIGS`);
+  any other model keeps its own names, for a torchtitan model registered under
+  them.  ``"torchtitan-llama"`` insists on the Llama mapping and refuses, naming
+  them, blocks it has no name for; ``"model"`` keeps the model's names.
+* **Stages** are whole blocks (:func:`partitioner.export.blocks.split_blocks`):
+  a block the plan cuts goes whole to the side that keeps every stage's
+  parameter count nearest the plan's; the note says how far each stage moves.
 * **Schedules.** gpipe -> ``GPipe``, 1f1b -> ``1F1B``, interleaved-1f1b ->
   ``Interleaved1F1B``, zbv -> ``ZBVZeroBubble``; zb-h1 (one stage per rank)
-  has no torchtitan schedule: nearest with the same stages is ``1F1B`` (its
-  ``InterleavedZeroBubble`` needs >= 2 stages per rank).
-* **Micro-batches.** torchtitan runs ``local_batch_size /
-  pipeline_parallel_microbatch_size`` micro-batches per data-parallel rank.
-* **Replicas.** One setting for every stage: shard ``none`` ->
-  ``data_parallel_replicate_degree = dp``, ``full`` -> ``data_parallel_shard_degree
-  = dp``; ``optimizer`` (ZeRO-1) has no counterpart: nearest is shard; stages that
-  differ take shard (it never needs more memory).
-* **Recomputation.** One ``mode`` for every stage: ``none`` or ``full`` (each
-  layer checkpointed, as our runtime does); stages that differ take ``full``.
+  has no torchtitan schedule: nearest with the same stages is ``1F1B``.
+* **Batch.** ``global_batch_size`` is the plan's batch.  With pipeline stages
+  torchtitan runs ``local_batch_size / pipeline_parallel_microbatch_size``
+  micro-batches per replica, so ``local_batch_size = batch / dp``; without
+  (pp = 1) it accumulates gradients over ``global / (local x dp)`` steps, so
+  ``local_batch_size`` is the plan's micro-batch.  ``seq_len`` is the token
+  input's length.
+* **Replicas.** One setting for every stage: shard ``none`` (DDP) ->
+  ``data_parallel_replicate_degree = dp``; ``full`` -> ``data_parallel_shard_degree``,
+  over every replica or, HSDP, over a node's and replicated across nodes (a
+  stage's ``shard_span``; by default HSDP where tp = 1 and the replicas span
+  whole nodes: :func:`shard_layout`); ``optimizer`` (ZeRO-1) has no counterpart:
+  nearest is shard, weights kept gathered.  ``fsdp_reshard_after_forward`` is
+  ``always`` for ZeRO-3 stages (``reshard_after_forward``), ``never`` for stages
+  kept gathered: written explicitly, since torchtitan's ``default`` reshards
+  after forward only without pipeline parallelism.
+* **Recomputation.** ``[activation_checkpoint] mode``: ``none``, ``full`` (each
+  layer), or ``selective`` (torchtitan's per-op policy) where the plan recomputes
+  only cheap ops; one mode for every layer of every stage, so per-stage and
+  per-layer choices take the nearest that never needs more memory.
 * **Precision.** fp32 -> ``mixed_precision_param = "float32"``, bf16-mixed ->
   ``"bfloat16"``, bf16 -> ``dtype = "bfloat16"``.
 
-torchtitan 0.2 reads the TOML (``--job.config_file``); torchtitan 0.3 reads no
-TOML: :func:`torchtitan_flags` gives the same settings as its command-line
-flags, which the file's header repeats.
+torchtitan 0.3 reads no TOML: :meth:`TorchtitanExport.command` is the command
+line (``torchrun ... -m torchtitan.train --module llama3 --config llama3_8b``
+and the flags), which the file's header holds; the sections are the same settings.
 
 Example::
 
     >>> from partitioner.plan import example_plan
-    >>> out = export_torchtitan(example_plan())
+    >>> out = export_torchtitan(example_plan(), sizes={"0.weight": 16, "2.weight": 16})
     >>> out.sections["parallelism"]["module_fqns_per_model_part"]
     [['0'], ['2']]
     >>> out.sections["parallelism"]["pipeline_parallel_schedule"], out.sections["activation_checkpoint"]
@@ -64,19 +72,27 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.errors import AutopartitionError, InternalError
+from partitioner.export.blocks import BlockSplit, layer_index, split_blocks
 from partitioner.orders import stage_ranks
 from partitioner.plan import Plan, StagePlan
-from partitioner.units import plural
+from partitioner.units import format_count, plural
 
 __all__ = [
+    "LLAMA3_CONFIGS",
     "NAME_STYLES",
     "SCHEDULE_NAMES",
+    "TORCHTITAN_VERSION",
     "TorchtitanExport",
     "export_torchtitan",
+    "recompute_summary",
+    "seq_len",
+    "shard_layout",
     "stage_blocks",
     "torchtitan_flags",
     "torchtitan_stage_ranks",
 ]
+
+TORCHTITAN_VERSION = "0.3.0"  # the release the settings are checked against (tests/test_export_torchtitan.py)
 
 # Our schedule -> torchtitan's ``pipeline_parallel_schedule`` (torch.distributed.pipelining's
 # get_schedule_class names).  zb-h1 has none of its own: 1F1B keeps its stages (see the notes).
@@ -89,10 +105,17 @@ SCHEDULE_NAMES: dict[str, str] = {
 }
 _V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # torchtitan places these in a V, the rest in a loop
 
-NAME_STYLES = ("model", "torchtitan-llama")
+NAME_STYLES = ("auto", "model", "torchtitan-llama")
 # Hugging Face LlamaForCausalLM block -> torchtitan 0.3 Llama3Model block (``layers.N`` by rule).
 _LLAMA_NAMES = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "lm_head"}
 _LLAMA_LAYER = re.compile(r"^model\.layers\.(\d+)$")
+# torchtitan 0.3's Llama 3 configs (``--module llama3 --config NAME``): (layers, parameters), checked by the tests.
+LLAMA3_CONFIGS: dict[str, tuple[int, int]] = {
+    "llama3_8b": (32, 8_030_261_248),
+    "llama3_70b": (80, 70_553_706_496),
+    "llama3_405b": (126, 405_853_388_800),
+}
+_PLACEHOLDER_CONFIG = "YOUR_CONFIG"
 
 _PRECISION = {  # plan precision -> torchtitan [training] settings
     "fp32": {"dtype": "float32", "mixed_precision_param": "float32"},
@@ -103,15 +126,33 @@ _PRECISION = {  # plan precision -> torchtitan [training] settings
 
 @dataclasses.dataclass(frozen=True)
 class TorchtitanExport:
-    """torchtitan settings of one plan: TOML sections, the departures from the plan, a header."""
+    """torchtitan settings of one plan: TOML sections, the departures from the plan, a header.
+
+    ``module`` / ``config``: torchtitan's ``--module`` / ``--config`` ("" where no
+    torchtitan model or config of the model's shape is known: the command holds a
+    placeholder); ``deviation``: each stage's parameters with whole blocks over the plan's, minus 1.
+    """
 
     sections: dict[str, dict[str, Any]]  # section -> key -> value, in writing order
     notes: tuple[str, ...]  # what torchtitan cannot express, each with the nearest setting written
     header: tuple[str, ...] = ()  # comment lines above the sections
+    module: str = ""
+    config: str = ""
+    nodes: int = 1
+    gpus_per_node: int = 1
+    deviation: tuple[float, ...] = ()
 
     @property
     def flags(self) -> list[str]:
         return torchtitan_flags(self.sections)
+
+    @property
+    def command(self) -> list[str]:
+        """The torchrun command that runs the plan on each node (rendezvous options are the user's)."""
+        nodes = ["--nnodes", str(self.nodes)] if self.nodes > 1 else []
+        return ["torchrun", *nodes, "--nproc_per_node", str(self.gpus_per_node), "-m", "torchtitan.train",
+                "--module", self.module or "YOUR_MODULE", "--config", self.config or _PLACEHOLDER_CONFIG,
+                *self.flags]
 
     def toml(self) -> str:
         lines = [f"# {line}" if line else "#" for line in self.header]
@@ -121,15 +162,22 @@ class TorchtitanExport:
         return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def export_torchtitan(plan: Plan, *, names: str = "model", source: str = "") -> TorchtitanExport:
+def export_torchtitan(plan: Plan, *, names: str = "auto", sizes: Mapping[str, int] | None = None,
+                      source: str = "") -> TorchtitanExport:
     """The torchtitan settings that run ``plan`` (see the module docstring for the rules).
 
-    ``names``: ``"model"`` (the model's own module names) or ``"torchtitan-llama"``;
+    ``names``: one of :data:`NAME_STYLES`; ``sizes``: parameter name -> elements
+    (:mod:`partitioner.export.sizes`; None: blocks are placed by counting tensors);
     ``source``: where the plan came from, for the header.
     """
     notes: list[str] = []
-    parts, block_notes = stage_blocks(plan, names=names)
-    notes += block_notes
+    parts, split, shown, style = _stages(plan, names=names, sizes=sizes)
+    cut = split.note("torchtitan", names=shown)
+    notes += [cut] if cut else []
+    if sizes is None:
+        notes.append("parameter sizes unknown: blocks the plan cuts are placed by counting parameter tensors, "
+                     "which can leave stages far from the plan's sizes; export where the plan's model file loads.")
+    module, config = _target(plan, split, style, notes)
     schedule = SCHEDULE_NAMES.get(plan.schedule)
     if schedule is None:
         raise InternalError(f"schedule {plan.schedule!r} has no torchtitan name")
@@ -141,23 +189,37 @@ def export_torchtitan(plan: Plan, *, names: str = "model", source: str = "") -> 
             "--schedule interleaved-1f1b or zbv to get a zero-bubble schedule torchtitan runs.")
     _check_placement(plan, schedule)
 
-    parallelism: dict[str, Any] = {
-        "pipeline_parallel_degree": plan.pp,
-        "pipeline_parallel_schedule": schedule,
-        "pipeline_parallel_microbatch_size": plan.microbatch_size,
-        "module_fqns_per_model_part": parts,
-    }
-    replicate, shard = _data_parallel(plan, notes)
-    parallelism |= {
-        "data_parallel_replicate_degree": replicate,
-        "data_parallel_shard_degree": shard,
-        "tensor_parallel_degree": getattr(plan, "tp", 1),  # torchtitan's TP is Megatron's pairs, as we price them
-    }
+    parallelism: dict[str, Any] = {"pipeline_parallel_degree": plan.pp}
+    if plan.pp > 1:
+        parallelism |= {
+            "pipeline_parallel_schedule": schedule,
+            "pipeline_parallel_microbatch_size": plan.microbatch_size,
+            "module_fqns_per_model_part": parts,
+        }
+    parallelism |= _data_parallel(plan, notes)
+    tp = plan.tp
+    parallelism["tensor_parallel_degree"] = tp  # torchtitan's TP is Megatron's pairs, as we price them
+    if tp > 1:
+        parallelism["enable_sequence_parallel"] = True  # as priced: boundaries and norms split over the group
+    ep = int(getattr(plan, "ep", 1) or 1)
+    if ep > 1:
+        parallelism["expert_parallel_degree"] = ep
     training: dict[str, Any] = {
-        "local_batch_size": plan.batch_size // plan.dp,
+        # pp > 1: one step of batch / dp, cut into the plan's micro-batches; pp = 1: torchtitan accumulates
+        # gradients over global / (local x dp) steps of one micro-batch each.
+        "local_batch_size": plan.batch_size // plan.dp if plan.pp > 1 else plan.microbatch_size,
         "global_batch_size": plan.batch_size,
-        **_PRECISION.get(plan.precision, _PRECISION["fp32"]),
     }
+    length = seq_len(plan)
+    if length is not None:
+        training["seq_len"] = length
+    else:
+        notes.append("no token input (a 2-D integer tensor) in the plan's model inputs: training.seq_len is not "
+                     "written; set it to the sequence length the plan was made for.")
+    training |= _PRECISION.get(plan.precision, _PRECISION["fp32"])
+    if plan.precision not in _PRECISION:
+        notes.append(f"precision {plan.precision}: no torchtitan setting is written for it here; nearest written "
+                     "is fp32 training with fp32 parameters.")
     if plan.optimizer != "adam":
         notes.append(f"optimizer {plan.optimizer}: the plan's memory assumes it, and torchtitan's Llama configs "
                      "use AdamW (2 state tensors per parameter): choose the same optimizer there, or expect more "
@@ -165,60 +227,28 @@ def export_torchtitan(plan: Plan, *, names: str = "model", source: str = "") -> 
     sections = {
         "parallelism": parallelism,
         "training": training,
-        "activation_checkpoint": {"mode": _recompute_mode(plan, notes)},
+        "activation_checkpoint": {"mode": _checkpointing(plan, notes)},
     }
-    header = _header(plan, sections, source=source, names=names)
-    return TorchtitanExport(sections=sections, notes=tuple(notes), header=header)
+    per_node = plan.gpus_per_node or plan.gpus
+    out = TorchtitanExport(sections=sections, notes=tuple(notes), module=module, config=config,
+                           nodes=max(1, plan.gpus // per_node), gpus_per_node=min(per_node, plan.gpus),
+                           deviation=split.deviation)
+    return dataclasses.replace(out, header=_header(plan, out, source=source, style=style))
 
 
-def stage_blocks(plan: Plan, *, names: str = "model") -> tuple[list[list[str]], list[str]]:
-    """Each stage's top-level blocks (torchtitan's ``module_fqns_per_model_part``) and the notes.
+def stage_blocks(plan: Plan, *, names: str = "auto", sizes: Mapping[str, int] | None = None,
+                 ) -> tuple[list[list[str]], list[str]]:
+    """Each stage's top-level blocks (torchtitan's ``module_fqns_per_model_part``) and the notes on them.
 
     Every block with parameters appears in exactly one stage, stages in pipeline order,
     blocks in model order within each.
     """
-    if names not in NAME_STYLES:
-        raise AutopartitionError(f"Unknown --names {names!r}; choose one of {', '.join(NAME_STYLES)}.")
-    held = _held_parameters(plan)
-    order: dict[str, tuple[int, int]] = {}  # block -> (first stage holding it, position in that stage's graph)
-    counts: dict[str, dict[int, int]] = {}  # block -> stage -> parameter tensors of it there
-    for plan_stage in plan.stages:
-        position = {node: i for i, node in enumerate(plan_stage.nodes)}
-        for name in held[plan_stage.index]:
-            block = _block(name)
-            counts.setdefault(block, {}).setdefault(plan_stage.index, 0)
-            counts[block][plan_stage.index] += 1
-            node = name.replace(".", "_")  # fx's name for a parameter; torch.export's adds "p_"
-            seen = (plan_stage.index, position.get(node, position.get(f"p_{node}", len(position))))
-            order[block] = min(order.get(block, seen), seen)
-    blocks = sorted(order, key=lambda b: (order[b], _natural(b)))
-    n_stages = len(plan.stages)
-    if len(blocks) < n_stages:
-        raise AutopartitionError(
-            f"torchtitan keeps whole top-level blocks in each stage, and this plan has {n_stages} stages "
-            f"over {plural(len(blocks), 'block')} with parameters ({', '.join(blocks)}): it cannot give every "
-            "stage a block. Plan with fewer stages (fewer --chunks, or a smaller --pp) and export that plan.")
-    chosen = _nearest_split([counts[b] for b in blocks], n_stages)
-    shown = {b: _llama_name(b) if names == "torchtitan-llama" else b for b in blocks}
-    notes = []
-    for block, stage in zip(blocks, chosen):
-        holders = sorted(counts[block])
-        if holders != [stage]:
-            total = sum(counts[block].values())
-            moved = total - counts[block].get(stage, 0)
-            where = " and ".join(map(str, holders)) if len(holders) > 1 else str(holders[0])
-            notes.append(
-                f"the plan splits {shown[block]} over stages {where}; torchtitan splits at whole blocks: nearest, "
-                f"all of {shown[block]} in stage {stage} ({moved} of its {plural(total, 'parameter tensor')} moved), "
-                "so that stage's time and memory differ from the plan's prediction."
-                if len(holders) > 1 else
-                f"{shown[block]} moves from stage {where} to stage {stage}, so that each stage keeps a whole block.")
-    parts: list[list[str]] = [[] for _ in range(n_stages)]
-    for block, stage in zip(blocks, chosen):
-        parts[stage].append(shown[block])
-    if names == "model" and any(b in _LLAMA_NAMES or _LLAMA_LAYER.match(b) for b in blocks):
+    parts, split, shown, style = _stages(plan, names=names, sizes=sizes)
+    note = split.note("torchtitan", names=shown)
+    notes = [note] if note else []
+    if style == "model" and any(b in _LLAMA_NAMES or _LLAMA_LAYER.match(b) for b in split.blocks):
         notes.append("module names are the model's own (Hugging Face Llama); for torchtitan's own Llama "
-                     "(tok_embeddings, layers.N, norm, lm_head) export with --names torchtitan-llama.")
+                     "(tok_embeddings, layers.N, norm, lm_head) export with --names torchtitan-llama or auto.")
     shared = [t for t in plan.tied if len(set(t.stages)) > 1]
     if shared:
         tied = ", ".join(f"{t.name} ({', '.join(t.aliases)})" for t in shared)
@@ -231,8 +261,9 @@ def torchtitan_flags(sections: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """torchtitan 0.3's command-line flags for the TOML ``sections`` (0.3 reads no TOML).
 
     ``[section] key = value`` becomes ``--section.key value`` (a list of lists:
-    one comma-joined argument per inner list); ``[activation_checkpoint] mode``
-    becomes its subcommand ``activation_checkpoint:MODE``, last.  With pipeline
+    one comma-joined argument per inner list; ``true`` a bare flag, ``false`` its
+    ``--section.no-key`` form, as tyro writes booleans); ``[activation_checkpoint]
+    mode`` becomes its subcommand ``activation_checkpoint:MODE``, last.  With pipeline
     parallelism 0.3 also needs ``--training.disable_cuda_graphs`` (its CUDA graphs
     do not run pipelines).
 
@@ -246,13 +277,16 @@ def torchtitan_flags(sections: Mapping[str, Mapping[str, Any]]) -> list[str]:
         if section == "activation_checkpoint":
             continue
         for key, value in values.items():
+            if isinstance(value, bool):
+                flags.append(f"--{section}.{key}" if value else f"--{section}.no-{key}")
+                continue
             flags.append(f"--{section}.{key}")
             if isinstance(value, list) and value and isinstance(value[0], list):
                 flags += [",".join(part) for part in value]
             elif isinstance(value, list):
                 flags.append(",".join(map(str, value)))
             else:
-                flags.append(str(value).lower() if isinstance(value, bool) else str(value))
+                flags.append(str(value))
     if int(sections.get("parallelism", {}).get("pipeline_parallel_degree", 1)) > 1:
         flags.append("--training.disable_cuda_graphs")
     mode = sections.get("activation_checkpoint", {}).get("mode")
@@ -275,83 +309,97 @@ def torchtitan_stage_ranks(schedule: str, *, pp: int, stages: int) -> tuple[int,
     return tuple(i % pp for i in range(stages))
 
 
+def seq_len(plan: Plan) -> int | None:
+    """The sequence length the plan was made for: the length of its first token input (2-D, integer), or None."""
+    for spec in plan.model.inputs:
+        if len(spec.shape) == 2 and spec.dtype in ("int64", "int32", "torch.int64", "torch.int32"):
+            return spec.shape[1]
+    return None
+
+
+def shard_layout(plan: Plan, stage: StagePlan) -> tuple[int, int]:
+    """(replicas, shards) a ``full`` or ``optimizer`` stage group's ``dp`` replicas form: HSDP or not.
+
+    A stage's ``shard_span`` says: ``"world"`` shards over every replica,
+    ``"node"`` over the replicas on one node, replicated across nodes (HSDP).
+    Absent (older plans), ``full`` is HSDP where tp = 1 and the replicas span
+    whole nodes, as :func:`partitioner.cost.precision.shard_degree` prices it;
+    ``optimizer`` shards over every replica.  A node holds ``gpus_per_node / tp``
+    replicas of a stage.
+
+    >>> from partitioner.plan import example_plan
+    >>> plan = dataclasses.replace(example_plan(), gpus=32, pp=2, dp=16, gpus_per_node=8)
+    >>> shard_layout(plan, dataclasses.replace(plan.stages[0], shard="full"))
+    (2, 8)
+    """
+    per_node = max(1, (plan.gpus_per_node or plan.gpus) // plan.tp)
+    whole_nodes = plan.dp > per_node and plan.dp % per_node == 0
+    span = getattr(stage, "shard_span", "") or ""
+    if span == "":
+        span = "node" if stage.shard == "full" and plan.tp == 1 and whole_nodes else "world"
+    if span == "node" and whole_nodes:
+        return plan.dp // per_node, per_node
+    return 1, plan.dp
+
+
+def recompute_summary(stages: Sequence[StagePlan]) -> tuple[list[int], list[int], list[int]]:
+    """(stages recomputing whole layers, stages recomputing only cheap ops, stages recomputing nothing)."""
+    whole = [s.index for s in stages if s.recompute == "full" or s.recompute_layers > 0]
+    cheap = [s.index for s in stages if s.index not in whole and s.recompute_ops_layers > 0]
+    kept = [s.index for s in stages if s.index not in whole and s.index not in cheap]
+    return whole, cheap, kept
+
+
 # ------------------------------------------------------------------ helpers
 
 
-def _held_parameters(plan: Plan) -> list[list[str]]:
-    """Each stage's parameter names, a tied tensor's alias given to each stage that holds it, in order."""
-    held = [list(stage.parameters) for stage in plan.stages]
-    for tied in plan.tied:
-        names = (tied.name, *[a for a in tied.aliases if a != tied.name])
-        holders = sorted(tied.stages)
-        for stage in holders:
-            if tied.name in held[stage]:
-                held[stage].remove(tied.name)
-        # The k-th holder (pipeline order) uses the k-th name (graph order): an embedding first, its tied head last.
-        for k, stage in enumerate(holders):
-            held[stage].append(names[min(k, len(names) - 1)])
-    return held
+def _stages(plan: Plan, *, names: str, sizes: Mapping[str, int] | None,
+            ) -> tuple[list[list[str]], BlockSplit, dict[str, str], str]:
+    """(model parts in torchtitan's names, the split, block -> shown name, the resolved name style)."""
+    if names not in NAME_STYLES:
+        raise AutopartitionError(f"Unknown --names {names!r}; choose one of {', '.join(NAME_STYLES)}.")
+    split = split_blocks(plan, sizes=sizes, framework="torchtitan")
+    unmapped = [b for b in split.blocks if _llama_name(b) is None]
+    style = names
+    if names == "auto":
+        style = "torchtitan-llama" if not unmapped else "model"
+    if style == "torchtitan-llama" and unmapped:
+        raise AutopartitionError(
+            f"--names torchtitan-llama maps a Hugging Face LlamaForCausalLM (model.embed_tokens, model.layers.N, "
+            f"model.norm, lm_head) to torchtitan's Llama, and this model has {plural(len(unmapped), 'block')} "
+            f"torchtitan's Llama has no name for: {', '.join(unmapped)}. torchtitan's split drops names it does not "
+            "find, leaving stages without those blocks. Export with --names model (for a torchtitan model "
+            "registered under the model's own names).")
+    shown = {b: (_llama_name(b) or b) if style == "torchtitan-llama" else b for b in split.blocks}
+    return [[shown[b] for b in part] for part in split.parts()], split, shown, style
 
 
-def _block(parameter: str) -> str:
-    """The top-level block a parameter belongs to: its module path, cut after the first index.
-
-    >>> _block("model.layers.3.self_attn.q_proj.weight"), _block("model.norm.weight"), _block("lm_head.weight")
-    ('model.layers.3', 'model.norm', 'lm_head')
-    """
-    path = parameter.split(".")[:-1]
-    for i, part in enumerate(path):
-        if part.isdigit():
-            return ".".join(path[: i + 1])
-    return ".".join(path) or parameter
-
-
-def _natural(name: str) -> list[Any]:
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
-
-
-def _nearest_split(counts: Sequence[Mapping[int, int]], n_stages: int) -> list[int]:
-    """A stage per block, in order, each stage one contiguous non-empty run, keeping the most tensors in place.
-
-    Dynamic programming over (block, stage): block i goes to the stage of block i-1 or the next one.
-
-    >>> _nearest_split([{0: 3}, {0: 1, 1: 4}, {1: 2}], 2)
-    [0, 1, 1]
-    """
-    n = len(counts)
-    unreachable = -1
-    best = [[unreachable] * n_stages for _ in range(n)]
-    came = [[0] * n_stages for _ in range(n)]
-    best[0][0] = counts[0].get(0, 0)
-    for i in range(1, n):
-        for s in range(min(i + 1, n_stages)):
-            # Stay in s, or open s (after s - 1); leave enough blocks for the stages after s.
-            if n - i < n_stages - s:
-                continue
-            options = [(best[i - 1][s], s), (best[i - 1][s - 1], s - 1) if s else (unreachable, s)]
-            score, prev = max(options, key=lambda o: (o[0], -o[1]))
-            if score == unreachable:
-                continue
-            best[i][s] = score + counts[i].get(s, 0)
-            came[i][s] = prev
-    if best[n - 1][n_stages - 1] == unreachable:
-        raise InternalError(f"no split of {n} blocks into {n_stages} stages")
-    chosen = [n_stages - 1]
-    for i in range(n - 1, 0, -1):
-        chosen.append(came[i][chosen[-1]])
-    return chosen[::-1]
-
-
-def _llama_name(block: str) -> str:
+def _llama_name(block: str) -> str | None:
     if block in _LLAMA_NAMES:
         return _LLAMA_NAMES[block]
     layer = _LLAMA_LAYER.match(block)
-    if layer:
-        return f"layers.{layer.group(1)}"
-    raise AutopartitionError(
-        f"--names torchtitan-llama maps a Hugging Face LlamaForCausalLM (model.embed_tokens, model.layers.N, "
-        f"model.norm, lm_head), and this model has a block {block!r} that is none of those. Export with "
-        "--names model to keep the model's own names.")
+    return f"layers.{layer.group(1)}" if layer else None
+
+
+def _target(plan: Plan, split: BlockSplit, style: str, notes: list[str]) -> tuple[str, str]:
+    """torchtitan's (--module, --config) for the model; "" where none is known (a note says what to do)."""
+    if style != "torchtitan-llama":
+        notes.append(
+            f"torchtitan has no model known here for {plan.model.class_name}: the stages name the model's own "
+            "modules; register it with torchtitan (a module with a config_registry) under those names and put its "
+            "--module and --config in the command. torchtitan's split drops every name it does not find.")
+        return "", ""
+    layers = sum(1 for b in split.blocks if layer_index(b) is not None)
+    for config, (n_layers, parameters) in LLAMA3_CONFIGS.items():
+        if layers == n_layers and abs(plan.model.parameters - parameters) <= 0.01 * parameters:
+            return "llama3", config
+    known = "; ".join(f"{c}: {n} layers, {format_count(p)}" for c, (n, p) in LLAMA3_CONFIGS.items())
+    notes.append(
+        f"no torchtitan llama3 config has this model's shape ({plural(layers, 'layer')}, "
+        f"{format_count(plan.model.parameters)} parameters; torchtitan {TORCHTITAN_VERSION} has {known}): the command "
+        f"says --config {_PLACEHOLDER_CONFIG}; add a config of this shape to torchtitan's "
+        "models/llama3/config_registry.py and name it there (a smaller config would drop the layers it lacks).")
+    return "llama3", ""
 
 
 def _check_placement(plan: Plan, schedule: str) -> None:
@@ -363,43 +411,73 @@ def _check_placement(plan: Plan, schedule: str) -> None:
             f"stage placement differs: plan {plan.stage_ranks()}, {plan.schedule} {ours}, torchtitan {schedule} {theirs}")
 
 
-def _data_parallel(plan: Plan, notes: list[str]) -> tuple[int, int]:
-    """(data_parallel_replicate_degree, data_parallel_shard_degree)."""
+def _data_parallel(plan: Plan, notes: list[str]) -> dict[str, Any]:
+    """data_parallel_replicate_degree, data_parallel_shard_degree and, when sharded, fsdp_reshard_after_forward."""
     if plan.dp == 1:
-        return 1, 1
+        return {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 1}
     modes = {stage.shard for stage in plan.stages}
     if modes == {"none"}:
-        if plan.pp > 1:
-            notes.append(
-                "replicas (DDP) with pipeline stages: torchtitan 0.3 replicates through fully_shard on a "
-                "(replicate, shard=1) mesh, as written; torchtitan 0.2 refuses DDP with pp > 1 (\"DDP has not "
-                f"supported > 1D parallelism\"): there, nearest is data_parallel_shard_degree = {plan.dp} with "
-                "data_parallel_replicate_degree = 1 (FSDP).")
-        return plan.dp, 1
+        return {"data_parallel_replicate_degree": plan.dp, "data_parallel_shard_degree": 1}
+    sharded = [s for s in plan.stages if s.shard != "none"]
     if "optimizer" in modes:
         notes.append(
             f"shard optimizer (ZeRO-1) on {_stages_with(plan.stages, 'shard', 'optimizer')}: torchtitan has no "
-            "optimizer-only sharding; nearest is data_parallel_shard_degree (FSDP: weights and gradients "
-            "sharded too, less memory, an all-gather of the weights in forward and backward).")
+            "optimizer-only sharding; nearest is FSDP with weights kept gathered from the first forward to the last "
+            "backward (fsdp_reshard_after_forward = never): the same peak, its state sharded between steps.")
     if "none" in modes:
         notes.append(
             f"the plan replicates {_stages_with(plan.stages, 'shard', 'none')} and shards the others; torchtitan "
             "has one setting for all: nearest is data_parallel_shard_degree for every stage (never more memory).")
-    return 1, plan.dp
+    layouts = {shard_layout(plan, s) for s in sharded}
+    replicate, shard = min(layouts, key=lambda layout: (-layout[1], layout))  # the widest sharding: least memory
+    if len(layouts) > 1:
+        notes.append(f"the plan's sharded stages span different replica groups ({sorted(layouts)} as (replicas, "
+                     f"shards)); torchtitan has one mesh: nearest is {replicate} x {shard} for all.")
+    resharded = [s.index for s in sharded if s.shard == "full" and s.reshard_after_forward]
+    policy = "always" if resharded else "never"
+    if resharded and len(resharded) < len(sharded):
+        notes.append(f"the plan reshards after forward (ZeRO-3) on stage(s) {', '.join(map(str, resharded))} only; "
+                     "torchtitan has one fsdp_reshard_after_forward: nearest is always (never more memory).")
+    if resharded and plan.pp > 1:
+        notes.append(
+            "ZeRO-3 with pipeline stages: torch.distributed.pipelining keeps each stage's weights gathered after "
+            "its backward and reduce-scatters its gradients once per step, not per micro-batch as the plan prices "
+            "ZeRO-3, so a stage's weights and gradients are whole from its first backward to the step's end: more "
+            "memory than predicted on those stages (fsdp_reshard_after_forward = always frees them after each "
+            "forward only).")
+    if not resharded and plan.pp == 1:
+        notes.append(
+            "weights kept gathered through the step: with pp = 1 torchtitan accumulates gradients by running "
+            "FSDP's forward and backward per micro-batch, which reshards after each backward and reduce-scatters "
+            "gradients per micro-batch (more traffic than the plan's once per step).")
+    return {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
+            "fsdp_reshard_after_forward": policy}
 
 
-def _recompute_mode(plan: Plan, notes: list[str]) -> str:
+def _checkpointing(plan: Plan, notes: list[str]) -> str:
+    """torchtitan's activation checkpointing mode, the nearest that never keeps more than the plan does."""
     modes = {stage.recompute for stage in plan.stages}
     if modes == {"none"}:
         return "none"
-    if modes != {"full"}:
-        redo = [str(s.index) for s in plan.stages if s.recompute != "none"]  # "selective": its first layers only
-        selective = " (some only their first layers, or only their cheap ops)" if "selective" in modes else ""
+    if modes == {"full"}:
+        return "full"
+    whole, cheap, kept = recompute_summary(plan.stages)
+    listed = "; ".join(f"{what}: stage{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}" for what, ids in
+                       (("whole layers", whole), ("cheap ops only", cheap), ("nothing", kept)) if ids)
+    if not whole:
         notes.append(
-            f"the plan recomputes stage{'s' if len(redo) > 1 else ''} {', '.join(redo)}{selective} only; "
-            "torchtitan's activation "
-            "checkpointing is one mode for every stage: nearest is full everywhere (fits where the plan fits, "
-            "at the cost of recomputing the other stages' forwards too).")
+            f"the plan recomputes only cheap ops (keeping matmul and attention outputs) on some layers ({listed}; "
+            "the first recompute_ops_layers of each); torchtitan's selective mode applies its per-op policy to "
+            "every layer and also recomputes every second matmul: nearest is selective (never more memory, more "
+            "recomputation).")
+        return "selective"
+    partial = [str(s.index) for s in plan.stages if s.recompute == "selective"]
+    notes.append(
+        f"the plan's recomputation differs by stage ({listed}"
+        + (f"; stage{'s' if len(partial) > 1 else ''} {', '.join(partial)} only some of their layers" if partial
+           else "")
+        + "); torchtitan's activation checkpointing is one mode for every layer: nearest is full everywhere (fits "
+        "where the plan fits, at the cost of recomputing the rest too).")
     return "full"
 
 
@@ -408,31 +486,43 @@ def _stages_with(stages: Sequence[StagePlan], field: str, value: str) -> str:
     return f"stage{'s' if len(chosen) > 1 else ''} {', '.join(chosen)}"
 
 
-def _header(plan: Plan, sections: Mapping[str, Mapping[str, Any]], *, source: str, names: str) -> tuple[str, ...]:
-    shape = f"pp {plan.pp} x dp {plan.dp}" + (f", {plan.chunks} stages per rank" if plan.chunks > 1 else "")
+def _header(plan: Plan, out: TorchtitanExport, *, source: str, style: str) -> tuple[str, ...]:
+    shape = f"pp {plan.pp} x dp {plan.dp}" + (f" x tp {plan.tp}" if plan.tp > 1 else "") \
+        + (f", {plan.chunks} stages per rank" if plan.chunks > 1 else "")
+    length = seq_len(plan)
+    where = f"{out.nodes} nodes of {out.gpus_per_node} GPUs" if out.nodes > 1 else plural(plan.gpus, "GPU")
     lines = [
-        f"torchtitan settings for the autopartition plan{' in ' + source if source else ''}: {plan.model.class_name},",
-        (f"{plan.gpus} GPUs ({shape}), schedule {plan.schedule}, "
-         f"{plural(plan.microbatches, 'micro-batch', 'micro-batches')} of {plan.microbatch_size}."),
-        "Written by `autopartition export --to torchtitan`; merge these sections into your torchtitan config.",
-        "Module names: " + ("torchtitan 0.3's Llama, mapped from Hugging Face Llama names (torchtitan 0.2 "
-                            "calls lm_head output)." if names != "model" else "the model's own."),
+        (f"torchtitan settings for the autopartition plan{' in ' + source if source else ''}: "
+         f"{plan.model.class_name} ({format_count(plan.model.parameters)} parameters),"),
+        (f"{where} ({shape}), schedule {plan.schedule}, "
+         f"{plural(plan.microbatches, 'micro-batch', 'micro-batches')} of {plan.microbatch_size}"
+         + (f", sequence {length}." if length is not None else ".")),
+        f"Written by `autopartition export --to torchtitan` for torchtitan 0.3 (checked against {TORCHTITAN_VERSION}).",
+        "Module names: " + ("torchtitan's Llama 3, mapped from Hugging Face Llama names."
+                            if style == "torchtitan-llama" else "the model's own."),
+    ]
+    if "fsdp_reshard_after_forward" in out.sections["parallelism"]:
+        lines.append("fsdp_reshard_after_forward is explicit: torchtitan's default reshards only without pipeline "
+                     "parallelism.")
+    lines += [
         "",
-        "torchtitan 0.2 reads this file: --job.config_file FILE. torchtitan 0.3 reads no TOML; pass instead:",
-        *_flag_lines(torchtitan_flags(sections)),
+        "torchtitan 0.3 reads no TOML: run this on every node (add your rendezvous options); the sections below",
+        "hold the same settings:",
+        *_flag_lines(out.command),
     ]
     return tuple(lines)
 
 
-def _flag_lines(flags: Sequence[str]) -> list[str]:
-    """Shell lines, one option (with its values) each, continued with backslashes."""
-    groups: list[list[str]] = []
-    for flag in flags:
-        if flag.startswith("-") or ":" in flag or not groups:
-            groups.append([flag])
+def _flag_lines(command: Sequence[str]) -> list[str]:
+    """Shell lines: the launcher, then one option (with its values) each, continued with backslashes."""
+    launcher = command.index("torchtitan.train") + 1 if "torchtitan.train" in command else 0
+    groups: list[list[str]] = [list(command[:launcher])] if launcher else []
+    for word in command[launcher:]:
+        if word.startswith("--") or ":" in word or not groups:
+            groups.append([word])
         else:
-            groups[-1].append(flag)
-    lines = [f"  {shlex.join(group)}" for group in groups]
+            groups[-1].append(word)
+    lines = [("  " if i == 0 else "      ") + shlex.join(group) for i, group in enumerate(groups)]
     return [line + " \\" for line in lines[:-1]] + lines[-1:]
 
 
