@@ -62,6 +62,7 @@ from torch import fx, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils import _pytree as pytree
 
+from partitioner.graph.capture import buffers_written
 from partitioner.graph.ir import VALUE_KEY, dtype_from_name
 
 __all__ = ["LOG_NAME", "Known", "MarkedGraph", "Meeting", "MeetingLog", "inputs_written_in_place", "mark_meetings",
@@ -221,7 +222,9 @@ def _mark(gm: fx.GraphModule, active: Collection[str]) -> tuple[int, frozenset[i
             side[mutated] = max(side.get(mutated, _Side.CONSTANT), side[node])
         if reads_activation and reads_weight and side[node] == _Side.ACTIVATION:
             weights = [n for n, s in inputs.items() if s == _Side.WEIGHT]
-            side[_rewrite(gm, node, weights, params, log_name=LOG_NAME)] = _Side.ACTIVATION
+            reported, why = _rewrite(gm, node, weights, params, log_name=LOG_NAME)
+            side[reported] = _Side.ACTIVATION
+            unsplit = unsplit or why
             count += 1
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
@@ -246,10 +249,18 @@ def _aliased_call(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, tu
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, weights: list[fx.Node], params: list[str], *,
-             log_name: str) -> fx.Node:
+             log_name: str) -> tuple[fx.Node, str | None]:
     """Alias ``node``'s weight-side inputs (and parameters) and report it to the log after it runs.
 
-    Returns the node computing the op now (a module call becomes a new node).
+    Returns the node computing the op now (a module call becomes a new node), and why the backward
+    cannot be split there (None: it can).
+
+    An op whose output is then written in place (``torch.relu_(fc(h))``, ``y[:, 0].mul_(2)``, ``y += h``)
+    is reported after the last such write: the write replaces the output's autograd history (a view's is
+    rebased onto its base), so a gradient edge taken before it would get no gradient and W would find
+    none for the op's weights.  Taken after it, W's one ``autograd.grad`` runs back through the writes to
+    the aliases.  Where the value before a write is read too, no single edge carries every gradient of
+    the op's output: the stage's backward is not split.
     """
     graph = gm.graph
     aliases: list[fx.Node] = []
@@ -265,9 +276,45 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, weights: list[fx.Node], params: 
         if params:
             reported, own = _functional(gm, node)
             aliases.extend(own)
-    with graph.inserting_before(following):
-        graph.call_module(log_name, (reported, tuple(aliases), _known(reported, aliases)))
-    return reported
+    last, why = _last_write(gm, reported)
+    if last is None:
+        with graph.inserting_before(following):
+            graph.call_module(log_name, (reported, tuple(aliases), _known(reported, aliases)))
+    else:  # after the writes: its output gradient is no longer the op's own (no direct weight gradients)
+        with graph.inserting_after(last):
+            graph.call_module(log_name, (reported, tuple(aliases), ()))
+    return reported, why
+
+
+def _last_write(gm: fx.GraphModule, output: fx.Node) -> tuple[fx.Node | None, str | None]:
+    """The last node writing ``output`` in place (directly or through a view), and why a split backward cannot
+    take the op's gradient after it (a node reads the value before that write); (None, None) when none writes."""
+    aliases = {output}  # nodes whose value is the output's storage: views of it, in-place results on it
+    writers: list[fx.Node] = []
+    readers: list[fx.Node] = []  # nodes reading the output (or a view) other than to view or write it
+    frontier, seen = [output], {output}
+    while frontier:  # along users only: most ops' outputs are read, not written
+        for node in frontier.pop().users:
+            if node in seen:
+                continue
+            seen.add(node)
+            if set(_written_args(gm, node)) & aliases:
+                writers.append(node)
+            elif not (node.all_input_nodes[0] in aliases and _may_alias_first(gm, node)):
+                if _may_need_grad(node):
+                    readers.append(node)
+                continue
+            aliases.add(node)
+            frontier.append(node)
+    if not writers:
+        return None, None
+    position = {n: i for i, n in enumerate(output.graph.nodes)}
+    last = max(writers, key=position.__getitem__)
+    early = [r for r in readers if position[r] < position[last]]
+    if early:
+        return last, (f"{early[0].format_node()} reads {output.name} before {last.format_node()} writes it in "
+                      "place, and both reach the weight gradients of the op computing it")
+    return last, None
 
 
 _LINEAR = (F.linear, torch._C._nn.linear, torch.ops.aten.linear.default)
@@ -413,7 +460,18 @@ def written_state(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> list[str]:
             if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats and module.training:
                 names += [f"{node.target}.{name}" for name, _ in module.named_buffers()]
         names += [str(arg.target) for arg in _written_args(gm, node) if arg.op == "get_attr"]
+        # aten's batch_norm (an exported graph) writes running statistics its schema does not mark written;
+        # an in-place op on what another one returned (``self.ema.mul_(0.9).add_(x)``) writes the buffer too.
+        names += [name for name in buffers_written(gm, node) if _is_buffer(gm, name)]
     return list(dict.fromkeys(names))
+
+
+def _is_buffer(gm: fx.GraphModule, name: str) -> bool:
+    try:
+        gm.get_buffer(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _name(node: fx.Node) -> str:

@@ -77,6 +77,8 @@ from typing import Any, Literal
 
 import torch
 from torch import fx, nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
@@ -169,11 +171,45 @@ def run_block(block: Callable[..., Any], values: Sequence[Any], kind: RunKind,
         block = functools.partial(_on_copies, block, frozenset(written))
     if kind == "whole":
         if state:
-            return checkpoint(block, *values, use_reentrant=False, context_fn=lambda: _preserving(state))
-        return checkpoint(block, *values, use_reentrant=False)
+            return checkpoint(block, *values, use_reentrant=False,
+                              context_fn=_under_forward_modes(lambda: _preserving(state)))
+        return checkpoint(block, *values, use_reentrant=False, context_fn=_under_forward_modes(_no_contexts))
     if kind == "ops":
-        return checkpoint(block, *values, use_reentrant=False, context_fn=_ops_contexts)
+        return checkpoint(block, *values, use_reentrant=False, context_fn=_under_forward_modes(_ops_contexts))
     raise InternalError(f"unknown recomputation kind {kind!r}, expected one of {', '.join(RUN_KINDS)}")
+
+
+def _no_contexts() -> tuple[Any, Any]:
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _under_forward_modes(contexts: Callable[[], tuple[Any, Any]]) -> Callable[[], tuple[Any, Any]]:
+    """Checkpoint's ``context_fn``: ``contexts``, and the recomputation under the torch function modes its
+    forward ran under (as checkpoint does for the device context).
+
+    A mode is not active inside the autograd engine when the backward was itself called through it
+    (``Tensor.backward`` is a torch function: the mode steps aside while it runs), so a recomputation would
+    otherwise run without the mode its forward had: ``verify``'s dropout at p=0 (runtime/verify.py) ran
+    real dropout when recomputed and saved one more tensor than the forward did.
+    """
+
+    def made() -> tuple[Any, Any]:
+        forward, recompute = contexts()
+        modes = [m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext)]
+        return (forward, _replaying(modes, recompute)) if modes else (forward, recompute)
+
+    return made
+
+
+@contextlib.contextmanager
+def _replaying(modes: Sequence[Any], recompute: Any) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        active = {id(m) for m in _get_current_function_mode_stack()}
+        for mode in modes:
+            if id(mode) not in active:
+                stack.enter_context(mode)
+        stack.enter_context(recompute)
+        yield
 
 
 def written_inputs(run: fx.GraphModule, inputs: Sequence[str]) -> tuple[int, ...]:

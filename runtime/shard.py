@@ -103,9 +103,9 @@ from torch import fx, nn
 from partitioner.cost.precision import check_precision
 from partitioner.defaults import shard_refusal as _schedule_refusal
 from partitioner.defaults import splits_backward
-from partitioner.errors import InternalError, ScheduleError
+from partitioner.errors import AutopartitionError, InternalError, ScheduleError
 from partitioner.plan import Plan
-from runtime.meetings import written_state
+from runtime.meetings import inputs_written_in_place, written_state
 from runtime.precision import PrecisionForward
 from runtime.recompute import (
     Recomputed,
@@ -205,9 +205,26 @@ class ShardUnit(nn.Module):
     def __init__(self, runnable: nn.Module) -> None:
         super().__init__()
         self.runnable = runnable
+        self._written = _written_positions(runnable)
 
     def forward(self, *args: Any) -> Any:
+        # FSDP2's pre-forward hook hands the stage its inputs as views made by a custom autograd Function
+        # (RegisterPostBackwardFunction), which autograd refuses to let an op write in place; an input the
+        # stage writes (``nn.ReLU(inplace=True)`` opening it) is copied here, after the hook.
+        if self._written:
+            args = tuple(a.clone() if i in self._written and isinstance(a, torch.Tensor) else a
+                         for i, a in enumerate(args))
         return self.runnable(*args)
+
+
+def _written_positions(runnable: nn.Module) -> frozenset[int]:
+    """Positions of the stage forward's arguments that its graph writes in place (the stage graph in ``runnable``)."""
+    stage = next((m for m in runnable.modules() if isinstance(m, fx.GraphModule)), None)
+    if stage is None:
+        return frozenset()
+    names = [n.name for n in stage.graph.nodes if n.op == "placeholder"]
+    written = inputs_written_in_place(stage)
+    return frozenset(i for i, name in enumerate(names) if name in written)
 
 
 def shard_layout(plan: Plan, pipeline_rank: int) -> tuple[int, int]:
@@ -266,12 +283,16 @@ class LayerUnit(nn.Module):
     unit's module tree (else the unit would own every parameter of the stage).
     """
 
-    def __init__(self, run: fx.GraphModule, owners: Sequence[nn.Module]) -> None:
+    def __init__(self, run: fx.GraphModule, owners: Sequence[nn.Module], written: Sequence[int] = ()) -> None:
         super().__init__()
         self.owners = nn.ModuleList(owners)
         self._run = [run]
+        self._written = frozenset(written)  # inputs the run writes in place: copied after FSDP2's hook (ShardUnit)
 
     def forward(self, *args: Any) -> Any:
+        if self._written:
+            args = tuple(a.clone() if i in self._written and isinstance(a, torch.Tensor) else a
+                         for i, a in enumerate(args))
         return self._run[0](*args)
 
 
@@ -340,7 +361,7 @@ class LayeredStage(nn.Module):
             mine_params = set(owned.values())
             owners = {path: m for path, m in owners.items() if m is not stage and set(m.parameters()) <= mine_params}
             if owners:
-                unit = LayerUnit(run, list(owners.values()))
+                unit = LayerUnit(run, list(owners.values()), self._written[-1])
                 layered.append(unit)
                 self._runs.append(unit)
             else:
@@ -453,6 +474,7 @@ def shard_modules(
     """
     from torch.distributed.fsdp import fully_shard
 
+    _refuse_parameter_hooks(runnables)
     policy = fsdp_policy(precision)
     units = []
     for runnable, reshard in zip(runnables, reshard_after_forward):
@@ -469,6 +491,19 @@ def shard_modules(
                     mp_policy=policy)
         units.append(unit)
     return tuple(units)
+
+
+def _refuse_parameter_hooks(runnables: Sequence[nn.Module]) -> None:
+    """Refuse a fully sharded stage whose model registered gradient hooks on its parameters: FSDP2 replaces
+    them with shards and computes gradients on gathered copies, so the hooks would never run (silently)."""
+    hooked = sorted({name for runnable in runnables for name, p in runnable.named_parameters()
+                     if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)})
+    if hooked:
+        shown = ", ".join(hooked[:3]) + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")
+        raise AutopartitionError(
+            f"The model registers gradient hooks on {shown}, which a fully sharded stage group (--shard full, "
+            "FSDP2) would drop: it replaces the parameters with shards and computes their gradients on gathered "
+            "copies. Plan with --shard none or optimizer, or remove the hooks.")
 
 
 def shardable_on_meta(modules: Sequence[nn.Module]) -> bool:

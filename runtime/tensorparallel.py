@@ -75,11 +75,13 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
 from partitioner.errors import AutopartitionError
+from partitioner.graph.capture import buffers_written
 from partitioner.graph.ir import KIND_KEY, node_parameters
 from partitioner.graph.tensorparallel import TP_KEY, TPRole
 from partitioner.plan import Plan
 
 __all__ = [
+    "VOCABULARY_OUTPUTS",
     "TensorParallelStage",
     "gathered",
     "group_rank",
@@ -88,8 +90,10 @@ __all__ = [
     "match_gradients",
     "parallelize_stages",
     "parameter_placements",
+    "plain_write",
     "refuse_unrunnable_tp",
     "replicated",
+    "replicated_gradients",
     "sequence_sharded",
     "sequence_split",
     "tensor_parallel_loss",
@@ -204,7 +208,7 @@ def parallelize_stages(modules: Sequence[fx.GraphModule], mesh: DeviceMesh) -> l
         for name, param in list(gm.named_parameters(remove_duplicate=False)):
             if id(param) not in made:
                 value = distribute_tensor(param.detach(), mesh, [placements.get(name, Replicate())])
-                made[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
+                made[id(param)] = _carrying_hooks(param, nn.Parameter(value, requires_grad=param.requires_grad))
             owner, _, attr = name.rpartition(".")
             setattr(gm.get_submodule(owner) if owner else gm, attr, made[id(param)])
         _rewrite(gm)
@@ -212,9 +216,27 @@ def parallelize_stages(modules: Sequence[fx.GraphModule], mesh: DeviceMesh) -> l
     return placed
 
 
+VOCABULARY_OUTPUTS = "autopartition_vocabulary_outputs"  # gm.meta: positions of outputs that are LM-head logits
+
+
+def _carrying_hooks(old: torch.Tensor, new: nn.Parameter) -> nn.Parameter:
+    """``new`` with the gradient hooks the model registered on ``old`` (``param.register_hook``, post-accumulate
+    hooks): the parameter it replaces.  They then see DTensor gradients (elementwise hooks work unchanged)."""
+    for hook in (old._backward_hooks or {}).values():
+        new.register_hook(hook)
+    for hook in (getattr(old, "_post_accumulate_grad_hooks", None) or {}).values():
+        new.register_post_accumulate_grad_hook(hook)
+    return new
+
+
 def _rewrite(gm: fx.GraphModule) -> None:
     graph = gm.graph
     gathered_inputs: dict[fx.Node, fx.Node] = {}  # a value the columns read -> its all-gathered copy (one per value)
+    _writes_on_whole_values(gm)
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    gm.meta[VOCABULARY_OUTPUTS] = frozenset(
+        i for i, v in enumerate(results) if isinstance(v, fx.Node) and getattr(v.meta.get(TP_KEY), "role", None) == "head")
     for node in list(graph.nodes):
         if node.op == "call_function" and any(s in str(node.target) for s in _SDPA):
             node.target = head_parallel_attention
@@ -238,6 +260,90 @@ def _rewrite(gm: fx.GraphModule) -> None:
             node.replace_all_uses_with(split, delete_user_cb=lambda user, split=split: user is not split)
     graph.lint()
     gm.recompile()
+
+
+def _writes_on_whole_values(gm: fx.GraphModule) -> None:
+    """Rewrite in-place writes that DTensor would lose or refuse, before the split layers' rewrite.
+
+    * A write through a view of an activation (``y[:, 0].mul_(2)``): indexing a DTensor
+      split along the indexed dimension gathers a new tensor, not a view, and the write
+      would never reach ``y``.  ``y`` is made replicated first (:func:`replicated`), so
+      its views are views of each rank's whole local tensor.
+    * A write into a buffer (a plain tensor: ``self.ema.add_(0.1 * h.mean(0))``) from
+      DTensors: DTensor cannot write into a plain tensor, so the op runs on whole plain
+      values (:func:`plain_write`); the buffer then holds what the unsplit model's does.
+    """
+    from runtime.meetings import writes_in_place
+
+    graph = gm.graph
+    made: dict[fx.Node, fx.Node] = {}  # a base written through a view -> its replicated copy
+    last_write: dict[fx.Node, fx.Node] = {}  # that copy -> the last node writing it through a view
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    into_buffers = {n for n in graph.nodes if buffers_written(gm, n)}  # before rewriting any (they chain)
+    for node in list(graph.nodes):
+        if not writes_in_place(gm, node) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        target = node.args[0]
+        base = target
+        while base.op in ("call_function", "call_method") and _is_view(base) and base.args \
+                and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        if (base.op == "get_attr" or node in into_buffers) and node.op in ("call_function", "call_method") \
+                and not node.kwargs:
+            how = node.target if node.op == "call_method" else _op_name(node.target) \
+                if isinstance(node.target, torch._ops.OpOverload) else None
+            if isinstance(how, str):
+                node.op, node.target, node.args = "call_function", plain_write, (how, *node.args)
+            continue
+        if base is target or base.op == "get_attr":
+            continue
+        if base not in made.values():
+            if base not in made:
+                with graph.inserting_before(first_op) if base.op == "placeholder" else graph.inserting_after(base):
+                    whole = made[base] = graph.call_function(replicated, (base,))
+                base.replace_all_uses_with(whole, delete_user_cb=_other_than(whole))
+            base = made[base]
+        last_write[base] = node
+    # After the writes, the value's gradient must come back whole: autograd's backward of a write through a
+    # view (CopySlices) strides into the gradient as into the whole tensor, which a split gradient is not.
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for whole, last in last_write.items():
+        with graph.inserting_after(last):
+            after = graph.call_function(replicated_gradients, (whole,))
+        whole.replace_all_uses_with(after, delete_user_cb=_after_other_than(after, position, position[last]))
+    graph.lint()
+
+
+def _other_than(node: fx.Node) -> Callable[[fx.Node], bool]:
+    return lambda user: user is not node
+
+
+def _after_other_than(node: fx.Node, position: dict[fx.Node, int], start: int) -> Callable[[fx.Node], bool]:
+    return lambda user: user is not node and position.get(user, -1) > start
+
+
+_VIEW_NAMES = frozenset({"getitem", "__getitem__", "view", "reshape", "select", "slice", "narrow", "transpose",
+                         "permute", "expand", "unsqueeze", "squeeze", "flatten", "unflatten", "t", "diagonal",
+                         "as_strided", "movedim", "split", "chunk", "unbind", "view_as", "alias"})
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    name = target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else (
+        target if isinstance(target, str) else getattr(target, "__name__", ""))
+    return name in _VIEW_NAMES
+
+
+def plain_write(how: str, target: Any, *args: Any) -> Any:
+    """``target``'s in-place op ``how`` (a method name, or an aten op ``ns::op.overload``) on whole values:
+    a plain tensor (a buffer) written from DTensors.  A DTensor target is written as DTensor writes it."""
+    if not isinstance(target, DTensor):
+        args = tuple(_whole(a) for a in args)
+    if "::" not in how:
+        return getattr(target, how)(*args)
+    namespace, rest = how.split("::")
+    opname, overload = rest.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), opname), overload)(target, *args)
 
 
 def _foreign_op(target: Any) -> bool:
@@ -281,6 +387,19 @@ def replicated(value: Any) -> Any:
     whole = value.redistribute(mesh, [Replicate()] * mesh.ndim)
     local = whole.to_local(grad_placements=[Replicate()] * mesh.ndim)
     return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def replicated_gradients(value: Any) -> Any:
+    """``value`` (a replicated DTensor) as it is, whose gradient is made replicated before it flows back.
+
+    A write through a view of ``value`` came before (``y[:, 0].mul_(2)``): its backward
+    takes the gradient's slice by the whole tensor's strides, so the gradient must be whole.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    mesh = value.device_mesh
+    whole = [Replicate()] * mesh.ndim
+    return DTensor.from_local(value.to_local(grad_placements=whole), mesh, whole, run_check=False)
 
 
 def sequence_sharded(value: Any) -> Any:
@@ -363,12 +482,15 @@ class TensorParallelStage(nn.Module):
         tp = mesh.size()
         self._split = [sequence_split(shape, dtype, tp) for shape, dtype in received]  # whole shapes, as planned
         self._sent = sent
+        # Outputs that are vocabulary-parallel logits (parallelize_stages marks them in the stage graph).
+        self._vocabulary = frozenset().union(*(m.meta.get(VOCABULARY_OUTPUTS, frozenset()) for m in inner.modules()
+                                               if isinstance(m, fx.GraphModule)))
 
     def forward(self, *args: Any) -> Any:
         entered = [self._enter(a, split=i >= self._model_inputs and self._split[i - self._model_inputs])
                    for i, a in enumerate(args)]
         outputs = self.inner(*entered)
-        return tuple(self._leave(v, sent=i < self._sent) for i, v in enumerate(outputs))
+        return tuple(self._leave(v, sent=i < self._sent, logits=i in self._vocabulary) for i, v in enumerate(outputs))
 
     def _enter(self, value: Any, *, split: bool) -> Any:
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point():
@@ -376,10 +498,10 @@ class TensorParallelStage(nn.Module):
         placement = Shard(value.dim() - 2) if split else Replicate()
         return DTensor.from_local(value, self._mesh, [placement], run_check=False)
 
-    def _leave(self, value: Any, *, sent: bool) -> Any:
+    def _leave(self, value: Any, *, sent: bool, logits: bool = False) -> Any:
         if not isinstance(value, torch.Tensor):
             return gathered(value)
-        if not sent and isinstance(value, DTensor) and value.placements == (Shard(value.dim() - 1),):
+        if logits and not sent and isinstance(value, DTensor) and value.placements == (Shard(value.dim() - 1),):
             return value  # vocabulary-parallel logits: the loss runs on them sharded (loss_parallel)
         if sent and sequence_split(tuple(value.shape), str(value.dtype)[6:], self._mesh.size()):
             if not isinstance(value, DTensor):
@@ -389,14 +511,40 @@ class TensorParallelStage(nn.Module):
 
 
 def gathered(values: Any) -> Any:
-    """Plain tensors, each whole on every rank of the group (a model output, or what travels whole)."""
+    """Plain tensors, each whole on every rank of the group (a model output, or what travels whole).
+
+    Its gradient may come back as a plain tensor or, where the loss mixed it with
+    DTensors (vocabulary-parallel logits under ``loss_parallel`` plus another output),
+    as a DTensor: either is taken (:class:`_Whole`).
+    """
     if isinstance(values, DTensor):
-        return values.full_tensor()
+        return _Whole.apply(values)
     if isinstance(values, (tuple, list)):
         return type(values)(gathered(v) for v in values)
     if isinstance(values, dict):
         return {k: gathered(v) for k, v in values.items()}
     return values
+
+
+class _Whole(torch.autograd.Function):
+    """A DTensor's full tensor (plain); backward takes a plain or a DTensor gradient and returns it replicated.
+
+    ``DTensor.full_tensor``'s own backward (``to_local``'s) refuses a DTensor gradient, which a plain
+    output gets back from any DTensor op it met afterwards (the loss's sum with vocabulary-parallel
+    cross-entropy, under ``implicit_replication``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh = value.device_mesh
+        return value.full_tensor()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        whole = [Replicate()] * ctx.mesh.ndim
+        return DTensor.from_local(grad.contiguous(), ctx.mesh, whole, run_check=False)
 
 
 def match_gradients(modules: Sequence[nn.Module]) -> None:

@@ -205,6 +205,7 @@ class VerifyResult:
     neutralised: tuple[dict[str, int], dict[str, int]] = ({}, {})  # (reference, pipeline) changed calls by op
     rank_places: tuple[str, ...] = ()  # "stage 0, replica 1" per rank
     pp: int = 1
+    unread: tuple[str, ...] = ()  # parameters the forward never reads (no gradient, held by no rank)
 
     @property
     def ok(self) -> bool:
@@ -251,10 +252,15 @@ class VerifyResult:
         extra = ""
         if any(s.buffer.total for s in self.per_step):
             extra = ", buffers " + ("exactly" if self.max_buffer_diff == 0 else f"to {self.max_buffer_diff:.0e}")
+        unread = ""
+        if self.unread:
+            shown = ", ".join(self.unread[:3]) + (f" and {len(self.unread) - 3} more" if len(self.unread) > 3 else "")
+            unread = (f" {_plural(len(self.unread), 'parameter')} the forward never reads ({shown}): no gradient, "
+                      "held by no rank, unchanged in both runs.")
         return (
             f"OK: loss and gradients match {matched} over {_plural(self.steps, 'step')}{extra} "
             f"(tolerance {self.tolerance:.0e}, {self.dtype}; each step from the pipeline's parameters); "
-            f"{self._how()}; {self.traits.random_text()}{self._calls()}."
+            f"{self._how()}; {self.traits.random_text()}{self._calls()}.{unread}"
         )
 
     def _mismatch_verdict(self) -> str:
@@ -698,8 +704,8 @@ def _train_rank(
         record["buffers"].append(b)
         if opt is not None:
             opt.zero_grad()
-        with derandomised:
-            loss = pipe.step(inputs, target)
+        with derandomised:  # a fresh copy of the batch each step, as the reference takes (a model may write it)
+            loss = pipe.step(*_fresh((inputs, target)))
         if loss is not None:
             record["losses"].append(loss.item())
         record["grads"].append(
@@ -747,6 +753,11 @@ def _rank_failure(
 def _stage_names(stages: Sequence[int]) -> str:
     """``stage 2``, or ``stages 0, 3`` for a rank holding several."""
     return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+
+
+def _fresh(value: Any) -> Any:
+    """``value`` with every tensor copied: a step's batch, which the model may write in place (``x.mul_``)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), value)
 
 
 def _batch(model_file: Any, plan: Plan, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -843,9 +854,14 @@ def _compare_steps(
     derandomised = Derandomised()
     per_step: list[StepComparison] = []
     losses: list[float] = []
+    read: set[str] = set()  # parameters the reference gave a gradient in some step
+    held_buffers = {alias for r in ranks for name in r["buffers"][0] for alias in {name} | aliases.get(name, set())}
+    unheld = {n: b.detach().clone() for n, b in buffers.items() if n not in held_buffers}
     with _one_thread(), derandomised:
         for step in range(steps):
             _load(params, _pick(ranks, "params", step, replica=None, aliases=aliases))
+            # Each step from a fresh copy of the batch, as the ranks take it: a model may write its inputs.
+            step_inputs, step_target = _fresh((inputs, target))
             opt.zero_grad()
             replica_grads: list[dict[str, torch.Tensor]] = []
             replica_buffers: list[dict[str, torch.Tensor]] = []
@@ -855,7 +871,7 @@ def _compare_steps(
                 for p in params.values():
                     p.grad = None
                 mb_losses = []
-                for x, y in reference_microbatches(plan, inputs, target, replica):
+                for x, y in reference_microbatches(plan, step_inputs, step_target, replica):
                     mb_loss = _reference_loss(model, call, model_file.loss_fn, x, y) / plan.microbatches
                     mb_loss.backward()
                     mb_losses.append(mb_loss.detach())
@@ -867,6 +883,7 @@ def _compare_steps(
                 grads = [g[name] for g in replica_grads if name in g]
                 p.grad = torch.stack(grads).sum(0) / plan.dp if grads else None
             grads_now = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+            read |= set(grads_now)
             opt.step()
             after = {n: p.detach().clone() for n, p in params.items()}
             loss = float(torch.stack(replica_losses).sum() / plan.dp)
@@ -876,9 +893,13 @@ def _compare_steps(
     for r in ranks:
         pipeline_calls.update(r.get("random", {}))
     orphans = sorted(n for n in params if not ({n} | aliases.get(n, set())) & _held_params(ranks))
-    return _result(per_step, start, orphans, steps=steps, tolerance=tolerance, dtype=dtype, plan=plan,
-                   traits=traits, losses=losses, places=places,
-                   neutralised=(derandomised.counts, dict(pipeline_calls)))
+    # A parameter the forward never reads gets no gradient and never changes, held by a rank or not.
+    unread = tuple(n for n in orphans if n not in read)
+    # A buffer no rank holds must not change in the reference either: its update would be lost on the ranks.
+    lost = sorted(n for n, before in unheld.items() if _diff(buffers[n].detach(), before) > tolerance)
+    return _result(per_step, start, [n for n in orphans if n in read], steps=steps, tolerance=tolerance,
+                   dtype=dtype, plan=plan, traits=traits, losses=losses, places=places,
+                   neutralised=(derandomised.counts, dict(pipeline_calls)), unread=unread, lost_buffers=lost)
 
 
 def _held_params(ranks: Sequence[dict[str, Any]]) -> set[str]:
@@ -926,18 +947,35 @@ def _compare_step(
 ) -> StepComparison:
     got_losses = [r["losses"][step] for r in ranks if r["losses"]]
     loss_diff = max((abs(g - loss) / max(1.0, abs(loss)) for g in got_losses), default=float("inf"))
-    grad = _worst(((n, i, g, grads.get(n)) for i, r in enumerate(ranks) for n, g in r["grads"][step].items()),
-                  tolerance)
+    grad = _worst(_gradient_pairs(ranks, step, grads), tolerance)
     buffer = _worst(((n, i, b, replica_buffers[r["replica"]].get(n)) for i, r in enumerate(ranks)
                      for n, b in r["buffers"][step + 1].items() if n in replica_buffers[r["replica"]]), tolerance)
     param = _compare_state(ranks, after, ("params",), step + 1, tolerance)
     return StepComparison(step + 1, loss, loss_diff, grad, buffer, param)
 
 
+def _gradient_pairs(ranks: Sequence[dict[str, Any]], step: int, grads: dict[str, torch.Tensor]
+                    ) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor | None]]:
+    """(name, rank, the rank's gradient, the reference's) of every parameter a rank holds at ``step``.
+
+    A parameter whose rank has no gradient where the reference has one (a gradient
+    the ranks lost) counts as a zero gradient against the reference's.
+    """
+    for i, r in enumerate(ranks):
+        got = r["grads"][step]
+        for name, g in got.items():
+            yield name, i, g, grads.get(name)
+        for name in r["params"][step]:
+            want = grads.get(name)
+            if name not in got and want is not None:
+                yield name, i, torch.zeros_like(want), want
+
+
 def _result(
     per_step: list[StepComparison], start: Worst, orphans: list[str], *, steps: int, tolerance: float,
     dtype: str, plan: Plan, traits: ModelTraits, losses: list[float], places: tuple[str, ...],
-    neutralised: tuple[dict[str, int], dict[str, int]],
+    neutralised: tuple[dict[str, int], dict[str, int]], unread: tuple[str, ...] = (),
+    lost_buffers: Sequence[str] = (),
 ) -> VerifyResult:
     def worst_of(kind: str) -> tuple[float, str]:
         best = max(per_step, key=lambda s: getattr(s, kind).value, default=None)
@@ -953,6 +991,11 @@ def _result(
         param_diff, worst_param = float("inf"), f"{orphans[0]} is held by no rank"
         orphan = Worst(float("inf"), worst_param, f"{orphans[0]} (held by no rank)", -1, 1, 1)
         per_step = [dataclasses.replace(s, param=orphan) if s.step == 1 else s for s in per_step]
+    if lost_buffers:  # a buffer the model writes that no stage holds: its updates are lost
+        buffer_diff, worst_buffer = float("inf"), f"{lost_buffers[0]} is written by the model but held by no rank"
+        lost = Worst(float("inf"), worst_buffer, f"{lost_buffers[0]} (written, held by no rank)", -1,
+                     len(lost_buffers), len(lost_buffers))
+        per_step = [dataclasses.replace(s, buffer=lost) if s.step == 1 else s for s in per_step]
     layout = (f"{_plural(plan.dp, 'replica')} x {_plural(plan.microbatches, 'micro-batch', 'micro-batches')} "
               f"of {plan.microbatch_size}")
     return VerifyResult(
@@ -963,6 +1006,6 @@ def _result(
         tolerance=tolerance, losses=tuple(losses),
         max_buffer_diff=buffer_diff, worst_buffer=worst_buffer,
         per_step=tuple(per_step), start_diff=start, dtype=dtype, layout=layout, traits=traits,
-        neutralised=neutralised, rank_places=places, pp=plan.pp,
+        neutralised=neutralised, rank_places=places, pp=plan.pp, unread=unread,
     )
 

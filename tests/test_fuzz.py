@@ -9,9 +9,11 @@
   ranks over 2 steps: ``ok`` or ``refused``, never ``mismatch`` or ``crash``
   (:data:`KNOWN_FAILURES` are strict xfails naming the open bug's reproducer).
 * The fuzzer can fail: a model whose gradient is scaled on the ranks only is a
-  ``mismatch``; one that fails on the ranks only is a ``crash``.
+  ``mismatch`` (with tensor parallelism too: the model's gradient hook moves to the
+  DTensor parameter); one that fails on the ranks only is a ``crash``.
 * Reproducers (slow): every ``tests/models/fuzz_*.py`` the fuzzer found, under its
-  ``FUZZ_LAYOUT``, must verify or be refused; :data:`OPEN_BUGS` are strict xfails until fixed.
+  ``FUZZ_LAYOUT``, must verify or be refused; :data:`OPEN_BUGS` are strict xfails until fixed
+  (none open: each is a regression test; ``tests/test_fuzz_finds.py`` pins each fix in one process).
 
 The long tier is the command line (300 seeds, 4 to 7 minutes on 2 cores)::
 
@@ -51,25 +53,11 @@ from tools.fuzz.run import DEFAULT_SEEDS, TIERS, CaseResult, failure_kind, run_c
 _MODELS = Path(__file__).resolve().parent / "models"
 
 # Default-tier seeds that fail today because of an open bug (strict: a fix makes them pass; then drop them here).
-KNOWN_FAILURES: dict[int, str] = {
-    11: "an input written in place by a stage that nobody reads from: the write is lost "
-        "(tests/models/fuzz_inplace_no_users.py, fuzz_inplace_input.py)",
-}
+KNOWN_FAILURES: dict[int, str] = {}
 
 # Reproducers of bugs not fixed yet: file stem -> the bug (strict xfails: a fix turns them into failures to remove).
-OPEN_BUGS: dict[str, str] = {
-    "fuzz_buffer_update": "buffer ops reading the buffer alone are dropped by symbolic_trace",
-    "fuzz_inplace_input": "verify's reference writes the batch it reuses across steps",
-    "fuzz_inplace_no_users": "an in-place op with no users is split from the readers of what it wrote",
-    "fuzz_split_backward_inplace": "zb-h1/zbv: a linear whose output is written in place gets no gradient",
-    "fuzz_tp_reduced_output": "tp: an output reducing the hidden dimension crashes the backward",
-    "fuzz_tp_inplace_view": "tp: an in-place write through a view of a DTensor activation is lost",
-    "fuzz_tp_buffer_update": "tp: a buffer written in place from an activation crashes the forward",
-    "fuzz_tp_optimizer_shard": "tp 2 with --shard optimizer is planned, then refused by the runtime",
-    "fuzz_recompute_dropout": "verify's dropout neutralisation is not in effect during recomputation",
-    "fuzz_fsdp_inplace_input": "shard full: a stage writing its received input in place crashes",
-    "fuzz_unused_parameter": "verify reports a parameter the forward never reads as held by no rank",
-}
+# Every reproducer of tests/models/fuzz_*.py is fixed (issue 29): each stays as a regression test below.
+OPEN_BUGS: dict[str, str] = {}
 
 
 # ----------------------------------------------------------------- generator
@@ -262,6 +250,18 @@ def test_a_gradient_wrong_on_the_ranks_only_is_a_mismatch(tmp_path: Path) -> Non
     result = run_case(bad, tmp_path / "bad", from_seed=False)
     assert result.outcome == "mismatch", result.detail
     assert failure_kind(result) == "mismatch: gradients" and result.diffs["grad"] > 1e-3
+
+
+@pytest.mark.slow
+def test_a_gradient_hook_survives_tensor_parallelism(tmp_path: Path) -> None:
+    """Tensor parallelism replaces each parameter by a DTensor one: the model's hook moves with it (it was dropped:
+    the scaled gradient verified OK)."""
+    case = make_case(261)
+    layout = dataclasses.replace(case.layout, pp=1, tp=2, recompute="none")
+    bad = dataclasses.replace(case, spec=dataclasses.replace(case.spec, sabotage="grad"), layout=layout)
+    result = run_case(bad, tmp_path, from_seed=False)
+    assert result.chosen.startswith("1x1x2") and result.outcome == "mismatch", result.detail
+    assert failure_kind(result) == "mismatch: gradients"
 
 
 def test_a_model_that_fails_on_the_ranks_only_is_a_crash(tmp_path: Path) -> None:

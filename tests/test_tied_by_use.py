@@ -16,15 +16,17 @@ schedule and mode once; ``AUTOPARTITION_EXHAUSTIVE=1`` runs both models under ev
 schedule x layout.
 
 In process: the plan lists the ties with their stages; clipping counts a tie on
-its first stage only; what the planner refuses before solving (a buffer written in
-forward and read by several blocks; a tied parameter in two fully sharded stages
-of one rank) and what ``--engine torch`` refuses (its split backward with a
+its first stage only; a buffer written in forward by several blocks keeps its
+reads and writes in one stage (refused, naming it, only where they span the whole
+model); what the planner refuses before solving (a tied parameter in two fully
+sharded stages of one rank) and what ``--engine torch`` refuses (its split backward with a
 parameter read at several ops of one stage), each naming the tensor.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +34,7 @@ import torch
 from tied_workers import Job, compare, plan_case, train_jobs
 
 from partitioner.errors import AutopartitionError
+from partitioner.graph.capture import capture, written_state_nodes
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
 from runtime.clip import local_gradients
@@ -221,12 +224,28 @@ def test_clipping_counts_a_tied_weight_on_its_first_stage_only(tmp_path: Path) -
     assert sum(g.numel() for g in (*first, *second)) == whole  # every parameter once
 
 
-def test_a_buffer_written_in_forward_and_read_by_several_blocks_is_refused_before_solving() -> None:
+def test_a_buffer_written_in_forward_by_several_blocks_keeps_its_writes_and_reads_in_one_stage() -> None:
+    """Its reads and writes stay in one stage (the blocks between them too) instead of a refusal: two stages
+    would each update their own copy.  A refusal where they span the whole model, naming the buffer."""
     model_file = load_model_file(f"{ALBERT}:build_batchnorm")
-    with pytest.raises(AutopartitionError, match=r"buffer layer\.norm\.\w+ is written in forward .*--pp 1"):
-        plan_compile(model_file, pp=2, dp=1, schedule="1f1b")
-    plan = plan_compile(model_file, pp=1, dp=2, schedule="1f1b")  # one stage: nothing shared across stages
-    assert plan.pp == 1 and not plan.tied
+    plan = plan_compile(model_file, pp=2, dp=1, schedule="1f1b")
+    captured = capture(model_file.build(), model_file.example_inputs(8), method=plan.model.capture)  # type: ignore[arg-type]
+    touching = written_state_nodes(captured.graph_module)["layer.norm.running_mean"]
+    assert len(touching) == 8 and plan.pp == 2
+    assert [s.index for s in plan.stages if set(touching) & set(s.nodes)] == [0], "one stage holds every write"
+
+    class Ends(torch.nn.Module):  # one BatchNorm first and last: nothing can be cut
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.fc = torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(torch.tanh(self.fc(self.norm(x))))
+
+    ends = SimpleNamespace(build=Ends, example_inputs=lambda n: (torch.randn(n, 6),))
+    with pytest.raises(AutopartitionError, match=r"only 1 blocks to place \(the buffer norm\.\w+ is written in "
+                       r"forward and read from node norm to node norm_1.*--pp 1"):
+        plan_compile(ends, pp=2, dp=1, schedule="1f1b")
 
 
 def plan_compile(model_file: Any, **layout: Any) -> Plan:

@@ -46,6 +46,8 @@ BN_UNET = str(MODELS / "bn_unet.py")
 DROPOUT_MLP = str(MODELS / "dropout_mlp.py")
 MAXPOOL_NET = str(MODELS / "maxpool_net.py")
 MLP = str(MODELS / "mlp.py")
+EMA = str(MODELS / "fuzz_buffer_update.py")
+UNUSED = str(MODELS / "fuzz_unused_parameter.py")
 
 
 def _model(spec: str) -> tuple[Any, nn.Module]:
@@ -253,6 +255,51 @@ def test_ranks_starting_elsewhere_are_reported() -> None:
     assert not result.ok
     assert "the ranks start from other parameters or buffers than the model file builds" in result.summary()
     assert "head.weight on rank 0" in result.summary()
+
+
+def _records(spec: str, plan: Plan, steps: int = 2) -> list[dict[str, Any]]:
+    return _pipeline_records(spec, plan, steps=steps, lr=0.1, tamper=lambda step, model: None)
+
+
+def _verdict(spec: str, plan: Plan, ranks: list[dict[str, Any]], steps: int = 2) -> VerifyResult:
+    return _compare_steps(plan, load_model_file(spec), ranks, steps=steps, lr=0.1, tolerance=1e-5, dtype="float32",
+                          traits=ModelTraits())
+
+
+def test_a_gradient_missing_on_its_rank_is_a_gradient_difference() -> None:
+    """A rank that lost a gradient (the optimizer then skips it) was read as a match (fuzz_split_backward_inplace)."""
+    plan = _plan(pp=1, dp=1, gpus=1, microbatches=2, batch_size=8)
+    ranks = _records(MLP, plan)
+    for grads in ranks[0]["grads"]:
+        del grads["head.bias"]
+    text = _verdict(MLP, plan, ranks).summary()
+    assert text.startswith("MISMATCH: first at step 1 of 2: the loss matches but 1 of 18 gradients differ, the most "
+                           "head.bias on rank 0"), text
+
+
+def test_a_parameter_the_forward_never_reads_is_no_mismatch() -> None:
+    """No rank holds it and the reference never changes it (fuzz_unused_parameter): OK, and said."""
+    plan = _plan(pp=1, dp=1, gpus=1, microbatches=2, batch_size=8)
+    ranks = _records(UNUSED, plan)
+    for params in ranks[0]["params"]:
+        del params["fc.bias"]
+    result = _verdict(UNUSED, plan, ranks)
+    assert result.ok, result.summary()
+    assert "1 parameter the forward never reads (fc.bias): no gradient, held by no rank" in result.summary()
+    for params in ranks[0]["params"]:  # one it reads, held by no rank: still a mismatch
+        del params["head.bias"]
+    assert "head.bias (held by no rank)" in _verdict(UNUSED, plan, ranks).summary()
+
+
+def test_a_buffer_the_model_writes_and_no_rank_holds_is_a_mismatch() -> None:
+    """A counter the stages lost (symbolic tracing dropped ``self.calls.add_(1)``) was never compared."""
+    plan = _plan(pp=1, dp=1, gpus=1, microbatches=2, batch_size=8)
+    ranks = _records(EMA, plan)
+    for buffers in ranks[0]["buffers"]:
+        del buffers["calls"]
+    result = _verdict(EMA, plan, ranks)
+    assert not result.ok
+    assert "buffer calls (written, held by no rank) differs by inf" in result.summary(), result.summary()
 
 
 def test_mismatch_says_whether_the_model_has_random_ops_or_batch_statistics() -> None:

@@ -50,7 +50,8 @@ from torch.utils import _pytree as pytree
 from partitioner.errors import CaptureError
 from partitioner.graph.ir import KIND_KEY, NodeKind
 
-__all__ = ["CallSpec", "CaptureMethod", "CapturedModel", "capture", "model_loss", "split_call"]
+__all__ = ["CallSpec", "CaptureMethod", "CapturedModel", "buffers_written", "capture", "model_loss", "split_call",
+           "written_state_nodes"]
 
 CaptureMethod = Literal["auto", "export", "symbolic_trace"]
 
@@ -323,7 +324,7 @@ class CapturedModel:
         memo: dict[fx.Node, frozenset[str]] = {}
         for index, group in enumerate(groups):
             for name in group:
-                for state in _state_read(self, nodes[name], memo):
+                for state in _state_read(self.graph_module, self.parameter_names, nodes[name], memo):
                     reads.setdefault(state, set()).add(index)
         return {name: tuple(sorted(found)) for name, found in reads.items()}
 
@@ -472,7 +473,21 @@ def _trace(
                                "symbolic tracing takes tensors as whole arguments (use --capture export)")
         else:
             concrete[name] = value
-    gm = fx.GraphModule(model, _LayerTracer().trace(model, concrete_args=concrete or None), type(model).__name__)
+    before = [(name, b, b._version, None if b.is_meta else b.detach().clone()) for name, b in model.named_buffers()]
+    traced = _LayerTracer().trace(model, concrete_args=concrete or None)
+    written = [name for name, b, version, _ in before if b._version != version]
+    if written:
+        # fx records an op only when a traced value flows into it: ``self.calls.add_(1)`` and ``self.ema.mul_(0.9)``
+        # read the real buffer alone, so tracing ran them once on the model and left them out of the graph.
+        with torch.no_grad():
+            for _, b, _, value in before:
+                if value is not None:
+                    b.copy_(value)  # as it was: tracing must not train the model
+        raise CaptureError(
+            f"forward writes the buffer{'s' if len(written) > 1 else ''} {', '.join(written[:3])} in place from "
+            "the buffer alone (e.g. `self.count.add_(1)`), which symbolic tracing runs once instead of recording "
+            "(capture with --capture export, which records it)")
+    gm = fx.GraphModule(model, traced, type(model).__name__)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     _, spec = pytree.tree_flatten(output.args[0])
     by_name = {n.target: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -510,6 +525,7 @@ def _finish(
 ) -> CapturedModel:
     _drop_non_compute(gm)
     _keep_inputs(gm, slots)
+    _thread_input_writes(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     flat, leaf_spec = pytree.tree_flatten(output.args[0])
     if method == "symbolic_trace":
@@ -565,6 +581,51 @@ def _keep_inputs(gm: fx.GraphModule, slots: list[fx.Node]) -> None:
     gm.graph.lint()
 
 
+def _thread_input_writes(gm: fx.GraphModule) -> None:
+    """Make every read of a model input after an op that writes it in place read that op instead.
+
+    ``aux.mul_(0.5)`` early in forward, ``aux`` read near the end: symbolic tracing
+    leaves the later read on the placeholder, so nothing orders the write before it
+    and a stage reading ``aux`` would get the batch as given (the stage writing it
+    gets a copy).  An in-place op returns the tensor it wrote, so reading the op is
+    the same value, now with an edge: a later stage receives the written input
+    from the stage that wrote it.  (``torch.export`` records its graphs this way.)
+    """
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for node in list(gm.graph.nodes):
+        target = node.args[0] if node.args else None
+        if not (isinstance(target, fx.Node) and target.op == "placeholder" and _returns_written_first(gm, node)):
+            continue
+        for user in [u for u in target.users if position[u] > position[node]]:
+            user.replace_input_with(target, node)
+            changed = True
+    if changed:
+        gm.graph.lint()
+
+
+_SELF_RETURNING_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+                                       "iand", "ior", "ixor"})
+
+
+def _returns_written_first(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` writes its first argument in place and returns it (``x.mul_(2)``, ``x += y``,
+    ``torch.relu_(x)``, ``nn.ReLU(inplace=True)(x)``, ``aten.mul_``); not ``x[i] = v``, which returns None."""
+    if node.op == "call_module":
+        return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        schema = node.target._schema
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        back = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+        return bool(first is not None and first.is_write and back is not None and back.is_write)
+    name = _op_name(node)
+    if name in _SELF_RETURNING_OPERATORS or node.kwargs.get("inplace") is True:
+        return True
+    return name.endswith("_") and not name.endswith("__") and not name.startswith("_foreach")
+
+
 def _position(graph: fx.Graph) -> Any:
     index = {n: i for i, n in enumerate(graph.nodes)}
     return lambda n: index[n]
@@ -611,7 +672,10 @@ def _classify(gm: fx.GraphModule) -> None:
                 True for _ in gm.get_submodule(str(node.target)).parameters()
             )
             constant_inputs = all(a.meta[KIND_KEY] in ("buffer", "constant") for a in inputs)
-            kind = "constant" if constant_inputs and not has_params and not _is_random(node) else "compute"
+            # A write into a buffer (``self.count.add_(1)``) is state, not a constant to recompute in every stage.
+            writes = constant_inputs and bool(_buffers_written(gm, node))
+            kind = "constant" if constant_inputs and not has_params and not _is_random(node) and not writes \
+                else "compute"
         node.meta[KIND_KEY] = kind
 
 
@@ -630,30 +694,74 @@ _RUNNING_STATS = frozenset({"batch_norm", "instance_norm", "_native_batch_norm_l
 _INPLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "setitem"})
 
 
-def _state_read(captured: CapturedModel, node: fx.Node, memo: dict[fx.Node, frozenset[str]]) -> frozenset[str]:
+def written_state_nodes(gm: fx.GraphModule) -> dict[str, tuple[str, ...]]:
+    """Each buffer the forward writes (:meth:`CapturedModel.written_buffers`) -> every compute node reading or
+    writing it, in graph order: nodes that must share a stage (each stage would update its own copy).
+
+    >>> class Ema(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.register_buffer("ema", torch.zeros(3))
+    ...     def forward(self, x):
+    ...         self.ema.mul_(0.9).add_(x.mean(0))
+    ...         return x - self.ema
+    >>> written_state_nodes(capture(Ema(), (torch.randn(2, 3),), method="export").graph_module)
+    {'ema': ('mul_', 'add_', 'sub')}
+    """
+    written: set[str] = set()
+    nodes = [n for n in gm.graph.nodes if n.meta.get(KIND_KEY) == "compute"]
+    for node in nodes:
+        written.update(_buffers_written(gm, node))
+    memo: dict[fx.Node, frozenset[str]] = {}
+    holds: dict[fx.Node, set[str]] = {}  # an in-place write returns the buffer it wrote: reading it reads that
+    touching: dict[str, list[str]] = {}
+    for node in nodes:
+        writes = set(_buffers_written(gm, node))
+        if writes and _returns_written_first(gm, node):
+            holds[node] = writes
+        read = set(_state_read(gm, {}, node, memo)).union(*(holds.get(a, set()) for a in node.all_input_nodes))
+        for name in sorted((read | writes) & written):
+            touching.setdefault(name, []).append(node.name)
+    return {name: tuple(found) for name, found in sorted(touching.items())}
+
+
+def _state_read(gm: fx.GraphModule, parameter_names: Mapping[str, str], node: fx.Node,
+                memo: dict[fx.Node, frozenset[str]]) -> frozenset[str]:
     """Parameters (canonical names) and buffers ``node`` reads: its arguments, through constants; a module's own."""
     if node in memo:
         return memo[node]
-    gm, found = captured.graph_module, set[str]()
+    found = set[str]()
     if node.op == "call_module":
         sub = gm.get_submodule(str(node.target))
-        found.update(captured.parameter_names.get(f"{node.target}.{n}", f"{node.target}.{n}")
+        found.update(parameter_names.get(f"{node.target}.{n}", f"{node.target}.{n}")
                      for n, _ in sub.named_parameters(remove_duplicate=False))
         found.update(f"{node.target}.{n}" for n, _ in sub.named_buffers(remove_duplicate=False))
     for arg in node.all_input_nodes:
         kind = arg.meta.get(KIND_KEY)
         if kind == "parameter":
-            found.add(captured.parameter_names.get(str(arg.target), str(arg.target)))
+            found.add(parameter_names.get(str(arg.target), str(arg.target)))
         elif kind == "buffer":
             found.add(str(arg.target))
         elif kind == "constant":  # a buffer's slice or view: duplicated into every stage reading it
-            found.update(_state_read(captured, arg, memo))
+            found.update(_state_read(gm, parameter_names, arg, memo))
     memo[node] = frozenset(found)
     return memo[node]
 
 
+def buffers_written(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """Buffers ``node`` of ``gm`` writes in place (see :meth:`CapturedModel.written_buffers`): a norm module or
+    ``batch_norm`` op updating running statistics in training (aten's ``batch_norm`` schema does not mark them
+    written), an in-place op on a buffer or a view of it, an aten op whose schema writes an argument.
+
+    >>> gm = capture(torch.nn.BatchNorm1d(2), (torch.randn(4, 2),), method="export").graph_module
+    >>> [buffers_written(gm, n) for n in gm.graph.nodes if n.op == "call_function"]
+    [['num_batches_tracked'], ['running_mean', 'running_var']]
+    """
+    return _buffers_written(gm, node)
+
+
 def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> list[str]:
-    """Buffers ``node`` writes in place (see :meth:`CapturedModel.written_buffers`)."""
+    """Buffers ``node`` writes in place (see :func:`buffers_written`)."""
     targets: list[Any] = []
     name = _op_name(node)
     if node.op == "call_module":
@@ -674,9 +782,15 @@ def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> list[str]:
         targets.append(node.args[0])
     written = []
     for target in targets:
-        # A view of a buffer is a constant made from it: follow it back to the buffer itself.
-        while isinstance(target, fx.Node) and target.meta.get(KIND_KEY) == "constant" and target.all_input_nodes:
-            target = target.all_input_nodes[0]
+        # A view of a buffer is a constant made from it, and an in-place op returns what it wrote
+        # (``self.ema.mul_(0.9).add_(x)``): follow either back to the buffer itself.
+        while isinstance(target, fx.Node):
+            if target.meta.get(KIND_KEY) == "constant" and target.all_input_nodes:
+                target = target.all_input_nodes[0]
+            elif target.op != "get_attr" and target.args and _returns_written_first(gm, target):
+                target = target.args[0]
+            else:
+                break
         if isinstance(target, fx.Node) and target.op == "get_attr" and target.meta.get(KIND_KEY) == "buffer":
             written.append(str(target.target))
     return written

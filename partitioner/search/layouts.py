@@ -49,6 +49,7 @@ from partitioner.orders import rank_orders, stage_ranks
 from partitioner.plan import Candidate, Plan
 from partitioner.report.table import schedule_label
 from partitioner.search.options import PlanOptions, Status
+from partitioner.solve.coarsen import pinned_state
 from partitioner.solve.formulate import (
     FULL_MODES,
     HSDP,
@@ -290,7 +291,9 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
             trials.append(Trial(p, d, options.microbatches, single, "skipped", f"batch {batch} does not split into {split}"))
             continue
         if p > blocks:
-            trials.append(Trial(p, d, options.microbatches, single, "skipped", f"only {blocks} blocks to place"))
+            pinned = pinned_state(scaled.captured.graph_module)  # why so few, where a written buffer holds nodes together
+            trials.append(Trial(p, d, options.microbatches, single, "skipped",
+                                f"only {blocks} blocks to place" + (f" ({pinned})" if pinned else "")))
             continue
         shapes = options.schedule_variants(p, blocks)
         # Each shard mode's state bound: a mode whose weights, gradients and optimizer state alone cannot

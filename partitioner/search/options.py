@@ -140,8 +140,9 @@ class PlanOptions:
             return ("none",)
         if self.shard == ZERO3:
             return ()  # the search's ZeRO-3 mode alone (search.layouts._policies)
-        if self.shard != AUTO:
-            return (self.shard,) if shard_refusal(schedule, self.shard) is None else ()
+        if self.shard != AUTO:  # ZeRO-1 over tensor-parallel stages: not run (compile refuses a fixed pair)
+            runs = shard_refusal(schedule, self.shard) is None and not (self.tp > 1 and self.shard == "optimizer")
+            return (self.shard,) if runs else ()
         modes = [m for m in SHARD_MODES if shard_refusal(schedule, m) is None
                  and not (self.tp > 1 and m == "optimizer")]  # ZeRO-1 over tensor-parallel stages: not run
         # A sharded mode that holds and moves no fewer bytes per parameter than another is never worth

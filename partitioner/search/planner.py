@@ -195,6 +195,11 @@ def compile(
     batch = batch_size_of(example_inputs)
     spec, measure, local = resolve_device(device)
     fixed_tp = check_tp(tp, gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, dp=dp)
+    if fixed_tp > 1 and shard == "optimizer" and (dp or (gpus // fixed_tp // pp if pp else 1)) > 1:
+        raise AutopartitionError(
+            f"--tp {fixed_tp} with --shard optimizer: the runtime runs tensor parallelism with replicated or fully "
+            "sharded (FSDP2) stage groups, not optimizer-sharded (ZeRO-1) ones; plan with --shard none, full or "
+            "auto (or --tp 1).")
     per_node = gpus_per_node or (default_gpus_per_node(gpus) if gpus >= 1 else 1)  # gpus < 1: check_options says
     options = check_options(
         gpus=gpus // fixed_tp, batch=batch, microbatches=microbatches, schedule=schedule, pp=pp, dp=dp,

@@ -27,7 +27,7 @@ from partitioner.graph.ir import VALUE_KEY, ValueInfo, compute_nodes, module_pat
 if TYPE_CHECKING:  # types only: this module imports without torch
     from torch import fx
 
-__all__ = ["coarsen"]
+__all__ = ["coarsen", "pinned_state"]
 
 
 def coarsen(gm: fx.GraphModule, *, max_blocks: int, times: dict[str, float] | None = None) -> list[tuple[str, ...]]:
@@ -36,7 +36,7 @@ def coarsen(gm: fx.GraphModule, *, max_blocks: int, times: dict[str, float] | No
     if not nodes:
         return []
     position = {n.name: i for i, n in enumerate(nodes)}
-    cuttable = _cuttable(nodes, position)
+    cuttable = _cuttable(gm, nodes, position)
     paths = [module_path(n).split(".") if module_path(n) else [] for n in nodes]
     depth = max(len(p) for p in paths)
     runs: list[list[int]] = []
@@ -51,7 +51,7 @@ def coarsen(gm: fx.GraphModule, *, max_blocks: int, times: dict[str, float] | No
     return [tuple(nodes[i].name for i in run) for run in runs]
 
 
-def _cuttable(nodes: list[fx.Node], position: dict[str, int]) -> list[bool]:
+def _cuttable(gm: fx.GraphModule, nodes: list[fx.Node], position: dict[str, int]) -> list[bool]:
     """``cuttable[k]``: a stage boundary may fall between node k and node k+1."""
     blocked_until = -1
     ok = [True] * len(nodes)
@@ -65,18 +65,74 @@ def _cuttable(nodes: list[fx.Node], position: dict[str, int]) -> list[bool]:
             ok[k] = False
     # A write into a view of a tensor (``shifted[:, 1:] = ...``, then reads of ``shifted``) must see its base
     # in the same stage: a view sent to another stage arrives as a tensor of its own, and the write would
-    # not reach the base.  No cut from the base to the last such write.
+    # not reach the base.  No cut from the base to the last such write.  The same for a write into the
+    # tensor itself that others read too (``y = fc(h); y.mul_(0.5); tanh(y)``: the op writing has no reader,
+    # nothing else orders it): a stage reading the tensor gets it from its producer's stage, after its
+    # forward, so the write must happen there, and a reader before the write must not be in a later stage.
+    def pin(first: int, last: int) -> None:
+        for j in range(first, last):
+            ok[j] = False
+
     for k, node in enumerate(nodes):
-        target: Any = node.args[0] if _writes_in_place(node) and node.args else None
+        target: Any = node.args[0] if _writes_in_place(gm, node) and node.args else None
         if not hasattr(target, "op"):
             continue
         base: Any = target
         while _op_name(base) in _VIEWS and base.args and hasattr(base.args[0], "op"):
             base = base.args[0]
-        if base is not target and base.name in position:
-            for j in range(position[base.name], k):
-                ok[j] = False
+        if base.name in position and (base is not target or len(base.users) > 1):
+            pin(position[base.name], k)
+        elif base.op == "placeholder" and base is not target:
+            # A write into a view of a model input: every later reader of the input reads it in this stage
+            # (another stage reads the batch as given).
+            pin(k, max((position[u.name] for u in _aliases(base) for u in u.users if u.name in position), default=k))
+    # A buffer the forward writes (a running mean, a counter): its writes and reads stay in one stage, in order
+    # (two stages would each update their own copy).
+    from partitioner.graph.capture import written_state_nodes
+
+    for names in written_state_nodes(gm).values():
+        spots = [position[n] for n in names if n in position]
+        if spots:
+            pin(min(spots), max(spots))
     return ok
+
+
+def pinned_state(gm: fx.GraphModule) -> str:
+    """Why a run of ``gm``'s nodes cannot be cut: the buffer written in forward whose reads and writes span the
+    most nodes (they stay in one stage), or "" when none spans more than one.
+
+    >>> import torch
+    >>> from partitioner.graph.capture import capture
+    >>> class Twice(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.bn = torch.nn.BatchNorm1d(3)
+    ...     def forward(self, x):
+    ...         return self.bn(torch.tanh(self.bn(x)))
+    >>> pinned_state(capture(Twice(), (torch.randn(4, 3),)).graph_module)
+    'the buffer bn.running_var is written in forward and read from node bn to node bn_1, which stay in one stage'
+    """
+    from partitioner.graph.capture import written_state_nodes
+
+    position = {n.name: i for i, n in enumerate(compute_nodes(gm))}
+    spans = [(position[names[-1]] - position[names[0]], name, names) for name, names in written_state_nodes(gm).items()
+             if len(names) > 1 and names[0] in position and names[-1] in position]
+    if not spans:
+        return ""
+    _, name, names = max(spans)
+    return (f"the buffer {name} is written in forward and read from node {names[0]} to node {names[-1]}, which stay "
+            "in one stage")
+
+
+def _aliases(base: Any) -> list[Any]:
+    """``base`` and every view of it (through :data:`_VIEWS` ops), in no order."""
+    found, stack = [base], [base]
+    while stack:
+        for user in stack.pop().users:
+            if _op_name(user) in _VIEWS and user.args and user.args[0] in found and user not in found:
+                found.append(user)
+                stack.append(user)
+    return found
 
 
 # Ops whose output may share its first argument's storage (a superset: a reshape that copies only
@@ -101,10 +157,14 @@ def _op_name(node: Any) -> str:
     return str(getattr(node.target, "__name__", text))
 
 
-def _writes_in_place(node: Any) -> bool:
-    """Does ``node`` write into its first argument (``masked_fill_``, ``copy_``, ``x[i] = v``, ``x += y``)?"""
+def _writes_in_place(gm: fx.GraphModule, node: Any) -> bool:
+    """Does ``node`` write into its first argument (``masked_fill_``, ``copy_``, ``x[i] = v``, ``x += y``,
+    ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``)?"""
+    if node.op == "call_module":
+        return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True
     name = _op_name(node)
-    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS \
+        or node.kwargs.get("inplace") is True
 
 
 def _runs(keys: list[tuple[str, ...]], cuttable: list[bool]) -> list[list[int]]:
