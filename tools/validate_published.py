@@ -144,8 +144,8 @@ def with_efficiencies(values: dict[str, dict[str, float]]) -> None:
     for device, generation in GENERATIONS.items():
         if generation in values and device in devices.DEVICES:
             spec = devices.DEVICES[device]
-            merged = {**dict(spec.efficiency), **values[generation]}
-            devices.DEVICES[device] = dataclasses.replace(spec, efficiency=tuple(sorted(merged.items())))
+            merged = {**dict(spec.efficiency), **values[generation]}  # the device's own order kept
+            devices.DEVICES[device] = dataclasses.replace(spec, efficiency=tuple(merged.items()))
 
 
 # ----------------------------------------------------------------------------- pricing

@@ -94,8 +94,6 @@ AMPERE_RUNS = ("megatron2021-t1-1.7b", "megatron2021-t1-18b", "megatron2021-t1-1
                "bloom-176b-training", "bloom-181b-tp8-pp6-m4", "mosaicml-70b-2048-64-a100",
                "mosaicml-7b-2048-8-a100", "mosaicml-13b-2048-64-a100-40gb")
 A100_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 0.647), ("attention", 0.543), ("memory", 1.0))
-# Streaming multiprocessors (the A100 and H100 SXM whitepapers: 108 and 132 enabled).
-A100_SMS, H100_SMS = 108, 132
 # The 500 W Grand Teton H100's tensor-core peak over the SXM datasheet's, in [835 / 989, 1] (see above):
 # the fit runs into the lower end, the H100 NVL's 835 TFLOP/s, so that is what it is.
 H100_500W_PEAK_SHARE = 835e12 / 989e12
@@ -125,9 +123,6 @@ class DeviceSpec:
     efficiency: tuple[tuple[str, float], ...] = ()
     # The published runs those efficiencies were fitted to (tools/validate_published.py); () : none calibrates it.
     calibrated_by: tuple[str, ...] = ()
-    # Streaming multiprocessors: matrix products run in waves of output tiles (cost.nodecost.wave_efficiency);
-    # 0: no wave model.
-    sm_count: int = 0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
@@ -139,7 +134,7 @@ class DeviceSpec:
 
 def _gpu(
     name: str, fp32: float, half: float, hbm: float, mem_gb: float, link: float, network: float,
-    efficiency: tuple[tuple[str, float], ...] = (), calibrated_by: tuple[str, ...] = (), sm_count: int = 0,
+    efficiency: tuple[tuple[str, float], ...] = (), calibrated_by: tuple[str, ...] = (),
 ) -> DeviceSpec:
     return DeviceSpec(
         name=name,
@@ -153,22 +148,19 @@ def _gpu(
         inter_node_latency=15e-6,
         efficiency=efficiency,
         calibrated_by=calibrated_by,
-        sm_count=sm_count,
     )
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "a100": _gpu("a100", 19.5e12, 312e12, 2.039e12, 80, 300e9, 25e9, A100_EFFICIENCY, AMPERE_RUNS,
-                 A100_SMS),  # HDR 200 Gb/s
+    "a100": _gpu("a100", 19.5e12, 312e12, 2.039e12, 80, 300e9, 25e9, A100_EFFICIENCY, AMPERE_RUNS),  # HDR 200 Gb/s
     "a100-40gb": _gpu("a100-40gb", 19.5e12, 312e12, 1.555e12, 40, 300e9, 25e9, A100_EFFICIENCY,
-                      AMPERE_RUNS, A100_SMS),  # RoCE 1600 Gb/s per node
+                      AMPERE_RUNS),  # RoCE 1600 Gb/s per node
     "a100-opa": _gpu("a100-opa", 19.5e12, 312e12, 2.039e12, 80, 300e9, 6.25e9, A100_EFFICIENCY,
-                     AMPERE_RUNS, A100_SMS),  # 4 x 100 Gb/s OPA per node
-    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS,
-                 H100_SMS),  # NDR 400 Gb/s
+                     AMPERE_RUNS),  # 4 x 100 Gb/s OPA per node
+    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),  # NDR 400 Gb/s
     "h100-500w": _gpu("h100-500w", 67e12 * H100_500W_PEAK_SHARE, 989e12 * H100_500W_PEAK_SHARE, 2.4e12, 96,
-                      450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS, H100_SMS),
-    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS, H100_SMS),
+                      450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
+    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
     # CPU ranks talking over gloo/loopback on this 2-core machine.
     "cpu": DeviceSpec(
         name="cpu",
@@ -206,7 +198,7 @@ def device_spec(name: str) -> DeviceSpec:
 
 
 # A device file's fields: DeviceSpec's, each required but those with a default here.
-_FILE_DEFAULTS: dict[str, Any] = {"kernel_overhead": 5e-6, "message_host_s": 0.0, "calibrated_by": (), "sm_count": 0}
+_FILE_DEFAULTS: dict[str, Any] = {"kernel_overhead": 5e-6, "message_host_s": 0.0, "calibrated_by": ()}
 
 
 def load_device(path: str | os.PathLike[str]) -> DeviceSpec:
@@ -291,5 +283,4 @@ def load_device(path: str | os.PathLike[str]) -> DeviceSpec:
         inter_node_latency=number("inter_node_latency", positive=False),
         efficiency=tuple(sorted(table("efficiency", share=True).items())),
         calibrated_by=tuple(runs),
-        sm_count=int(number("sm_count", positive=False)),
     )

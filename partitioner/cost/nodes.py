@@ -657,7 +657,6 @@ class _CostInterpreter(StandIns):
             saved_float32_bytes=sum(saved_float32),
             weight_backward_s=weight_backward_s if params else 0.0,
             writes_in_place=self.wrote,
-            gemm=_gemm_shape(params, out, forward_flops),
         )
         return pytree.tree_map(_detach, out), cost
 
@@ -1070,25 +1069,6 @@ class _FlopCount(TorchDispatchMode):
         if formula is not None:
             self.total += formula(*args, **kwargs, out_val=out)
         return out
-
-
-def _gemm_shape(params: list[torch.Tensor], out: Any, forward_flops: float) -> tuple[int, ...]:
-    """``(M, N, K)`` of a node multiplying by one 2-D weight (a linear layer, ``F.linear``, ``x @ w``), else ().
-
-    ``N`` is the weight's dimension the output ends in, ``K`` its other; ``M`` the rows the
-    FLOPs imply (``2 M N K``), batch dimensions folded in.
-    """
-    weights = [p for p in params if p.dim() == 2]
-    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    if len(weights) != 1 or len(outputs) != 1 or forward_flops <= 0 or outputs[0].dim() < 1:
-        return ()
-    rows, cols = weights[0].shape
-    last = outputs[0].shape[-1]
-    if last not in (rows, cols):
-        return ()
-    n, k = (rows, cols) if last == rows else (cols, rows)
-    m = round(forward_flops / (2 * n * k))
-    return (m, n, k) if m >= 1 else ()
 
 
 def _is_view(out: Any, inputs: Any) -> bool:

@@ -329,8 +329,8 @@ def shard_layout(plan: Plan, stage: StagePlan) -> tuple[int, int]:
 
     >>> from partitioner.plan import example_plan
     >>> plan = dataclasses.replace(example_plan(), gpus=32, pp=2, dp=16, gpus_per_node=8)
-    >>> shard_layout(plan, dataclasses.replace(plan.stages[0], shard="full"))
-    (2, 8)
+    >>> [shard_layout(plan, dataclasses.replace(plan.stages[0], shard="full", shard_span=span)) for span in ("node", "world")]
+    [(2, 8), (1, 16)]
     """
     per_node = max(1, (plan.gpus_per_node or plan.gpus) // plan.tp)
     whole_nodes = plan.dp > per_node and plan.dp % per_node == 0

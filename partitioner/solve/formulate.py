@@ -172,7 +172,6 @@ class GraphCosts:
     node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
     node_writes_in_place: frozenset[str] = frozenset()  # nodes writing an input in place (no per-op recomputation)
-    node_gemm: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # (M, N, K): NodeCost.gemm
     split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
     split_share: float = 0.0  # and this share of the node's forward + backward seconds
     split_forward: float = 0.0  # the part of the split's cost spent in F
@@ -275,7 +274,7 @@ def node_times(
     >>> from partitioner.cost.devices import DEVICES
     >>> c = {"mm": NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 0, "float32")}
     >>> [round(f * 1e3, 3) for f in node_times(c, DEVICES["h100"], precision="bf16-mixed")["mm"]]
-    [1.434, 2.862]
+    [1.356, 2.708]
     """
     check_precision(precision)
     if measure:
@@ -366,7 +365,6 @@ def graph_costs(
         split_overhead_s=split_overhead_s,
         split_share=split_share,
         node_writes_in_place=frozenset(k for k, c in costs.items() if c.writes_in_place),
-        node_gemm={k: c.gemm for k, c in costs.items() if c.gemm},
         split_forward=split_forward,
         split_weight=split_weight,
         action_s=action_s,

@@ -135,5 +135,4 @@ def _scaled(cost: NodeCost, factor: float) -> NodeCost:
         io_bytes=round(cost.weight_bytes + (cost.io_bytes - cost.weight_bytes) * factor),
         saved_float32_bytes=None if cost.saved_float32_bytes is None else round(cost.saved_float32_bytes * factor),
         weight_backward_s=cost.weight_backward_s * factor,
-        gemm=(max(1, round(cost.gemm[0] * factor)), *cost.gemm[1:]) if cost.gemm else (),
     )

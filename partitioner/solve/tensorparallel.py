@@ -46,7 +46,6 @@ from typing import Any
 
 from partitioner.cost.comm import link
 from partitioner.cost.devices import DeviceSpec
-from partitioner.cost.nodecost import gemm_waves
 from partitioner.cost.precision import activation_scale
 from partitioner.cost.tensorparallel import (
     head_share,
@@ -120,25 +119,6 @@ def tp_comm_seconds(
     return out
 
 
-def _split_waves(graph: GraphCosts, layout: TPLayout, share: Mapping[str, int], sms: int) -> dict[str, tuple[float, float]]:
-    """Per split matrix product, (forward, backward) wave efficiency after the split over before it.
-
-    A column split divides the product's ``N``, a row split its ``K`` (cost.nodecost.gemm_waves):
-    the smaller product fills less of its last wave, so its time divides by less than the split.
-    """
-    out: dict[str, tuple[float, float]] = {}
-    for name, gemm in graph.node_gemm.items():
-        role = layout.roles.get(name)
-        ways = share.get(name, 1)
-        if role is None or ways <= 1 or name in layout.whole or role.role not in ("column", "row"):
-            continue
-        m, n, k = gemm
-        split = (m, max(1, n // ways), k) if role.role == "column" else (m, n, max(1, k // ways))
-        (f0, b0), (f1, b1) = gemm_waves(gemm, sms), gemm_waves(split, sms)
-        out[name] = (f1 / f0, b1 / b0)
-    return out
-
-
 def tensor_parallel_costs(
     graph: GraphCosts, layout: TPLayout, *, tp: int, spec: DeviceSpec, precision: str, sequence_parallel: bool = True
 ) -> GraphCosts:
@@ -176,9 +156,6 @@ def tensor_parallel_costs(
 
     time = per_node(graph.node_time_s)
     forward = per_node(graph.node_forward_s)
-    for name, (f, b) in _split_waves(graph, layout, share, spec.sm_count).items():  # smaller products, emptier waves
-        time[name] = forward[name] / f + (time[name] - forward[name]) / b
-        forward[name] /= f
     for name, (f, b) in comm.items():
         time[name] = time.get(name, 0.0) + f + b
         forward[name] = forward.get(name, 0.0) + f
