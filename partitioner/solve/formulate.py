@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
+import typing
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from partitioner.cost.comm import (
@@ -177,6 +178,22 @@ class GraphCosts:
     split_forward: float = 0.0  # the part of the split's cost spent in F
     split_weight: float = 0.0  # and in W (the rest in B)
     action_s: float = 0.0  # host seconds the runtime adds per compute action (a calibration's; partitioner.cost.calibration)
+    # Sums over a tuple of names (a block, a layer run, a block's inputs), kept by the tuple's identity: every
+    # (dp, M) problem formulated from these costs asks for the same ones (not copied by dataclasses.replace).
+    _sums: dict[tuple[Any, ...], tuple[Any, Any]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+
+    def _kept(self, kind: str, names: Iterable[str], precision: str,
+              total: Callable[[Iterable[str], str], float]) -> float:
+        """``total(names, precision)``, kept for a tuple of names (held with the sum, so its id stays its own)."""
+        if not isinstance(names, tuple):
+            return total(names, precision)
+        sums = self.__dict__.setdefault("_sums", {})  # (set by __init__; not when unpickled)
+        key = (kind, id(names), precision)
+        found = sums.get(key)
+        if found is None or found[0] is not names:
+            found = sums[key] = (names, total(names, precision))
+        return found[1]
 
     def saved_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
         """Activation bytes ``names`` save for backward at ``precision`` (one micro-batch, dp = 1).
@@ -185,6 +202,9 @@ class GraphCosts:
         integer indices and masks do not.  A node whose float32 part is not known
         is taken by its output's dtype.
         """
+        return self._kept("saved", names, precision, self._saved_bytes)
+
+    def _saved_bytes(self, names: Iterable[str], precision: str) -> float:
         half = 1.0 - activation_scale(precision, "float32")
         total = 0.0
         for n in names:
@@ -197,6 +217,9 @@ class GraphCosts:
 
     def value_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
         """Bytes of the values ``names`` produce at ``precision`` (one micro-batch, dp = 1)."""
+        return self._kept("value", names, precision, self._value_bytes)
+
+    def _value_bytes(self, names: Iterable[str], precision: str) -> float:
         return sum(
             self.node_output_bytes.get(n, 0) * activation_scale(precision, self.node_dtype.get(n, "float32"))
             for n in names
@@ -574,6 +597,34 @@ class Zero3Costs:
     transient_bytes: float
 
 
+_Costs = typing.TypeVar("_Costs")
+
+
+def _kept_per_graph(function: Callable[..., _Costs]) -> Callable[..., _Costs]:
+    """``function(graph, **keywords)`` (a pure function of the costs and its keywords), kept with ``graph``: the
+    search asks again for what it priced for every (dp, M, mode) trial.  Keywords that do not hash (a
+    :class:`~partitioner.cost.devices.DeviceSpec`) are told apart by identity and held with the answer."""
+
+    @functools.wraps(function)
+    def kept(graph: GraphCosts, **keywords: Any) -> _Costs:
+        held, key = [], []
+        for name, value in sorted(keywords.items()):
+            try:
+                hash(value)
+                key.append((name, value))
+            except TypeError:
+                key.append((name, id(value)))
+                held.append(value)
+        sums = graph.__dict__.setdefault("_sums", {})
+        found = sums.get((function.__name__, *key))
+        if found is None or any(a is not b for a, b in zip(found[0], held, strict=True)):
+            found = sums[(function.__name__, *key)] = (tuple(held), function(graph, **keywords))
+        return found[1]
+
+    return kept
+
+
+@_kept_per_graph
 def zero3_costs(
     graph: GraphCosts, *, dp: int, spec: DeviceSpec, precision: str, gpus_per_node: int | None,
     span: str = "world", unit: str = "layer",
