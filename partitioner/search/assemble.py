@@ -353,7 +353,7 @@ def _lower(plan: Plan) -> Plan:
     lowered = lower(compute_order(plan.schedule, ranks=plan.pp, microbatches=plan.microbatches, chunks=plan.chunks),
                     sends_to=sends_to, receives_from=receives_from, stage_rank=plan.stage_ranks(), kind=plan.schedule)
     validate(lowered, sends_to=sends_to, receives_from=receives_from, stage_rank=plan.stage_ranks())
-    return dataclasses.replace(plan, actions=tuple(tuple(str(a) for a in row) for row in lowered.actions))
+    return plan.with_schedule(lowered)
 
 
 
@@ -362,7 +362,7 @@ def predict(plan: Plan) -> Plan:
 
     Checked against the plan's own bounds (:func:`check_bounds`): no plan leaves here faster than physics.
     """
-    sim = simulate(plan)
+    sim = simulate(plan, timeline=False)  # the step, busy seconds and peaks: no events needed
     flops, peak = plan.predicted.model_flops, plan.cost_model.peak_flops
     return check_bounds(dataclasses.replace(plan, predicted=StepPrediction(
         step_s=sim.step_s,
