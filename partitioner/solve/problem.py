@@ -501,7 +501,21 @@ class _Parts:
     blocks: list[list[int]]  # each stage's blocks, in block order
 
 
+# The last split's parts: a split is priced by several functions in a row (its recomputation, then its
+# memory per stage and per rank: refinement's fits), each of which needs them.  Tuples only (immutable).
+_LAST_PARTS: list[tuple[PartitionProblem, Sequence[int], int, _Parts]] = []
+
+
 def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _Parts:
+    if _LAST_PARTS and _LAST_PARTS[0][0] is problem and _LAST_PARTS[0][1] is stage_of and _LAST_PARTS[0][2] == stages:
+        return _LAST_PARTS[0][3]
+    parts = _split_parts(problem, stage_of, stages)
+    if isinstance(stage_of, tuple):
+        _LAST_PARTS[:] = [(problem, stage_of, stages, parts)]
+    return parts
+
+
+def _split_parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _Parts:
     static, activation, kept, peak = [0.0] * stages, [0.0] * stages, [0.0] * stages, [0.0] * stages
     extra: list[float] = [0.0] * stages
     blocks: list[list[int]] = [[] for _ in range(stages)]
@@ -681,10 +695,14 @@ def _ops_of(ops: Sequence[int] | None, stages: int) -> tuple[int, ...]:
     return tuple(int(k) for k in ops)
 
 
-def _flights(problem: PartitionProblem, stages: int, microbatches: int, schedule: ScheduleKind) -> list[int]:
+def _flights(problem: PartitionProblem, stages: int, microbatches: int, schedule: ScheduleKind) -> tuple[int, ...]:
     """Each stage's micro-batches in flight (:func:`in_flight`), with the problem's chunks where it places stages."""
-    chunks = problem.chunks if problem.stage_rank is not None else None
-    return [in_flight(s, stages, microbatches, schedule, chunks=chunks) for s in range(stages)]
+    return _stage_flights(stages, microbatches, schedule, problem.chunks if problem.stage_rank is not None else None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_flights(stages: int, microbatches: int, schedule: ScheduleKind, chunks: int | None) -> tuple[int, ...]:
+    return tuple(in_flight(s, stages, microbatches, schedule, chunks=chunks) for s in range(stages))
 
 
 def choose_recompute(
