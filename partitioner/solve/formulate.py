@@ -509,8 +509,8 @@ def formulate(
         else:
             shared.append((held, fast, tuple(blocks)))
             shared_slow.append(slow)
-    last = n - 1
-    sent = [scale * graph.sent_bytes(b, precision) for b in range(n)]
+    sums = _block_sums(graph, precision=precision)  # per block, before the replicas' share (scale)
+    sent = [scale * x for x in sums.sent]
     recomputable = bool(graph.block_inputs)  # else: costs made by hand, without block inputs
     optional: dict[str, Any] = {
         "transfer_slow_s": tuple(2 * inter.message_seconds(b) for b in sent),
@@ -519,20 +519,14 @@ def formulate(
         "allreduce_latency_slow_s": ring.latency_seconds(dp),
         "replicas": dp,
         "gpus_per_node": gpus_per_node,
-        "recompute_bytes": tuple(
-            scale * graph.value_bytes(graph.block_inputs[b], precision) for b in range(n)
-        ) if recomputable else None,
-        "recompute_s": tuple(
-            scale * sum(graph.node_forward_s[m] for m in members) for members in graph.blocks
-        ) if recomputable else None,
+        "recompute_bytes": tuple(scale * x for x in sums.inputs) if recomputable else None,
+        "recompute_s": tuple(scale * x for x in sums.forward) if recomputable else None,
         "recompute_peak_bytes": _layer_peaks(graph, scale, precision) if recomputable and graph.layer_runs else None,
         **(_cheap_recompute(graph, scale, precision) if recomputable and graph.node_flops else {}),
-        "layer_start": _layer_starts(graph) if recomputable and graph.layer_runs else None,
+        "layer_start": sums.layer_start if recomputable and graph.layer_runs else None,
         "recompute": recompute,
         "message_host_s": spec.message_host_s,
-        "weight_s": tuple(
-            scale * sum(graph.node_weight_s.get(m, 0.0) for m in members) for members in graph.blocks
-        ) if graph.node_weight_s else None,
+        "weight_s": tuple(scale * x for x in sums.weight) if graph.node_weight_s else None,
         # Host time per call: the same whatever the replicas' share of the micro-batch (no scale);
         # the part that grows with the op scales with it.
         "split_s": tuple(
@@ -543,8 +537,7 @@ def formulate(
         "split_weight": graph.split_weight,
         "action_s": graph.action_s,
     }
-    times = [scale * (sum(graph.node_time_s[m] for m in members) + (sum(graph.loss_s) if b == last else 0.0))
-             for b, members in enumerate(graph.blocks)]
+    times = [scale * x for x in sums.time]
     if zero3:
         z = zero3_costs(graph, dp=dp, spec=spec, precision=precision, gpus_per_node=gpus_per_node, span=span,
                         unit=zero3_unit)
@@ -555,7 +548,7 @@ def formulate(
     return PartitionProblem(
         time_s=tuple(times),
         static_bytes=tuple(static),
-        activation_bytes=tuple(scale * graph.saved_bytes(members, precision) for members in graph.blocks),
+        activation_bytes=tuple(scale * x for x in sums.saved),
         allreduce_s=tuple(allreduce),
         transfer_s=tuple(2 * intra.message_seconds(b) for b in sent),  # activation forward, gradient back
         edges=graph.edges,
@@ -718,6 +711,57 @@ def layer_runs(graph_nodes: Iterable[Any]) -> list[tuple[str, ...]]:
     return [tuple(names) for _, names in runs]
 
 
+@dataclasses.dataclass(frozen=True)
+class _BlockSums:
+    """Per block, what :func:`formulate` scales by the replicas' share (``1 / dp``): the same for every dp."""
+
+    sent: tuple[float, ...]  # bytes sent to one other stage
+    inputs: tuple[float, ...]  # bytes kept when recomputed (its layer's inputs)
+    forward: tuple[float, ...]  # forward seconds (a recomputation's)
+    weight: tuple[float, ...]  # W seconds
+    time: tuple[float, ...]  # forward + backward seconds (the loss's on the last block)
+    saved: tuple[float, ...]  # activation bytes
+    layer_start: tuple[bool, ...]
+    run_saved: tuple[float, ...]  # activation bytes of each layer run
+    op_kept: tuple[float, ...]  # bytes kept when recomputing only the cheap ops (_cheap_recompute)
+    op_again: tuple[float, ...]  # and the seconds that takes
+
+
+@_kept_per_graph
+def _block_sums(graph: GraphCosts, *, precision: str) -> _BlockSums:
+    """:class:`_BlockSums` of ``graph`` at ``precision`` (kept with it: every (dp, M) problem asks)."""
+    last = len(graph.blocks) - 1
+    recomputable = bool(graph.block_inputs)
+    op_kept: list[float] = []
+    op_again: list[float] = []
+    if recomputable and graph.node_flops:
+        run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}
+        writing = {run_of.get(name, -1) for name in graph.node_writes_in_place}
+        for b, members in enumerate(graph.blocks):
+            if any(run_of.get(m, -2) in writing or m in graph.node_writes_in_place for m in members):
+                op_kept.append(graph.value_bytes(graph.block_inputs[b], precision))
+                op_again.append(sum(graph.node_forward_s[m] for m in members))
+                continue
+            heavy = [m for m in members if graph.node_flops.get(m, 0.0) > 0]
+            light = [m for m in members if graph.node_flops.get(m, 0.0) <= 0]
+            op_kept.append(graph.value_bytes(graph.block_inputs[b], precision) + graph.value_bytes(heavy, precision))
+            op_again.append(sum(graph.node_forward_s[m] for m in light))
+    return _BlockSums(
+        sent=tuple(graph.sent_bytes(b, precision) for b in range(len(graph.blocks))),
+        inputs=tuple(graph.value_bytes(graph.block_inputs[b], precision)
+                     for b in range(len(graph.blocks))) if recomputable else (),
+        forward=tuple(sum(graph.node_forward_s[m] for m in members) for members in graph.blocks),
+        weight=tuple(sum(graph.node_weight_s.get(m, 0.0) for m in members) for members in graph.blocks),
+        time=tuple(sum(graph.node_time_s[m] for m in members) + (sum(graph.loss_s) if b == last else 0.0)
+                   for b, members in enumerate(graph.blocks)),
+        saved=tuple(graph.saved_bytes(members, precision) for members in graph.blocks),
+        layer_start=_layer_starts(graph) if graph.layer_runs else (),
+        run_saved=tuple(graph.saved_bytes(run, precision) for run in graph.layer_runs),
+        op_kept=tuple(op_kept),
+        op_again=tuple(op_again),
+    )
+
+
 def _cheap_recompute(graph: GraphCosts, scale: float, precision: str) -> dict[str, tuple[float, ...]]:
     """``op_kept_bytes`` and ``op_recompute_s`` per block: per-op selective recomputation.
 
@@ -732,19 +776,9 @@ def _cheap_recompute(graph: GraphCosts, scale: float, precision: str) -> dict[st
     writing into an output the policy saved, so runtime/recompute.py recomputes it wholly): its
     blocks are priced as recomputing wholly.
     """
-    run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}
-    writing = {run_of.get(name, -1) for name in graph.node_writes_in_place}
-    kept, again = [], []
-    for b, members in enumerate(graph.blocks):
-        if any(run_of.get(m, -2) in writing or m in graph.node_writes_in_place for m in members):
-            kept.append(scale * graph.value_bytes(graph.block_inputs[b], precision))
-            again.append(scale * sum(graph.node_forward_s[m] for m in members))
-            continue
-        heavy = [m for m in members if graph.node_flops.get(m, 0.0) > 0]
-        light = [m for m in members if graph.node_flops.get(m, 0.0) <= 0]
-        kept.append(scale * (graph.value_bytes(graph.block_inputs[b], precision) + graph.value_bytes(heavy, precision)))
-        again.append(scale * sum(graph.node_forward_s[m] for m in light))
-    return {"op_kept_bytes": tuple(kept), "op_recompute_s": tuple(again)}
+    sums = _block_sums(graph, precision=precision)  # the sums below, before the replicas' share
+    return {"op_kept_bytes": tuple(scale * x for x in sums.op_kept),
+            "op_recompute_s": tuple(scale * x for x in sums.op_again)}
 
 
 def _layer_starts(graph: GraphCosts) -> tuple[bool, ...]:
@@ -764,8 +798,14 @@ def _layer_peaks(graph: GraphCosts, scale: float, precision: str) -> tuple[float
     The runtime recomputes a whole layer before its backward, so a recomputing stage holds one
     layer's activations at a time, not one of the solver's smaller blocks'.
     """
-    run_bytes = [scale * graph.saved_bytes(run, precision) for run in graph.layer_runs]
+    sums = _block_sums(graph, precision=precision)
+    run_bytes = [scale * x for x in sums.run_saved]
+    own = [scale * x for x in sums.saved]
+    return tuple(max([own[b], *(run_bytes[r] for r in runs)]) for b, runs in enumerate(_block_runs(graph)))
+
+
+@_kept_per_graph
+def _block_runs(graph: GraphCosts) -> tuple[tuple[int, ...], ...]:
+    """Per block, the layer run of each of its nodes that has one, in the block's order (kept with the graph)."""
     run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}
-    own = [scale * graph.saved_bytes(members, precision) for members in graph.blocks]
-    return tuple(max([own[b], *(run_bytes[run_of[m]] for m in members if m in run_of)])
-                 for b, members in enumerate(graph.blocks))
+    return tuple(tuple(run_of[m] for m in members if m in run_of) for members in graph.blocks)
