@@ -501,7 +501,11 @@ def _stage_tables(
     tables = []
     values: list[np.ndarray] = []
     used: dict[tuple[bool, bool], np.ndarray] = {}  # (slow link, recomputed): where some variant uses it
+    unlimited: dict[bool, np.ndarray] = {}  # without a memory limit the micro-batches in flight change nothing
     for flight, slow in variants:
+        if limit is None and slow in unlimited:
+            tables.append(unlimited[slow])
+            continue
         base = frontiers.cost_slow if slow and frontiers.cost_slow is not None else frontiers.cost
         keep = everywhere if limit is None else frontiers.static + flight * frontiers.activation <= limit
         redo = nowhere
@@ -525,6 +529,8 @@ def _stage_tables(
                 table[rows, cols] = base[rows, cols] + extra
                 values.append(table[rows, cols])
         tables.append(table)
+        if limit is None:
+            unlimited[slow] = table
         for flag, where in ((False, keep), (True, redo)):
             if where is not nowhere:
                 used[slow, flag] = used[slow, flag] | where if (slow, flag) in used else where
