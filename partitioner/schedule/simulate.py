@@ -530,6 +530,9 @@ class _Run:
         self.last_backward: list[tuple[float, float] | None] = [None] * stages  # last B, or W when split
 
     def execute(self) -> None:
+        if not self.timeline:
+            self._execute_lean()
+            return
         while True:
             progressed = False
             for r, row in enumerate(self.rows):
@@ -537,6 +540,80 @@ class _Run:
                     self.cursor[r] += 1
                     progressed = True
             if all(self.cursor[r] == len(row) for r, row in enumerate(self.rows)):
+                return
+            if not progressed:
+                raise ScheduleError(f"The schedule deadlocks in simulation: {self._stuck()}.")
+
+    def _execute_lean(self) -> None:
+        """:meth:`execute` without a timeline: :meth:`_step`'s rules and arithmetic, in the same order, inlined
+        (a long schedule runs millions of actions; a call and a record per action were most of their cost)."""
+        rows, cursor, clock, where = self.rows, self.cursor, self.clock, self.where
+        c, host, arrival, link_free, seconds = self.costs, self.host, self.arrival, self.link_free, self.seconds
+        forward, backward, weight, activation, during = c.forward, c.backward, c.weight, c.activation, c.during_backward
+        remote_in, remote_out, split, factor = self.remote_in, self.remote_out, self.split, self._factor
+        busy, held, peak, in_flight, most = self.busy, self.held, self.peak_memory, self.in_flight, self.peak_in_flight
+        last_backward = self.last_backward
+        while True:
+            progressed = False
+            for r, row in enumerate(rows):
+                k, count = cursor[r], len(row)
+                while k < count:
+                    a = row[k]
+                    kind, s, i = a.kind, a.stage, a.microbatch
+                    now = clock[r]
+                    if kind == "RF" or kind == "RB":
+                        keys = [("F", p, s, i) for p in remote_in[s]] if kind == "RF" else \
+                            [("B", t, s, i) for t in remote_out[s]]
+                        if not all(key in arrival for key in keys):
+                            break
+                        clock[r] = max([now] + [arrival[key] for key in keys]) + host * len(keys)
+                    elif kind == "SF" or kind == "SB":
+                        peers = remote_out[s] if kind == "SF" else remote_in[s]
+                        for peer in peers:  # _send
+                            link = (where[s], where[peer])
+                            start = max(clock[where[s]], link_free.get(link, 0.0))
+                            link_free[link] = start + (seconds[s][peer] if kind == "SF" else seconds[peer][s])
+                            arrival["F" if kind == "SF" else "B", s, peer, i] = link_free[link]
+                        clock[r] = now + host * len(peers)
+                    elif kind == "F":
+                        end = now + forward[s] * factor()
+                        busy[r] += end - now
+                        in_flight[r] += 1  # _hold(r, now, +1, activation)
+                        most[r] = max(most[r], in_flight[r])
+                        held[r] += 1 * activation[s] + 0.0
+                        peak[r] = max(peak[r], held[r])
+                        clock[r] = end
+                    elif kind == "B":
+                        end = now + (backward[s] - (weight[s] if split[s] else 0.0)) * factor()
+                        busy[r] += end - now
+                        if during[s]:
+                            held[r] += during[s]
+                            peak[r] = max(peak[r], held[r])
+                        if split[s]:
+                            if during[s]:
+                                held[r] += -during[s]
+                                peak[r] = max(peak[r], held[r])
+                        else:  # _hold(r, end, -1, activation, extra=-during)
+                            in_flight[r] += -1
+                            most[r] = max(most[r], in_flight[r])
+                            held[r] += -1 * activation[s] + -during[s]
+                            peak[r] = max(peak[r], held[r])
+                            last_backward[s] = (now, end)
+                        clock[r] = end
+                    else:  # "W"
+                        end = now + weight[s] * factor()
+                        busy[r] += end - now
+                        in_flight[r] += -1
+                        most[r] = max(most[r], in_flight[r])
+                        held[r] += -1 * activation[s] + 0.0
+                        peak[r] = max(peak[r], held[r])
+                        last_backward[s] = (now, end)
+                        clock[r] = end
+                    k += 1
+                if k != cursor[r]:
+                    cursor[r] = k
+                    progressed = True
+            if all(cursor[r] == len(row) for r, row in enumerate(rows)):
                 return
             if not progressed:
                 raise ScheduleError(f"The schedule deadlocks in simulation: {self._stuck()}.")
