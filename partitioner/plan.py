@@ -287,6 +287,22 @@ class CostModelInfo:
     calibrated_by: tuple[str, ...] = dataclasses.field(default=(), metadata={ADDED_IN_VERSION: 3})
 
 
+# Parsed schedules by their actions table (Plan.schedule_data), and a schedule's actions table by the schedule
+# (Plan.with_schedule); each entry holds both, so their ids stay their own while kept.
+_SCHEDULES: dict[tuple[int, str, int], tuple[Any, Schedule]] = {}
+_STRINGS: dict[tuple[int, str, int], tuple[Any, Schedule]] = {}
+_KEPT = 8
+
+
+def _remember(actions: Any, schedule: Schedule) -> tuple[Any, Schedule]:
+    """Keep ``schedule`` as the parse of ``actions`` (the oldest entries beyond :data:`_KEPT` dropped)."""
+    for table in (_SCHEDULES, _STRINGS):
+        while len(table) >= _KEPT:
+            table.pop(next(iter(table)))
+    found = _SCHEDULES[(id(actions), schedule.kind, schedule.microbatches)] = (actions, schedule)
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     format_version: int
@@ -356,7 +372,23 @@ class Plan:
         return tuple(s.rank for s in self.stages)
 
     def schedule_data(self) -> Schedule:
-        return Schedule.from_strings(self.schedule, self.microbatches, self.actions)
+        # Parsed once per actions table: the planner simulates copies of a plan (dataclasses.replace) that share it.
+        found = _SCHEDULES.get((id(self.actions), self.schedule, self.microbatches))
+        if found is not None and found[0] is self.actions:
+            return found[1]
+        return _remember(self.actions, Schedule.from_strings(self.schedule, self.microbatches, self.actions))[1]
+
+    def with_schedule(self, schedule: Schedule) -> Plan:
+        """The plan running ``schedule`` (its actions as strings), whose :meth:`schedule_data` is ``schedule``
+        itself, not parsed again (the planner lowers a schedule and simulates it at once)."""
+        if (schedule.kind, schedule.microbatches) != (self.schedule, self.microbatches):
+            return dataclasses.replace(self, actions=tuple(tuple(str(a) for a in row) for row in schedule.actions))
+        key = (id(schedule), schedule.kind, schedule.microbatches)
+        found = _STRINGS.get(key)
+        if found is None or found[1] is not schedule:
+            found = _remember(tuple(tuple(str(a) for a in row) for row in schedule.actions), schedule)
+            _STRINGS[key] = found
+        return dataclasses.replace(self, actions=found[0])
 
     def sends_to(self) -> tuple[tuple[int, ...], ...]:
         return stage_topology(self.stages)[0]

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from torch import fx
@@ -34,7 +35,7 @@ from partitioner.graph.capture import CapturedModel
 from partitioner.graph.ir import KIND_KEY
 from partitioner.plan import StagePlan
 
-__all__ = ["StageSignature", "build_stage", "closure", "stage_signature"]
+__all__ = ["StageSignature", "build_stage", "closure", "closures", "stage_signature"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,16 +60,25 @@ def stage_signature(stage: StagePlan, *, model_outputs: tuple[str, ...], last: b
 
 def closure(gm: fx.GraphModule, compute: set[str]) -> list[str]:
     """``compute`` plus every parameter, buffer and constant node they need, in graph order."""
+    return closures(gm, [compute])[0]
+
+
+def closures(gm: fx.GraphModule, computes: Sequence[set[str]]) -> list[list[str]]:
+    """:func:`closure` of each set of ``computes`` (the graph indexed once for all: a plan's every stage)."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    keep = set(compute)
-    stack = [nodes[name] for name in compute]
-    while stack:
-        node = stack.pop()
-        for arg in node.all_input_nodes:
-            if arg.name not in keep and arg.meta.get(KIND_KEY) in ("parameter", "buffer", "constant"):
-                keep.add(arg.name)
-                stack.append(arg)
-    return [n.name for n in gm.graph.nodes if n.name in keep]
+    position = {name: i for i, name in enumerate(nodes)}
+    out = []
+    for compute in computes:
+        keep = set(compute)
+        stack = [nodes[name] for name in compute]
+        while stack:
+            node = stack.pop()
+            for arg in node.all_input_nodes:
+                if arg.name not in keep and arg.meta.get(KIND_KEY) in ("parameter", "buffer", "constant"):
+                    keep.add(arg.name)
+                    stack.append(arg)
+        out.append(sorted(keep, key=position.__getitem__))
+    return out
 
 
 def build_stage(

@@ -174,7 +174,13 @@ def _lower(
     plain = Schedule(kind, microbatches, tuple(tuple(row) for row in rows))
     send_order = _send_order(rows, topology)
     moved = Schedule(kind, microbatches, tuple(_receive_in_send_order(row, rows, topology, send_order) for row in rows))
-    return moved if moved == plain or _deadlock(moved, topology) is None else plain
+    if moved == plain:
+        return plain
+    if _deadlock(moved, topology) is not None:
+        return plain
+    # validate() need not run it again for this topology.
+    _remember(_RAN, _run_key(moved, sends_to, receives_from, stage_rank), moved)
+    return moved
 
 
 def validate(
@@ -188,7 +194,7 @@ def validate(
 
     A schedule object validated once for a topology is not checked again (it is immutable).
     """
-    key = (id(schedule), _tupled(sends_to), _tupled(receives_from), None if stage_rank is None else tuple(stage_rank))
+    key = _run_key(schedule, sends_to, receives_from, stage_rank)
     if key in _VALID and _VALID[key] is schedule:
         return
     if len(sends_to) != len(receives_from):
@@ -198,7 +204,8 @@ def validate(
     split = schedule.splits_backward
     for r, row in enumerate(schedule.actions):
         _check_row(r, row, schedule.microbatches, topology, split)
-    _dry_run(schedule, topology)
+    if not (key in _RAN and _RAN[key] is schedule):  # lower() dry-ran the receives it moved
+        _dry_run(schedule, topology)
     _remember(_VALID, key, schedule)  # the schedule is held, so its id names it while it is kept
 
 
@@ -208,6 +215,13 @@ def validate(
 _CACHE_SIZE = 16  # lowered schedules kept (one is a few MB at 128 ranks x 128 micro-batches)
 _LOWERED: dict[Any, Schedule] = {}
 _VALID: dict[Any, Schedule] = {}
+_RAN: dict[Any, Schedule] = {}  # schedules dry-run without a deadlock, by topology
+
+
+def _run_key(schedule: Schedule, sends_to: Sequence[Sequence[int]], receives_from: Sequence[Sequence[int]],
+             stage_rank: Sequence[int] | None) -> tuple[Any, ...]:
+    """A schedule object and a topology (the schedule is held where this keys it, so its id names it)."""
+    return id(schedule), _tupled(sends_to), _tupled(receives_from), None if stage_rank is None else tuple(stage_rank)
 
 
 def _tupled(rows: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -343,12 +357,13 @@ def _check_row(r: int, row: Sequence[Action], M: int, topo: _Topology, split: bo
             raise ScheduleError(f"Action {a} appears twice in rank {r}'s list.")
         seen[a.stage, a.kind, a.microbatch] = position
     held = [s for s in range(n) if topo.where[s] == r]
+    present = {(t, k) for t, k, _ in seen}
     for s in held:
         sends, receives = bool(topo.remote_out[s]), bool(topo.remote_in[s])
         needed = ["F", "B"] + (["W"] if split else []) + (["SF", "RB"] if sends else []) + (
             ["RF", "SB"] if receives else [])
         for kind in ("SF", "RB", "RF", "SB"):
-            if kind not in needed and any(k == kind and t == s for t, k, _ in seen):
+            if kind not in needed and (s, kind) in present:
                 raise ScheduleError(f"Stage {s} has a {kind} action but no peer on another rank for it.")
         for i in range(M):
             for kind in needed:
@@ -372,18 +387,28 @@ def _check_row(r: int, row: Sequence[Action], M: int, topo: _Topology, split: bo
 
 def _dry_run(schedule: Schedule, topo: _Topology) -> None:
     """Execute the lists with blocking receives and non-blocking sends; fail on a deadlock."""
-    done: set[tuple[int, str, int]] = set()
+    done: set[tuple[int, str, int]] = set()  # the sends posted (all a receive waits for: _waiting_for)
     cursor = [0] * schedule.ranks
     rows = schedule.actions
+    remote_in, remote_out = topo.remote_in, topo.remote_out
     while True:
         progressed = False
         for r, row in enumerate(rows):
-            while cursor[r] < len(row):
-                a = row[cursor[r]]
-                if _waiting_for(a, topo, done):
-                    break
-                done.add((a.stage, a.kind, a.microbatch))
-                cursor[r] += 1
+            c, end = cursor[r], len(row)
+            while c < end:
+                a = row[c]
+                kind = a.kind
+                if kind == "RF":
+                    if any((p, "SF", a.microbatch) not in done for p in remote_in[a.stage]):
+                        break
+                elif kind == "RB":
+                    if any((t, "SB", a.microbatch) not in done for t in remote_out[a.stage]):
+                        break
+                elif kind in ("SF", "SB"):
+                    done.add((a.stage, kind, a.microbatch))
+                c += 1
+            if c != cursor[r]:
+                cursor[r] = c
                 progressed = True
         if all(cursor[r] == len(rows[r]) for r in range(len(rows))):
             return

@@ -633,6 +633,37 @@ def move_block(stage_of: Sequence[int], source: int, target: int) -> tuple[int, 
     return out
 
 
+class _Moves:
+    """:func:`move_block` of one split to every pair of stages, from its stages' first and last blocks.
+
+    Each boundary shift between ``source`` and ``target`` hands one block on: a stage's last (moving
+    forward) or first (moving back), which is its own or the one it was just handed; so the blocks
+    that move follow from each stage's extremes and counts, without scanning the split per shift.
+    """
+
+    def __init__(self, stage_of: tuple[int, ...], stages: int) -> None:
+        self.stage_of = stage_of
+        self.first, self.last, self.count = [len(stage_of)] * stages, [-1] * stages, [0] * stages
+        for v, s in enumerate(stage_of):
+            self.first[s] = min(self.first[s], v)
+            self.last[s] = max(self.last[s], v)
+            self.count[s] += 1
+
+    def move(self, source: int, target: int) -> tuple[int, ...] | None:
+        """``move_block(stage_of, source, target)``."""
+        if self.count[source] <= 1:
+            return None  # the source would be emptied
+        forward = source < target
+        out = list(self.stage_of)
+        handed: int | None = None
+        for s in range(source, target) if forward else range(source, target, -1):
+            own = self.last[s] if forward else self.first[s]
+            block = own if handed is None else (max(own, handed) if forward else min(own, handed))
+            out[block] = s + 1 if forward else s - 1
+            handed = block
+        return tuple(out)
+
+
 def refine_split(
     problem: PartitionProblem,
     stage_of: Sequence[int],
@@ -679,13 +710,16 @@ def refine_split(
             moves += 1
     farthest = stages - 1 if reach is None else min(reach, stages - 1)
     pairs = [(a, b) for d in range(1, farthest + 1) for a in range(stages) for b in (a + d, a - d) if 0 <= b < stages]
+    moves_of = _Moves(best, stages)
     improved = True
     while improved and sim.simulations < budget:
         improved = False
         for a, b in pairs:
             if sim.simulations >= budget:
                 break
-            candidate = move_block(best, a, b)
+            if moves_of.stage_of is not best:
+                moves_of = _Moves(best, stages)
+            candidate = moves_of.move(a, b)  # move_block(best, a, b)
             if candidate is None or check_assignment(problem, candidate, stages) is not None:
                 continue
             recompute = sim.recompute(candidate)

@@ -222,6 +222,7 @@ def simulate_schedule(
     message_host_s: float = 0.0,
     jitter: float = 0.0,
     samples: int = JITTER_SAMPLES,
+    timeline: bool = True,
 ) -> Simulation:
     """Run ``schedule`` in simulated time; raise :class:`ScheduleError` if it deadlocks.
 
@@ -243,7 +244,9 @@ def simulate_schedule(
     ``samples`` times (seeds 0, 1, ...: the same result every call) with every
     F, B and W drawn at random about its given (median) seconds, and the run
     with the median step is returned: waiting on a late peer costs a tightly coupled schedule (1F1B)
-    more than one whose W actions can fill the gap (zero bubble).
+    more than one whose W actions can fill the gap (zero bubble).  ``timeline=False``: no events and
+    no memory timeline (``events`` and ``memory`` empty), the same step, busy seconds and peaks (what a
+    prediction reads, at a fraction of the cost for a long schedule).
     """
     where = tuple(range(schedule.ranks)) if stage_rank is None else tuple(stage_rank)
     stages = len(where)
@@ -275,9 +278,10 @@ def simulate_schedule(
     costs = _Costs(forward, backward, weight, static, activation, during_backward)
     if not jitter > 0:
         return _simulate_once(_Run(schedule, where, costs, sends_to, receives_from, seconds,
-                                   message_host_s=message_host_s), reduce, counts)
+                                   message_host_s=message_host_s, timeline=timeline), reduce, counts)
     runs = [_simulate_once(_Run(schedule, where, costs, sends_to, receives_from, seconds,
-                                message_host_s=message_host_s, draw=_lognormal(jitter, seed=seed)), reduce, counts)
+                                message_host_s=message_host_s, draw=_lognormal(jitter, seed=seed),
+                                timeline=timeline), reduce, counts)
             for seed in range(max(1, samples))]
     middle = statistics.median_low([r.step_s for r in runs])
     return next(r for r in runs if r.step_s == middle)
@@ -300,7 +304,8 @@ def _simulate_once(run: _Run, reduce: list[float], counts: list[int]) -> Simulat
         link_free[r] = max([link_free[r]] + [end for _, end in spans[s]])
     for s in range(stages):
         for k, (start, end) in enumerate(spans[s]):
-            events.append(TimelineEvent(where[s], f"AR{k}", f"{s}AR{k}", -1, ALLREDUCE_KIND, start, end))
+            if run.timeline:
+                events.append(TimelineEvent(where[s], f"AR{k}", f"{s}AR{k}", -1, ALLREDUCE_KIND, start, end))
             ends[where[s]] = max(ends[where[s]], end)
     return Simulation(
         events=tuple(events),
@@ -308,14 +313,15 @@ def _simulate_once(run: _Run, reduce: list[float], counts: list[int]) -> Simulat
         rank_end_s=tuple(ends),
         busy_s=tuple(
             sum(e.duration_s for e in row if e.kind in COMPUTE_KINDS) for row in run.events
-        ),
+        ) if run.timeline else tuple(run.busy),
         peak_in_flight=tuple(run.peak_in_flight),
-        peak_memory_bytes=tuple(max(b for _, b in points) for points in run.memory),
-        memory=tuple(tuple(points) for points in run.memory),
+        peak_memory_bytes=tuple(max(b for _, b in points) for points in run.memory) if run.timeline
+        else tuple(run.peak_memory),
+        memory=tuple(tuple(points) for points in run.memory) if run.timeline else (),
     )
 
 
-def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simulation:
+def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None, timeline: bool = True) -> Simulation:
     """Simulate one step of ``plan`` from its saved numbers alone.
 
     Stage times and all-reduce seconds are the plan's predictions (the planner
@@ -327,7 +333,8 @@ def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simul
     recomputing stage holds its largest block's activations during each
     backward; buckets default to DDP's ``bucket_cap_mb`` split of each stage's
     parameters, and to one for a sharded stage group (its collectives run whole
-    after its last backward, :mod:`partitioner.cost.comm`).
+    after its last backward, :mod:`partitioner.cost.comm`).  ``timeline=False``: without the events
+    and the memory timeline (:func:`simulate_schedule`).
     """
     stages = plan.stages
     if buckets is None:
@@ -351,6 +358,7 @@ def simulate(plan: Plan, *, buckets: int | Sequence[int] | None = None) -> Simul
         backward_bytes=[float(getattr(st.predicted, "recompute_peak_bytes", 0.0)) for st in stages],
         message_host_s=plan.cost_model.message_host_s,
         jitter=plan.cost_model.action_jitter,
+        timeline=timeline,
     )
     # No rank finishes before its links have moved the step's bytes (schedule/bounds.py): the schedule above
     # queues each pair of ranks' messages and each rank's collectives on their own, not on one shared port.
@@ -490,9 +498,11 @@ class _Run:
         *,
         message_host_s: float = 0.0,
         draw: Callable[[], float] | None = None,
+        timeline: bool = True,
     ) -> None:
         stages, ranks = len(where), schedule.ranks
         self.host = message_host_s
+        self.timeline = timeline  # False: no events or memory points, only their sums and peaks
         self.draw = draw  # a factor per compute action (jitter), or None: every action as given
         if len(sends_to) != stages or len(receives_from) != stages:
             raise ScheduleError(f"The schedule has {stages} stages but the topology has {len(sends_to)}.")
@@ -514,9 +524,15 @@ class _Run:
         self.peak_in_flight = [0] * ranks
         held = [sum(costs.static[s] for s in range(stages) if where[s] == r) for r in range(ranks)]
         self.memory: list[list[tuple[float, float]]] = [[(0.0, held[r])] for r in range(ranks)]
+        # Without a timeline: each rank's bytes now and at most, and its compute seconds summed in event order.
+        self.held, self.peak_memory = list(held), list(held)
+        self.busy: list[float | int] = [0] * ranks
         self.last_backward: list[tuple[float, float] | None] = [None] * stages  # last B, or W when split
 
     def execute(self) -> None:
+        if not self.timeline:
+            self._execute_lean()
+            return
         while True:
             progressed = False
             for r, row in enumerate(self.rows):
@@ -524,6 +540,80 @@ class _Run:
                     self.cursor[r] += 1
                     progressed = True
             if all(self.cursor[r] == len(row) for r, row in enumerate(self.rows)):
+                return
+            if not progressed:
+                raise ScheduleError(f"The schedule deadlocks in simulation: {self._stuck()}.")
+
+    def _execute_lean(self) -> None:
+        """:meth:`execute` without a timeline: :meth:`_step`'s rules and arithmetic, in the same order, inlined
+        (a long schedule runs millions of actions; a call and a record per action were most of their cost)."""
+        rows, cursor, clock, where = self.rows, self.cursor, self.clock, self.where
+        c, host, arrival, link_free, seconds = self.costs, self.host, self.arrival, self.link_free, self.seconds
+        forward, backward, weight, activation, during = c.forward, c.backward, c.weight, c.activation, c.during_backward
+        remote_in, remote_out, split, factor = self.remote_in, self.remote_out, self.split, self._factor
+        busy, held, peak, in_flight, most = self.busy, self.held, self.peak_memory, self.in_flight, self.peak_in_flight
+        last_backward = self.last_backward
+        while True:
+            progressed = False
+            for r, row in enumerate(rows):
+                k, count = cursor[r], len(row)
+                while k < count:
+                    a = row[k]
+                    kind, s, i = a.kind, a.stage, a.microbatch
+                    now = clock[r]
+                    if kind == "RF" or kind == "RB":
+                        keys = [("F", p, s, i) for p in remote_in[s]] if kind == "RF" else \
+                            [("B", t, s, i) for t in remote_out[s]]
+                        if not all(key in arrival for key in keys):
+                            break
+                        clock[r] = max([now] + [arrival[key] for key in keys]) + host * len(keys)
+                    elif kind == "SF" or kind == "SB":
+                        peers = remote_out[s] if kind == "SF" else remote_in[s]
+                        for peer in peers:  # _send
+                            link = (where[s], where[peer])
+                            start = max(clock[where[s]], link_free.get(link, 0.0))
+                            link_free[link] = start + (seconds[s][peer] if kind == "SF" else seconds[peer][s])
+                            arrival["F" if kind == "SF" else "B", s, peer, i] = link_free[link]
+                        clock[r] = now + host * len(peers)
+                    elif kind == "F":
+                        end = now + forward[s] * factor()
+                        busy[r] += end - now
+                        in_flight[r] += 1  # _hold(r, now, +1, activation)
+                        most[r] = max(most[r], in_flight[r])
+                        held[r] += 1 * activation[s] + 0.0
+                        peak[r] = max(peak[r], held[r])
+                        clock[r] = end
+                    elif kind == "B":
+                        end = now + (backward[s] - (weight[s] if split[s] else 0.0)) * factor()
+                        busy[r] += end - now
+                        if during[s]:
+                            held[r] += during[s]
+                            peak[r] = max(peak[r], held[r])
+                        if split[s]:
+                            if during[s]:
+                                held[r] += -during[s]
+                                peak[r] = max(peak[r], held[r])
+                        else:  # _hold(r, end, -1, activation, extra=-during)
+                            in_flight[r] += -1
+                            most[r] = max(most[r], in_flight[r])
+                            held[r] += -1 * activation[s] + -during[s]
+                            peak[r] = max(peak[r], held[r])
+                            last_backward[s] = (now, end)
+                        clock[r] = end
+                    else:  # "W"
+                        end = now + weight[s] * factor()
+                        busy[r] += end - now
+                        in_flight[r] += -1
+                        most[r] = max(most[r], in_flight[r])
+                        held[r] += -1 * activation[s] + 0.0
+                        peak[r] = max(peak[r], held[r])
+                        last_backward[s] = (now, end)
+                        clock[r] = end
+                    k += 1
+                if k != cursor[r]:
+                    cursor[r] = k
+                    progressed = True
+            if all(cursor[r] == len(row) for r, row in enumerate(rows)):
                 return
             if not progressed:
                 raise ScheduleError(f"The schedule deadlocks in simulation: {self._stuck()}.")
@@ -590,6 +680,10 @@ class _Run:
         self._add_memory(r, when, delta * nbytes + extra)
 
     def _add_memory(self, r: int, when: float, nbytes: float) -> None:
+        if not self.timeline:
+            self.held[r] += nbytes
+            self.peak_memory[r] = max(self.peak_memory[r], self.held[r])
+            return
         _, before = self.memory[r][-1]
         self.memory[r].append((when, before + nbytes))
 
@@ -597,6 +691,10 @@ class _Run:
         return 1.0 if self.draw is None else self.draw()
 
     def _record(self, r: int, a: Action, start: float, end: float) -> None:
+        if not self.timeline:
+            if a.kind in COMPUTE_KINDS:
+                self.busy[r] += end - start  # as TimelineEvent.duration_s, summed in the same order
+            return
         label = f"{a.kind}{a.microbatch}"
         self.events[r].append(TimelineEvent(r, label, str(a), a.microbatch, a.kind, start, end))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import fx
@@ -69,7 +70,7 @@ from partitioner.solve.problem import (
     stage_rank_of,
     within_limit,
 )
-from partitioner.stagegraph import StageSignature, build_stage, closure, stage_signature
+from partitioner.stagegraph import StageSignature, build_stage, closures, stage_signature
 from partitioner.units import format_seconds
 
 __all__ = ["build_plan", "check_bounds", "dtype_peaks", "mfu_peak_flops", "model_flops_utilization", "predict", "stage_codes",
@@ -139,7 +140,22 @@ def _microbatch_size(solved: Solved, options: PlanOptions) -> int:
 
 
 
+# The last few (model, capture, inputs) described: every plan of a search builds the same ModelInfo (the
+# fingerprint walks the whole graph); the objects are held with it, so their ids stay theirs while kept.
+_MODEL_INFOS: dict[tuple[int, int, int], tuple[tuple[Any, ...], ModelInfo]] = {}
+
+
 def _model_info(model: torch.nn.Module, captured: CapturedModel, micro: tuple[torch.Tensor, ...]) -> ModelInfo:
+    key = (id(model), id(captured), id(micro))
+    found = _MODEL_INFOS.get(key)
+    if found is None or any(a is not b for a, b in zip(found[0], (model, captured, micro), strict=True)):
+        if len(_MODEL_INFOS) >= 4:
+            _MODEL_INFOS.pop(next(iter(_MODEL_INFOS)))
+        found = _MODEL_INFOS[key] = ((model, captured, micro), _describe_model(model, captured, micro))
+    return found[1]
+
+
+def _describe_model(model: torch.nn.Module, captured: CapturedModel, micro: tuple[torch.Tensor, ...]) -> ModelInfo:
     return ModelInfo(
         class_name=type(model).__name__,
         fingerprint=graph_fingerprint(captured.graph_module),
@@ -245,8 +261,9 @@ def _stages(
     if not splits_backward(kind):
         added = in_forward = [0.0] * count
     stages: list[StagePlan] = []
+    needed = closures(gm, compute_sets)
     for s in range(count):
-        names = closure(gm, compute_sets[s])
+        names = needed[s]
         model_inputs = tuple(dict.fromkeys(
             a.name for n in names for a in nodes[n].all_input_nodes if a.op == "placeholder"))
         inputs = tuple(b for b in boundaries if b.target == s)
@@ -353,7 +370,7 @@ def _lower(plan: Plan) -> Plan:
     lowered = lower(compute_order(plan.schedule, ranks=plan.pp, microbatches=plan.microbatches, chunks=plan.chunks),
                     sends_to=sends_to, receives_from=receives_from, stage_rank=plan.stage_ranks(), kind=plan.schedule)
     validate(lowered, sends_to=sends_to, receives_from=receives_from, stage_rank=plan.stage_ranks())
-    return dataclasses.replace(plan, actions=tuple(tuple(str(a) for a in row) for row in lowered.actions))
+    return plan.with_schedule(lowered)
 
 
 
@@ -362,7 +379,7 @@ def predict(plan: Plan) -> Plan:
 
     Checked against the plan's own bounds (:func:`check_bounds`): no plan leaves here faster than physics.
     """
-    sim = simulate(plan)
+    sim = simulate(plan, timeline=False)  # the step, busy seconds and peaks: no events needed
     flops, peak = plan.predicted.model_flops, plan.cost_model.peak_flops
     return check_bounds(dataclasses.replace(plan, predicted=StepPrediction(
         step_s=sim.step_s,
@@ -533,8 +550,9 @@ def _tied(captured: CapturedModel, stages: tuple[StagePlan, ...]) -> tuple[TiedP
         for name in st.parameters:
             groups.setdefault(captured.parameter_names.get(name, name), [name])
     tied = []
+    held = [set(st.parameters) for st in stages]
     for canonical, aliases in sorted(groups.items()):
-        holders = tuple(st.index for st in stages if set(aliases) & set(st.parameters))
+        holders = tuple(st.index for st, names in zip(stages, held, strict=True) if set(aliases) & names)
         if len(aliases) > 1 or len(holders) > 1:
             tied.append(TiedParameter(canonical, tuple(sorted(aliases)), holders))
     return tuple(tied)

@@ -53,7 +53,7 @@ import dataclasses
 import difflib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -261,10 +261,10 @@ def compile(
             + (f" (tp stays 1: {why})" if why else ""))
     sized = _SizedGraphs(model, example_inputs, captured, micro)
     if tp_degrees == [1]:
-        return _plan_layout(model, captured, micro, scaled, options, sized, say=say)
+        return _plan_layout(model, captured, micro, scaled, options, sized, say=say).finished()
     # Tensor parallelism: the same search for gpus / tp groups per degree, on costs scaled per degree
     # (solve/tensorparallel.py); the fastest simulated plan wins.
-    plans: list[Plan] = []
+    plans: list[tuple[Plan, _Layout]] = []
     failures: list[tuple[int, AutopartitionError]] = []
     for degree in tp_degrees:
         if degree == 1:
@@ -278,22 +278,49 @@ def compile(
             scaled_t = TensorParallelCosts(scaled, tp_layout, degree, settings)
         say(f"tensor parallel {degree}: searching {plural(settings.gpus, 'group')} of {plural(degree, 'GPU')}")
         try:
-            plan = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say)
+            layout = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say)
         except InfeasibleError as exc:
             failures.append((degree, exc))
             say(f"tensor parallel {degree}: nothing fits")
             continue
+        # A traced graph's values are propagated again at each micro-batch size (_SizedGraphs): its stage code
+        # is written now, at this plan's size; an exported graph's never change, so only the winner's is.
+        if sized.captured.method != "export":
+            layout = _Layout(layout.finished(), None)
+        plan = layout.plan
         if degree > 1:
             assert isinstance(scaled_t, TensorParallelCosts)
             plan = as_tensor_parallel(plan, scaled_t, gpus=options.gpus, gpus_per_node=options.gpus_per_node)
         say(f"tensor parallel {degree}: best step {format_seconds(plan.predicted.step_s)}")
-        plans.append(plan)
+        plans.append((plan, layout))
     if not plans:
         raise failures[0][1]
-    best = min(plans, key=lambda p: (p.predicted.step_s, p.tp))
+    best, layout = min(plans, key=lambda p: (p[0].predicted.step_s, p[0].tp))
+    if layout.finish is not None:
+        done = layout.finished()
+        best = dataclasses.replace(best, stage_code=done.stage_code, block_graph=done.block_graph)
     say(f"chose tensor parallel {best.tp}: {plural(best.pp, 'pipeline rank')} x {plural(best.dp, 'replica')} x "
         f"tp {best.tp}, step {format_seconds(best.predicted.step_s)}")
     return best
+
+
+class _Layout(NamedTuple):
+    """A degree's plan, without its stage code and block graph (written for the chosen plan only) while
+    ``finish`` is not None."""
+
+    plan: Plan
+    finish: tuple[CapturedModel, GraphCosts, Solved] | None
+
+    def finished(self) -> Plan:
+        """The plan with its stage code and block graph."""
+        if self.finish is None:
+            return self.plan
+        captured, graph, best = self.finish
+        return dataclasses.replace(
+            self.plan,
+            stage_code=stage_codes(captured, self.plan),
+            block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
+        )
 
 
 def _plan_layout(
@@ -305,8 +332,9 @@ def _plan_layout(
     sized: _SizedGraphs,
     *,
     say: Status,
-) -> Plan:
-    """Search every pp x dp x M x schedule for ``options.gpus`` devices, simulate the best, build the winner."""
+) -> _Layout:
+    """Search every pp x dp x M x schedule for ``options.gpus`` devices, simulate the best, build the winner
+    (:meth:`_Layout.finished` writes its stage code)."""
     trials, solved = search(scaled, options, say=say)
     if not solved:
         raise infeasible_error(scaled, options, trials)
@@ -333,13 +361,11 @@ def _plan_layout(
     say(f"chose {ranks} x {plural(best.dp, 'replica')}, "
         f"{plural(best.microbatches, 'micro-batch', 'micro-batches')}, {schedule_label(best.schedule, best.chunks)}")
     # Stage code is for people to read: generated once, for the chosen plan only.
-    return dataclasses.replace(
+    return _Layout(dataclasses.replace(
         plan,
         candidates=candidate_rows(trials, by_key[combination_key(best)], options),
         solver=dataclasses.replace(plan.solver, refinement=refined.get(combination_key(best))),
-        stage_code=stage_codes(captured, plan),
-        block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
-    )
+    ), (captured, graph, best))
 
 
 

@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
+import typing
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from partitioner.cost.comm import (
@@ -177,6 +178,22 @@ class GraphCosts:
     split_forward: float = 0.0  # the part of the split's cost spent in F
     split_weight: float = 0.0  # and in W (the rest in B)
     action_s: float = 0.0  # host seconds the runtime adds per compute action (a calibration's; partitioner.cost.calibration)
+    # Sums over a tuple of names (a block, a layer run, a block's inputs), kept by the tuple's identity: every
+    # (dp, M) problem formulated from these costs asks for the same ones (not copied by dataclasses.replace).
+    _sums: dict[tuple[Any, ...], tuple[Any, Any]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+
+    def _kept(self, kind: str, names: Iterable[str], precision: str,
+              total: Callable[[Iterable[str], str], float]) -> float:
+        """``total(names, precision)``, kept for a tuple of names (held with the sum, so its id stays its own)."""
+        if not isinstance(names, tuple):
+            return total(names, precision)
+        sums = self.__dict__.setdefault("_sums", {})  # (set by __init__; not when unpickled)
+        key = (kind, id(names), precision)
+        found = sums.get(key)
+        if found is None or found[0] is not names:
+            found = sums[key] = (names, total(names, precision))
+        return found[1]
 
     def saved_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
         """Activation bytes ``names`` save for backward at ``precision`` (one micro-batch, dp = 1).
@@ -185,6 +202,9 @@ class GraphCosts:
         integer indices and masks do not.  A node whose float32 part is not known
         is taken by its output's dtype.
         """
+        return self._kept("saved", names, precision, self._saved_bytes)
+
+    def _saved_bytes(self, names: Iterable[str], precision: str) -> float:
         half = 1.0 - activation_scale(precision, "float32")
         total = 0.0
         for n in names:
@@ -197,6 +217,9 @@ class GraphCosts:
 
     def value_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
         """Bytes of the values ``names`` produce at ``precision`` (one micro-batch, dp = 1)."""
+        return self._kept("value", names, precision, self._value_bytes)
+
+    def _value_bytes(self, names: Iterable[str], precision: str) -> float:
         return sum(
             self.node_output_bytes.get(n, 0) * activation_scale(precision, self.node_dtype.get(n, "float32"))
             for n in names
@@ -486,8 +509,8 @@ def formulate(
         else:
             shared.append((held, fast, tuple(blocks)))
             shared_slow.append(slow)
-    last = n - 1
-    sent = [scale * graph.sent_bytes(b, precision) for b in range(n)]
+    sums = _block_sums(graph, precision=precision)  # per block, before the replicas' share (scale)
+    sent = [scale * x for x in sums.sent]
     recomputable = bool(graph.block_inputs)  # else: costs made by hand, without block inputs
     optional: dict[str, Any] = {
         "transfer_slow_s": tuple(2 * inter.message_seconds(b) for b in sent),
@@ -496,20 +519,14 @@ def formulate(
         "allreduce_latency_slow_s": ring.latency_seconds(dp),
         "replicas": dp,
         "gpus_per_node": gpus_per_node,
-        "recompute_bytes": tuple(
-            scale * graph.value_bytes(graph.block_inputs[b], precision) for b in range(n)
-        ) if recomputable else None,
-        "recompute_s": tuple(
-            scale * sum(graph.node_forward_s[m] for m in members) for members in graph.blocks
-        ) if recomputable else None,
+        "recompute_bytes": tuple(scale * x for x in sums.inputs) if recomputable else None,
+        "recompute_s": tuple(scale * x for x in sums.forward) if recomputable else None,
         "recompute_peak_bytes": _layer_peaks(graph, scale, precision) if recomputable and graph.layer_runs else None,
         **(_cheap_recompute(graph, scale, precision) if recomputable and graph.node_flops else {}),
-        "layer_start": _layer_starts(graph) if recomputable and graph.layer_runs else None,
+        "layer_start": sums.layer_start if recomputable and graph.layer_runs else None,
         "recompute": recompute,
         "message_host_s": spec.message_host_s,
-        "weight_s": tuple(
-            scale * sum(graph.node_weight_s.get(m, 0.0) for m in members) for members in graph.blocks
-        ) if graph.node_weight_s else None,
+        "weight_s": tuple(scale * x for x in sums.weight) if graph.node_weight_s else None,
         # Host time per call: the same whatever the replicas' share of the micro-batch (no scale);
         # the part that grows with the op scales with it.
         "split_s": tuple(
@@ -520,8 +537,7 @@ def formulate(
         "split_weight": graph.split_weight,
         "action_s": graph.action_s,
     }
-    times = [scale * (sum(graph.node_time_s[m] for m in members) + (sum(graph.loss_s) if b == last else 0.0))
-             for b, members in enumerate(graph.blocks)]
+    times = [scale * x for x in sums.time]
     if zero3:
         z = zero3_costs(graph, dp=dp, spec=spec, precision=precision, gpus_per_node=gpus_per_node, span=span,
                         unit=zero3_unit)
@@ -532,7 +548,7 @@ def formulate(
     return PartitionProblem(
         time_s=tuple(times),
         static_bytes=tuple(static),
-        activation_bytes=tuple(scale * graph.saved_bytes(members, precision) for members in graph.blocks),
+        activation_bytes=tuple(scale * x for x in sums.saved),
         allreduce_s=tuple(allreduce),
         transfer_s=tuple(2 * intra.message_seconds(b) for b in sent),  # activation forward, gradient back
         edges=graph.edges,
@@ -574,6 +590,34 @@ class Zero3Costs:
     transient_bytes: float
 
 
+_Costs = typing.TypeVar("_Costs")
+
+
+def _kept_per_graph(function: Callable[..., _Costs]) -> Callable[..., _Costs]:
+    """``function(graph, **keywords)`` (a pure function of the costs and its keywords), kept with ``graph``: the
+    search asks again for what it priced for every (dp, M, mode) trial.  Keywords that do not hash (a
+    :class:`~partitioner.cost.devices.DeviceSpec`) are told apart by identity and held with the answer."""
+
+    @functools.wraps(function)
+    def kept(graph: GraphCosts, **keywords: Any) -> _Costs:
+        held, key = [], []
+        for name, value in sorted(keywords.items()):
+            try:
+                hash(value)
+                key.append((name, value))
+            except TypeError:
+                key.append((name, id(value)))
+                held.append(value)
+        sums = graph.__dict__.setdefault("_sums", {})
+        found = sums.get((function.__name__, *key))
+        if found is None or any(a is not b for a, b in zip(found[0], held, strict=True)):
+            found = sums[(function.__name__, *key)] = (tuple(held), function(graph, **keywords))
+        return found[1]
+
+    return kept
+
+
+@_kept_per_graph
 def zero3_costs(
     graph: GraphCosts, *, dp: int, spec: DeviceSpec, precision: str, gpus_per_node: int | None,
     span: str = "world", unit: str = "layer",
@@ -669,6 +713,57 @@ def layer_runs(graph_nodes: Iterable[Any]) -> list[tuple[str, ...]]:
     return [tuple(names) for _, names in runs]
 
 
+@dataclasses.dataclass(frozen=True)
+class _BlockSums:
+    """Per block, what :func:`formulate` scales by the replicas' share (``1 / dp``): the same for every dp."""
+
+    sent: tuple[float, ...]  # bytes sent to one other stage
+    inputs: tuple[float, ...]  # bytes kept when recomputed (its layer's inputs)
+    forward: tuple[float, ...]  # forward seconds (a recomputation's)
+    weight: tuple[float, ...]  # W seconds
+    time: tuple[float, ...]  # forward + backward seconds (the loss's on the last block)
+    saved: tuple[float, ...]  # activation bytes
+    layer_start: tuple[bool, ...]
+    run_saved: tuple[float, ...]  # activation bytes of each layer run
+    op_kept: tuple[float, ...]  # bytes kept when recomputing only the cheap ops (_cheap_recompute)
+    op_again: tuple[float, ...]  # and the seconds that takes
+
+
+@_kept_per_graph
+def _block_sums(graph: GraphCosts, *, precision: str) -> _BlockSums:
+    """:class:`_BlockSums` of ``graph`` at ``precision`` (kept with it: every (dp, M) problem asks)."""
+    last = len(graph.blocks) - 1
+    recomputable = bool(graph.block_inputs)
+    op_kept: list[float] = []
+    op_again: list[float] = []
+    if recomputable and graph.node_flops:
+        run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}
+        writing = {run_of.get(name, -1) for name in graph.node_writes_in_place}
+        for b, members in enumerate(graph.blocks):
+            if any(run_of.get(m, -2) in writing or m in graph.node_writes_in_place for m in members):
+                op_kept.append(graph.value_bytes(graph.block_inputs[b], precision))
+                op_again.append(sum(graph.node_forward_s[m] for m in members))
+                continue
+            heavy = [m for m in members if graph.node_flops.get(m, 0.0) > 0]
+            light = [m for m in members if graph.node_flops.get(m, 0.0) <= 0]
+            op_kept.append(graph.value_bytes(graph.block_inputs[b], precision) + graph.value_bytes(heavy, precision))
+            op_again.append(sum(graph.node_forward_s[m] for m in light))
+    return _BlockSums(
+        sent=tuple(graph.sent_bytes(b, precision) for b in range(len(graph.blocks))),
+        inputs=tuple(graph.value_bytes(graph.block_inputs[b], precision)
+                     for b in range(len(graph.blocks))) if recomputable else (),
+        forward=tuple(sum(graph.node_forward_s[m] for m in members) for members in graph.blocks),
+        weight=tuple(sum(graph.node_weight_s.get(m, 0.0) for m in members) for members in graph.blocks),
+        time=tuple(sum(graph.node_time_s[m] for m in members) + (sum(graph.loss_s) if b == last else 0.0)
+                   for b, members in enumerate(graph.blocks)),
+        saved=tuple(graph.saved_bytes(members, precision) for members in graph.blocks),
+        layer_start=_layer_starts(graph) if graph.layer_runs else (),
+        run_saved=tuple(graph.saved_bytes(run, precision) for run in graph.layer_runs),
+        op_kept=tuple(op_kept),
+        op_again=tuple(op_again),
+    )
+
+
 def _cheap_recompute(graph: GraphCosts, scale: float, precision: str) -> dict[str, tuple[float, ...]]:
     """``op_kept_bytes`` and ``op_recompute_s`` per block: per-op selective recomputation.
 
@@ -683,19 +778,9 @@ def _cheap_recompute(graph: GraphCosts, scale: float, precision: str) -> dict[st
     writing into an output the policy saved, so runtime/recompute.py recomputes it wholly): its
     blocks are priced as recomputing wholly.
     """
-    run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}
-    writing = {run_of.get(name, -1) for name in graph.node_writes_in_place}
-    kept, again = [], []
-    for b, members in enumerate(graph.blocks):
-        if any(run_of.get(m, -2) in writing or m in graph.node_writes_in_place for m in members):
-            kept.append(scale * graph.value_bytes(graph.block_inputs[b], precision))
-            again.append(scale * sum(graph.node_forward_s[m] for m in members))
-            continue
-        heavy = [m for m in members if graph.node_flops.get(m, 0.0) > 0]
-        light = [m for m in members if graph.node_flops.get(m, 0.0) <= 0]
-        kept.append(scale * (graph.value_bytes(graph.block_inputs[b], precision) + graph.value_bytes(heavy, precision)))
-        again.append(scale * sum(graph.node_forward_s[m] for m in light))
-    return {"op_kept_bytes": tuple(kept), "op_recompute_s": tuple(again)}
+    sums = _block_sums(graph, precision=precision)  # the sums below, before the replicas' share
+    return {"op_kept_bytes": tuple(scale * x for x in sums.op_kept),
+            "op_recompute_s": tuple(scale * x for x in sums.op_again)}
 
 
 def _layer_starts(graph: GraphCosts) -> tuple[bool, ...]:
@@ -715,8 +800,14 @@ def _layer_peaks(graph: GraphCosts, scale: float, precision: str) -> tuple[float
     The runtime recomputes a whole layer before its backward, so a recomputing stage holds one
     layer's activations at a time, not one of the solver's smaller blocks'.
     """
-    run_bytes = [scale * graph.saved_bytes(run, precision) for run in graph.layer_runs]
+    sums = _block_sums(graph, precision=precision)
+    run_bytes = [scale * x for x in sums.run_saved]
+    own = [scale * x for x in sums.saved]
+    return tuple(max([own[b], *(run_bytes[r] for r in runs)]) for b, runs in enumerate(_block_runs(graph)))
+
+
+@_kept_per_graph
+def _block_runs(graph: GraphCosts) -> tuple[tuple[int, ...], ...]:
+    """Per block, the layer run of each of its nodes that has one, in the block's order (kept with the graph)."""
     run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}
-    own = [scale * graph.saved_bytes(members, precision) for members in graph.blocks]
-    return tuple(max([own[b], *(run_bytes[run_of[m]] for m in members if m in run_of)])
-                 for b, members in enumerate(graph.blocks))
+    return tuple(tuple(run_of[m] for m in members if m in run_of) for members in graph.blocks)

@@ -66,9 +66,9 @@ from collections.abc import Sequence
 from partitioner.defaults import splits_backward
 from partitioner.solve.problem import (
     PartitionProblem,
+    RankPeaks,
     ScheduleKind,
     StageRecompute,
-    rank_memory,
     stage_rank_of,
     within_limit,
 )
@@ -120,10 +120,11 @@ def spend_rank_headroom(
     cheap_ok = problem.op_kept_bytes is not None and problem.op_recompute_s is not None
     runs = {"rule": [_state(problem, blocks[s], start[s]) for s in range(stages)],
             "whole": [_state(problem, blocks[s], True) for s in range(stages)]}
+    peaks = RankPeaks(problem, stage_of, stages, microbatches=microbatches, schedule=schedule)
     for states in runs.values():
         for r in sorted(set(rank)):
-            _spend(problem, stage_of, blocks, states, [s for s in range(stages) if rank[s] == r], r, limit,
-                   microbatches=microbatches, schedule=schedule, cheap_ok=cheap_ok)
+            _spend(problem, peaks, blocks, states, [s for s in range(stages) if rank[s] == r], r, limit,
+                   cheap_ok=cheap_ok)
     out: list[tuple[StageRecompute, int]] = []
     for s in range(stages):
         mine = [t for t in range(stages) if rank[t] == rank[s]]
@@ -168,17 +169,17 @@ def _seconds(problem: PartitionProblem, blocks: Sequence[int], state: _Stage) ->
 
 
 def _spend(
-    problem: PartitionProblem, stage_of: Sequence[int], blocks: Sequence[Sequence[int]], states: list[_Stage],
-    mine: list[int], r: int, limit: float, *, microbatches: int, schedule: ScheduleKind, cheap_ok: bool,
+    problem: PartitionProblem, peaks: RankPeaks, blocks: Sequence[Sequence[int]], states: list[_Stage],
+    mine: list[int], r: int, limit: float, *, cheap_ok: bool,
 ) -> None:
     """Move rank ``r``'s layers down the tiers, best seconds per byte first, while its exact peak fits."""
-    stages = len(blocks)
+    recompute: list[StageRecompute] = [False] * len(blocks)  # rank r's stages filled in: only they are read
+    ops = [0] * len(blocks)
 
     def peak() -> float:
-        choices = [st.choice() for st in states]
-        return rank_memory(problem, stage_of, stages, recompute=[c for c, _ in choices],
-                           ops=[o for _, o in choices] if cheap_ok else None,
-                           microbatches=microbatches, schedule=schedule)[r]
+        for s in mine:
+            recompute[s], ops[s] = states[s].choice()
+        return peaks.rank(r, recompute, ops if cheap_ok else None)
 
     held = peak()
     if not within_limit(held, limit):

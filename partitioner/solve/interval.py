@@ -45,12 +45,14 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
 import operator
 import time
 from collections.abc import Callable
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -159,8 +161,35 @@ def interval_matrices(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray
     return frontiers.cost, frontiers.static, frontiers.activation
 
 
+# The frontiers of the last few problems: the search solves one problem for many schedules and stage counts
+# (dataclasses.replace keeps the fields that define them), so they are kept by those fields' identity.
+_FRONTIERS: collections.OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], _Frontiers]] = collections.OrderedDict()
+_FRONTIERS_KEPT = 32
+
+
 def _interval_frontiers(problem: PartitionProblem, *, slow: bool, recompute: bool) -> _Frontiers:
-    """:class:`_Frontiers` of the intervals ``[i, j)`` of the given order."""
+    """:class:`_Frontiers` of the intervals ``[i, j)`` of the given order (kept for the problems solved last)."""
+    p = problem
+    fields = (p.time_s, p.static_bytes, p.shared, p.edges, p.transfer_s, p.transfer_slow_s, p.activation_bytes,
+              p.recompute_bytes, p.recompute_s, p.recompute_peak_bytes, p.layer_start)
+    # The fields are held with the entry, so no other object can take one of their ids while it is kept.
+    key = (slow, recompute, _selective(p), *map(id, fields))
+    kept = _FRONTIERS.get(key)
+    if kept is not None and all(a is b for a, b in zip(kept[0], fields, strict=True)):
+        _FRONTIERS.move_to_end(key)
+        return kept[1]
+    frontiers = _build_interval_frontiers(problem, slow=slow, recompute=recompute)
+    for field in dataclasses.fields(frontiers):
+        array = getattr(frontiers, field.name)
+        if isinstance(array, np.ndarray):
+            array.flags.writeable = False  # shared by every solve of these fields
+    _FRONTIERS[key] = (fields, frontiers)
+    if len(_FRONTIERS) > _FRONTIERS_KEPT:
+        _FRONTIERS.popitem(last=False)
+    return frontiers
+
+
+def _build_interval_frontiers(problem: PartitionProblem, *, slow: bool, recompute: bool) -> _Frontiers:
     n = problem.size
 
     def prefix_difference(values: tuple[float, ...]) -> np.ndarray:
@@ -401,25 +430,21 @@ def _best_split(
         return None
     # The all-reduce latency of the stage that pays the most: every split has every stage.
     fixed = max(allreduce_latencies(problem, stages))
-    # Smallest cap with any feasible split (binary search), and the least sum overall.
-    unconstrained = _min_sum(table, variant_of, member, cap=np.inf)
+    # The least sum overall, and the smallest cap with any feasible split: the least possible largest stage
+    # (a bottleneck DP over the same table; every finite entry is a candidate, so it is one of them).
+    probes = _Probes(table, variant_of, member, candidates)
+    unconstrained = probes.min_sum(np.inf)
     if unconstrained is None:
         return None
-    lo, hi = 0, candidates.size - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _min_sum(table, variant_of, member, cap=candidates[mid]) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    min_sum = unconstrained[0]
+    lo = int(np.searchsorted(candidates, _min_max(table, variant_of), side="left"))
+    min_sum_all = unconstrained[0]
     best: tuple[float, tuple[int, ...]] | None = None
     index = lo
     while index < candidates.size:
         cap = candidates[index]
-        if best is not None and min_sum + (microbatches - 1) * cap + fixed >= best[0] - 1e-15:
+        if best is not None and min_sum_all + (microbatches - 1) * cap + fixed >= best[0] - 1e-15:
             break
-        found = _min_sum(table, variant_of, member, cap=cap)
+        found = probes.min_sum(float(cap))
         assert found is not None  # caps from the smallest feasible one up are all feasible
         objective, _ = step_time(problem, found[1], microbatches=microbatches, schedule=schedule)
         if best is None or objective < best[0] - 1e-15:
@@ -431,9 +456,10 @@ def _best_split(
         level = _below(found[0])
         if index + 1 < candidates.size:
             level = min(level, -_below(-(best[0] - fixed - (microbatches - 1) * float(candidates[index + 1]))))
-        index = _next_drop(table, variant_of, member, candidates, after=index, level=level)
+        # No cap's least sum is below the least sum overall: nothing left to find.
+        index = candidates.size if level <= min_sum_all else probes.next_drop(after=index, level=level)
     assert best is not None
-    lower = min_sum + (microbatches - 1) * float(candidates[lo]) + fixed
+    lower = min_sum_all + (microbatches - 1) * float(candidates[lo]) + fixed
     return Partition(
         stage_of=best[1],
         stages=stages,
@@ -475,7 +501,11 @@ def _stage_tables(
     tables = []
     values: list[np.ndarray] = []
     used: dict[tuple[bool, bool], np.ndarray] = {}  # (slow link, recomputed): where some variant uses it
+    unlimited: dict[bool, np.ndarray] = {}  # without a memory limit the micro-batches in flight change nothing
     for flight, slow in variants:
+        if limit is None and slow in unlimited:
+            tables.append(unlimited[slow])
+            continue
         base = frontiers.cost_slow if slow and frontiers.cost_slow is not None else frontiers.cost
         keep = everywhere if limit is None else frontiers.static + flight * frontiers.activation <= limit
         redo = nowhere
@@ -499,6 +529,8 @@ def _stage_tables(
                 table[rows, cols] = base[rows, cols] + extra
                 values.append(table[rows, cols])
         tables.append(table)
+        if limit is None:
+            unlimited[slow] = table
         for flag, where in ((False, keep), (True, redo)):
             if where is not nowhere:
                 used[slow, flag] = used[slow, flag] | where if (slow, flag) in used else where
@@ -545,25 +577,49 @@ def _fewest_layers(
     return rows, cols, frontiers.extra[rows, cut]
 
 
-def _next_drop(
-    table: np.ndarray,
-    variant_of: np.ndarray,
-    member: np.ndarray,
-    candidates: np.ndarray,
-    *,
-    after: int,
-    level: float,
-) -> int:
-    """The first candidate index past ``after`` whose least sum is below ``level`` (or the end)."""
-    lo, hi = after + 1, candidates.size
-    while lo < hi:
-        mid = (lo + hi) // 2
-        found = _min_sum(table, variant_of, member, cap=candidates[mid])
-        if found is not None and found[0] < level:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+class _Probes:
+    """:func:`_min_sum` at the candidate caps, each cap solved once, and what each answer says of other caps.
+
+    The least sum is a non-increasing step function of the cap.  A split found at cap ``c`` whose
+    largest stage is ``m`` is feasible at every cap in ``[m, c]``, and none there has a smaller
+    sum, so the least sum is the same all along it: a search for where the sum drops knows it
+    over that whole range (:meth:`next_drop`).
+    """
+
+    def __init__(self, table: np.ndarray, variant_of: np.ndarray, member: np.ndarray, candidates: np.ndarray) -> None:
+        self.table, self.variant_of, self.member, self.candidates = table, variant_of, member, candidates
+        self._found: dict[float, tuple[float, tuple[int, ...]] | None] = {}
+        self._known: list[tuple[int, int, float]] = []  # (first, last candidate index, least sum there)
+
+    def min_sum(self, cap: float) -> tuple[float, tuple[int, ...]] | None:
+        """:func:`_min_sum` at ``cap`` (the sum and the split)."""
+        if cap not in self._found:
+            found = _min_sum(self.table, self.variant_of, self.member, cap=cap)
+            self._found[cap] = None if found is None else found[:2]
+            if found is not None:
+                c = self.candidates
+                last = c.size - 1 if cap == np.inf else int(np.searchsorted(c, cap, side="left"))
+                self._known.append((int(np.searchsorted(c, found[2], side="left")), last, found[0]))
+        return self._found[cap]
+
+    def next_drop(self, *, after: int, level: float) -> int:
+        """The first candidate index past ``after`` whose least sum is below ``level`` (or the end): a
+        binary search over the indices the answers so far leave open."""
+        lo, hi = after + 1, self.candidates.size
+        for first, last, value in self._known:
+            if value < level and last >= lo:
+                hi = min(hi, max(first, lo))
+            elif value >= level:
+                lo = max(lo, last + 1)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found = self.min_sum(float(self.candidates[mid]))
+            if found is not None and found[0] < level:
+                first, _, _ = self._known[-1] if self._known and self._known[-1][1] == mid else (mid, mid, 0.0)
+                hi = max(min(mid, first), lo)
+            else:
+                lo = mid + 1
+        return lo
 
 
 def _below(value: float) -> float:
@@ -577,32 +633,59 @@ def _below(value: float) -> float:
 
 def _min_sum(
     table: np.ndarray, variant_of: np.ndarray, member: np.ndarray, *, cap: float
-) -> tuple[float, tuple[int, ...]] | None:
-    """Least total stage time with every stage at most ``cap``; None if impossible.
+) -> tuple[float, tuple[int, ...], float] | None:
+    """Least total stage time with every stage at most ``cap``, the split and its largest stage; None if impossible.
 
     Frontier 0 is the empty set and the last frontier all blocks; stage s between
-    frontiers a and b costs ``table[variant_of[s], a, b]``.
+    frontiers a and b costs ``table[variant_of[s], a, b]``.  A stage ends past its start
+    (``table`` is ``inf`` elsewhere) and leaves a frontier for each stage after it, so
+    stage s looks only at ends ``(a, K - stages + s]``: the others reach no last frontier.
     """
     stages, k = variant_of.size, table.shape[1]
-    allowed = np.where(table <= cap, table, np.inf)
-    best = np.full(k, np.inf)
-    best[0] = 0.0
+    best, offset = np.zeros(1), 0  # the least sums at frontiers offset, offset + 1, ... (inf: not reached)
     choices = np.zeros((stages, k), dtype=np.int64)
     for s in range(stages):
-        reached = np.flatnonzero(np.isfinite(best))  # frontiers s stages can reach (few, early on)
+        reached = np.flatnonzero(best < np.inf)  # frontiers s stages can reach (few, early on)
         if reached.size == 0:
             return None
-        lo, hi = reached[0], reached[-1] + 1
-        total = best[lo:hi, None] + allowed[variant_of[s], lo:hi]  # (from frontier lo + i, to b)
-        pick = np.argmin(total, axis=0)
-        choices[s] = lo + pick
-        best = total[pick, np.arange(k)]
-    if not np.isfinite(best[k - 1]):
+        lo, hi = offset + reached[0], offset + reached[-1] + 1
+        # The ends stage s may reach (the last stage: the last frontier only).
+        first, end = (lo + 1, k - stages + s + 1) if s < stages - 1 else (max(lo + 1, k - 1), k)
+        if first >= end:
+            return None
+        block = table[variant_of[s], lo:hi, first:end]
+        total = best[reached[0]:reached[-1] + 1, None] + np.where(block <= cap, block, np.inf)
+        pick = total.argmin(axis=0)  # (from frontier lo + i, to first + j)
+        choices[s, first:end] = lo + pick
+        best, offset = total.min(axis=0), first
+    if best[-1] == np.inf:
         return None
     stage_of = np.zeros(member.shape[1], dtype=np.int64)
     end = k - 1
+    largest = -np.inf
     for s in range(stages - 1, -1, -1):
         begin = int(choices[s, end])
         stage_of[member[end] & ~member[begin]] = s
+        largest = max(largest, float(table[variant_of[s], begin, end]))
         end = begin
-    return float(best[k - 1]), tuple(int(s) for s in stage_of)
+    return float(best[-1]), tuple(int(s) for s in stage_of), largest
+
+
+def _min_max(table: np.ndarray, variant_of: np.ndarray) -> float:
+    """The least possible largest stage over every split (``inf`` if none): the smallest feasible cap of
+    :func:`_min_sum`, by the same recurrence with max for + and no cap."""
+    stages, k = variant_of.size, table.shape[1]
+    best = np.full(k, np.inf)
+    best[0] = -np.inf
+    for s in range(stages):
+        reached = np.flatnonzero(best < np.inf)
+        if reached.size == 0:
+            return np.inf
+        lo, hi = reached[0], reached[-1] + 1
+        first, end = lo + 1, k - stages + s + 1
+        if first >= end:
+            return np.inf
+        block = np.maximum(best[lo:hi, None], table[variant_of[s], lo:hi, first:end])
+        best = np.full(k, np.inf)
+        best[first:end] = block.min(axis=0)
+    return float(best[k - 1])

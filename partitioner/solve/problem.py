@@ -98,6 +98,8 @@ import typing
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
+import numpy as np
+
 from partitioner.cost.comm import allreduce_crosses_nodes, p2p_crosses_nodes
 from partitioner.defaults import DEFAULT_SCHEDULE, ScheduleKind, schedule_chunks, splits_backward
 from partitioner.errors import ScheduleError
@@ -108,6 +110,7 @@ __all__ = [
     "RECOMPUTE_MODES",
     "Partition",
     "PartitionProblem",
+    "RankPeaks",
     "RecomputeMode",
     "ScheduleKind",
     "StageRecompute",
@@ -350,6 +353,22 @@ def _orders(schedule: str, ranks: int, microbatches: int, chunks: int) -> tuple[
 
 
 @functools.lru_cache(maxsize=512)
+def _walks(schedule: str, ranks: int, microbatches: int, chunks: int) -> tuple[tuple[np.ndarray, ...], ...]:
+    """Per rank, its order as arrays (:class:`RankPeaks`): each action's stage, +1 for an F, -1 for the
+    action that frees its activations (B, or W with a split backward), else 0; where the Fs are; where the Bs are."""
+    frees = "W" if splits_backward(schedule) else "B"
+    out = []
+    for row in _orders(schedule, ranks, microbatches, chunks):
+        kinds = [kind for _, kind, _ in row]
+        stage = np.array([s for s, _, _ in row], dtype=np.int64)
+        sign = np.array([1.0 if k == "F" else -1.0 if k == frees else 0.0 for k in kinds])
+        forward = np.array([k == "F" for k in kinds], dtype=bool)
+        backward = np.flatnonzero(np.array([k == "B" for k in kinds], dtype=bool))
+        out.append((stage, sign, forward, backward))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=512)
 def _peaks(schedule: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
     """Per stage, the most micro-batches held between F and the action that frees them."""
     frees = "W" if splits_backward(schedule) else "B"
@@ -431,6 +450,13 @@ def stage_links(problem: PartitionProblem, stages: int) -> tuple[tuple[bool, ...
     rank = stage_rank_of(problem, stages)
     if per_node is None:
         return (False,) * stages, (False,) * stages
+    return _links(rank, dp, per_node)
+
+
+@functools.lru_cache(maxsize=1024)
+def _links(rank: tuple[int, ...], dp: int, per_node: int) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """:func:`stage_links` of stages on pipeline ranks ``rank`` (cached: the solvers ask for the same few often)."""
+    stages = len(rank)
     inbound = tuple(
         s > 0 and rank[s - 1] != rank[s] and p2p_crosses_nodes(rank[s - 1], rank[s], dp=dp, gpus_per_node=per_node)
         for s in range(stages)
@@ -475,21 +501,38 @@ class _Parts:
     blocks: list[list[int]]  # each stage's blocks, in block order
 
 
+# The last split's parts: a split is priced by several functions in a row (its recomputation, then its
+# memory per stage and per rank: refinement's fits), each of which needs them.  Tuples only (immutable).
+_LAST_PARTS: list[tuple[PartitionProblem, Sequence[int], int, _Parts]] = []
+
+
 def _parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _Parts:
-    parts = _Parts(static=[0.0] * stages, activation=[0.0] * stages, kept=[0.0] * stages, peak=[0.0] * stages,
-                   extra=[0.0] * stages, blocks=[[] for _ in range(stages)])
+    if _LAST_PARTS and _LAST_PARTS[0][0] is problem and _LAST_PARTS[0][1] is stage_of and _LAST_PARTS[0][2] == stages:
+        return _LAST_PARTS[0][3]
+    parts = _split_parts(problem, stage_of, stages)
+    if isinstance(stage_of, tuple):
+        _LAST_PARTS[:] = [(problem, stage_of, stages, parts)]
+    return parts
+
+
+def _split_parts(problem: PartitionProblem, stage_of: Sequence[int], stages: int) -> _Parts:
+    static, activation, kept, peak = [0.0] * stages, [0.0] * stages, [0.0] * stages, [0.0] * stages
+    extra: list[float] = [0.0] * stages
+    blocks: list[list[int]] = [[] for _ in range(stages)]
+    static_bytes, activation_bytes, live = problem.static_bytes, problem.activation_bytes, recompute_peak(problem)
+    inputs, redo = problem.recompute_bytes, problem.recompute_s
     for v, s in enumerate(stage_of):
-        parts.blocks[s].append(v)
-        parts.static[s] += problem.static_bytes[v]
-        parts.activation[s] += problem.activation_bytes[v]
-        parts.peak[s] = max(parts.peak[s], recompute_peak(problem)[v])
-        if problem.recompute_bytes is not None and problem.recompute_s is not None:
-            parts.kept[s] += problem.recompute_bytes[v]
-            parts.extra[s] += problem.recompute_s[v]
+        blocks[s].append(v)
+        static[s] += static_bytes[v]
+        activation[s] += activation_bytes[v]
+        peak[s] = max(peak[s], live[v])
+        if inputs is not None and redo is not None:
+            kept[s] += inputs[v]
+            extra[s] += redo[v]
     for nbytes, _, readers in problem.shared:
         for s in {stage_of[r] for r in readers}:
-            parts.static[s] += nbytes
-    return parts
+            static[s] += nbytes
+    return _Parts(static=static, activation=activation, kept=kept, peak=peak, extra=extra, blocks=blocks)
 
 
 def _block_forward(problem: PartitionProblem) -> tuple[float, ...]:
@@ -652,10 +695,14 @@ def _ops_of(ops: Sequence[int] | None, stages: int) -> tuple[int, ...]:
     return tuple(int(k) for k in ops)
 
 
-def _flights(problem: PartitionProblem, stages: int, microbatches: int, schedule: ScheduleKind) -> list[int]:
+def _flights(problem: PartitionProblem, stages: int, microbatches: int, schedule: ScheduleKind) -> tuple[int, ...]:
     """Each stage's micro-batches in flight (:func:`in_flight`), with the problem's chunks where it places stages."""
-    chunks = problem.chunks if problem.stage_rank is not None else None
-    return [in_flight(s, stages, microbatches, schedule, chunks=chunks) for s in range(stages)]
+    return _stage_flights(stages, microbatches, schedule, problem.chunks if problem.stage_rank is not None else None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_flights(stages: int, microbatches: int, schedule: ScheduleKind, chunks: int | None) -> tuple[int, ...]:
+    return tuple(in_flight(s, stages, microbatches, schedule, chunks=chunks) for s in range(stages))
 
 
 def choose_recompute(
@@ -850,32 +897,56 @@ def rank_memory(
     [52.0, 32.0]
     """
     chosen = _resolve(problem, stage_of, stages, recompute, microbatches, schedule)
-    parts = _parts(problem, stage_of, stages)
-    counts = [_count(chosen[s], len(parts.blocks[s])) for s in range(stages)]
     cheap = _ops_of(ops, stages)
-    if schedule in ("gpipe", "1f1b") and problem.stage_rank is None:
-        # One stage per rank: its peak is stage_memory's (the order need not be built).
-        return [_memory(problem, parts, s, in_flight(s, stages, microbatches, schedule), counts[s], cheap[s])
-                for s in range(stages)]
-    rank = _schedule_layout(problem, stages, schedule)
-    ranks = max(rank) + 1
-    chunks = stages // ranks
-    frees = "W" if splits_backward(schedule) else "B"
-    per_microbatch, during = map(list, zip(*(_activations(problem, parts, s, counts[s], cheap[s])
-                                              for s in range(stages)), strict=True))
-    out = []
-    for r, row in enumerate(_orders(schedule, ranks, microbatches, chunks)):
-        held = most = 0.0
-        for s, kind, _ in row:
-            if kind == "F":
-                held += per_microbatch[s]
-                most = max(most, held)
-            elif kind == "B":
-                most = max(most, held + during[s])
-            if kind == frees:
-                held -= per_microbatch[s]
-        out.append(sum(parts.static[s] for s in range(stages) if rank[s] == r) + most)
-    return out
+    peaks = RankPeaks(problem, stage_of, stages, microbatches=microbatches, schedule=schedule)
+    return [peaks.rank(r, chosen, cheap) for r in range(peaks.ranks)]
+
+
+class RankPeaks:
+    """:func:`rank_memory` of one split, one rank at a time, for per-stage choices given as they change.
+
+    What does not change with the choices (the stages' parts, each rank's order) is made once, and a
+    rank's peak reads only its own stages: the headroom search (:mod:`partitioner.solve.headroom`)
+    prices thousands of choices of one split, each changing one rank.
+    """
+
+    def __init__(self, problem: PartitionProblem, stage_of: Sequence[int], stages: int, *, microbatches: int,
+                 schedule: ScheduleKind) -> None:
+        self.problem, self.stages = problem, stages
+        self.parts = _parts(problem, stage_of, stages)
+        self._walks: tuple[tuple[np.ndarray, ...], ...] | None = None  # None: one stage per rank, no order to walk
+        if schedule in ("gpipe", "1f1b") and problem.stage_rank is None:
+            # One stage per rank: its peak is stage_memory's (the order need not be built).
+            self.ranks = stages
+            self._flights = [in_flight(s, stages, microbatches, schedule) for s in range(stages)]
+            return
+        rank = _schedule_layout(problem, stages, schedule)
+        self.ranks = max(rank) + 1
+        self._mine = [[s for s in range(stages) if rank[s] == r] for r in range(self.ranks)]
+        self._static = [sum(self.parts.static[s] for s in range(stages) if rank[s] == r) for r in range(self.ranks)]
+        self._walks = _walks(schedule, self.ranks, microbatches, stages // self.ranks)
+
+    def rank(self, r: int, recompute: Sequence[StageRecompute], ops: Sequence[int] | None = None) -> float:
+        """Peak bytes of pipeline rank ``r`` under the per-stage choices (every stage's, as checked by
+        :func:`rank_memory`; only rank ``r``'s are read)."""
+        parts, problem = self.parts, self.problem
+        if self._walks is None:
+            cheap = int(ops[r]) if ops else 0
+            return _memory(problem, parts, r, self._flights[r], _count(recompute[r], len(parts.blocks[r])), cheap)
+        per_microbatch = np.zeros(self.stages)
+        during = np.zeros(self.stages)
+        for s in self._mine[r]:
+            per_microbatch[s], during[s] = _activations(problem, parts, s, _count(recompute[s], len(parts.blocks[s])),
+                                                        int(ops[s]) if ops else 0)
+        # The rank's order walked: an F adds its stage's bytes, the action that frees them takes them off
+        # (the running sum, in order: np.cumsum adds one after the other); the peak is at an F, or during a B
+        # (its stage's recomputed layer live again, before the B frees anything).
+        stage, sign, forward, backward = self._walks[r]
+        held = np.cumsum(per_microbatch[stage] * sign)
+        before = np.concatenate(([0.0], held[:-1]))[backward]
+        most = max(0.0, float(held[forward].max(initial=0.0)),
+                   float((before + during[stage[backward]]).max(initial=0.0)))
+        return self._static[r] + most
 
 
 def step_time(
