@@ -220,8 +220,7 @@ def _plan_parser() -> argparse.ArgumentParser:
                         "the nodes replicating each other: HSDP) (default auto)")
     parser.add_argument("--tp", type=_microbatches, default=1, metavar="auto|N",
                         help="GPUs per tensor-parallel group, inside a node: auto (searched with pp and dp over the "
-                        "divisors of --gpus-per-node the model's heads and widths allow) or N (default 1: the "
-                        "runtime does not run tensor-parallel plans yet; they are planned and priced)")
+                        "divisors of --gpus-per-node the model's heads and widths allow) or N (default 1)")
     parser.add_argument("--gpus-per-node", type=_positive_int, metavar="K",
                         help="GPUs per node, a divisor of N: links between nodes are slower "
                         "(default: the largest divisor of N up to 8)")

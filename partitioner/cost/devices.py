@@ -219,6 +219,7 @@ def load_device(path: str | os.PathLike[str]) -> DeviceSpec:
     >>> spec = load_device(f.name)
     >>> spec.name, spec.memory_bytes, spec.efficiency_of("matmul"), spec.efficiency_of("attention")
     ('mine', 40000000000, 0.6, 1.0)
+    >>> os.unlink(f.name)
     """
     from partitioner.errors import AutopartitionError
 

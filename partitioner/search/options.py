@@ -117,6 +117,7 @@ class PlanOptions:
     # pricing published runs only, partitioner.search.price)
     zero3_unit: str = "layer"
     tp: int = 1  # GPUs per tensor-parallel group: ``gpus`` counts groups while a degree is searched (search/planner.py)
+    priced_only: bool = False  # layouts the runtime does not run are priced too (search/price.py)
 
     def shard_modes(self, schedule: str, dp: int) -> tuple[str, ...]:
         """The shard modes tried for stage groups of ``dp`` replicas under ``schedule``.
@@ -141,7 +142,8 @@ class PlanOptions:
         if self.shard == ZERO3:
             return ()  # the search's ZeRO-3 mode alone (search.layouts._policies)
         if self.shard != AUTO:  # ZeRO-1 over tensor-parallel stages: not run (compile refuses a fixed pair)
-            runs = shard_refusal(schedule, self.shard) is None and not (self.tp > 1 and self.shard == "optimizer")
+            runs = shard_refusal(schedule, self.shard) is None and (
+                self.priced_only or not (self.tp > 1 and self.shard == "optimizer"))
             return (self.shard,) if runs else ()
         modes = [m for m in SHARD_MODES if shard_refusal(schedule, m) is None
                  and not (self.tp > 1 and m == "optimizer")]  # ZeRO-1 over tensor-parallel stages: not run

@@ -165,6 +165,7 @@ def compile(
     calibration: Calibration | str | Path | None = None,
     remeasure: bool = False,
     tp: int | str = 1,
+    priced_only: bool = False,
 ) -> Plan:
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
@@ -186,8 +187,10 @@ def compile(
     costs are kept per process (:mod:`partitioner.cost.measured`): planning the same
     model again reuses them unless ``remeasure``.  ``tp``: GPUs per tensor-parallel group
     (``"auto"``: every degree the model's pairs allow inside a node, searched with the
-    rest; :mod:`partitioner.graph.tensorparallel`).  Default 1: the runtime does not
-    run tensor-parallel plans yet (they are planned and priced).
+    rest; :mod:`partitioner.graph.tensorparallel`).  ``priced_only``: plan and price a layout
+    the runtime does not run (tensor parallelism over optimizer-sharded groups), as
+    :func:`partitioner.search.price.price_layout` does for published layouts; such a plan is
+    a prediction, not something to run.
     """
     say = status or (lambda _msg: None)
     # A tuple, a dict of keywords or (args, kwargs): from here on, the flat tuple of its tensors.
@@ -195,7 +198,7 @@ def compile(
     batch = batch_size_of(example_inputs)
     spec, measure, local = resolve_device(device)
     fixed_tp = check_tp(tp, gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, dp=dp)
-    if fixed_tp > 1 and shard == "optimizer" and (dp or (gpus // fixed_tp // pp if pp else 1)) > 1:
+    if fixed_tp > 1 and shard == "optimizer" and not priced_only and (dp or (gpus // fixed_tp // pp if pp else 1)) > 1:
         raise AutopartitionError(
             f"--tp {fixed_tp} with --shard optimizer: the runtime runs tensor parallelism with replicated or fully "
             "sharded (FSDP2) stage groups, not optimizer-sharded (ZeRO-1) ones; plan with --shard none, full or "
@@ -207,7 +210,7 @@ def compile(
         gpus_per_node=None if gpus_per_node is None and fixed_tp == 1 else per_node // fixed_tp, chunks=chunks, shard=shard, shard_span=shard_span, zero3_unit=zero3_unit, spec=spec, measure=measure, local=local,
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
-        refine_simulations=refine_simulations,
+        refine_simulations=refine_simulations, priced_only=priced_only,
         calibration=_calibration(calibration),
     )
 
@@ -343,13 +346,14 @@ def _plan_layout(
     refined: dict[CombinationKey, Refinement] = {}
     chosen: tuple[Solved, Plan, CapturedModel, GraphCosts] | None = None
     while chosen is None:
-        ranked, drafts = _drafts(model, captured, micro, scaled, trials, by_key, options)
+        work = _Drafting(model, captured, micro, scaled, options, by_key)
+        ranked = _drafts(work, trials)
         if not ranked:
             raise infeasible_error(scaled, options, trials) from sized.last_failure
-        ranked, done = _refine_in_simulation(model, captured, micro, scaled, ranked, drafts, by_key, options,
-                                             say=say)
+        ranked, done = _refine_in_simulation(work, ranked, say=say)
         refined.update(done)
-        ranked = _spend_headroom(model, captured, micro, scaled, ranked, drafts, by_key, options, say=say)
+        ranked = _spend_headroom(work, ranked, say=say)
+        drafts = work.drafts
         for key, draft in drafts.items():
             by_key[key].simulated(draft)
         # None when every simulated candidate sits at a micro-batch size that cannot be planned: those
@@ -511,22 +515,45 @@ def _may_split(schedule: str) -> bool:
     return schedule == "auto" or splits_backward(schedule)
 
 
-def _drafts(
-    model: torch.nn.Module,
-    captured: CapturedModel,
-    micro: tuple[torch.Tensor, ...],
-    scaled: ScaledCosts,
-    trials: list[Trial],
-    by_key: dict[CombinationKey, Trial],
-    options: PlanOptions,
-) -> tuple[list[Solved], dict[CombinationKey, Plan]]:
-    """The best candidates by closed form, each built into a plan (lowered, validated, simulated).
+@dataclasses.dataclass
+class _Drafting:
+    """What drafting, refining and spending headroom share: the model, its costs, and each candidate's plan so far."""
+
+    model: torch.nn.Module
+    captured: CapturedModel
+    micro: tuple[torch.Tensor, ...]
+    scaled: ScaledCosts
+    options: PlanOptions
+    trials: dict[CombinationKey, Trial]
+    drafts: dict[CombinationKey, Plan] = dataclasses.field(default_factory=dict)
+
+    def build(self, candidate: Solved) -> Plan:
+        """``candidate`` built into a plan (lowered, validated, simulated); ScheduleError where it cannot be."""
+        return assemble.build_plan(self.model, self.captured, self.micro, self.scaled.at(candidate.microbatches),
+                                   candidate, self.options)
+
+    def keep_if_faster(self, better: Solved) -> Plan | None:
+        """``better``'s plan, kept as its combination's draft (and trial) where it simulates faster; else None."""
+        key = combination_key(better)
+        try:
+            draft = self.build(better)
+        except ScheduleError:  # a chunked order that cannot place this split's messages: keep the draft
+            return None
+        if draft.predicted.step_s >= self.drafts[key].predicted.step_s:
+            return None
+        self.drafts[key] = draft
+        self.trials[key].partition, self.trials[key].status = better.partition, better.partition.status
+        return draft
+
+
+def _drafts(work: _Drafting, trials: list[Trial]) -> list[Solved]:
+    """The best candidates by closed form, each built into a plan (lowered, validated, simulated) in ``work.drafts``.
 
     Should a schedule's plan fail validation (none should: every kind lowers
     any DAG of stages, :func:`partitioner.schedule.lower.lower`), that combination is
     marked skipped with the reason, and the next best takes its place.
     """
-    drafts: dict[CombinationKey, Plan] = {}
+    drafts = work.drafts
     while True:
         ranked = best_candidates(trials)
         for c in ranked:
@@ -534,30 +561,22 @@ def _drafts(
             if key in drafts:
                 continue
             try:
-                drafts[key] = assemble.build_plan(model, captured, micro, scaled.at(c.microbatches), c, options)
+                drafts[key] = work.build(c)
             except ScheduleError as exc:
                 if c.chunks == 1 and c.schedule in ("gpipe", "1f1b"):
                     raise  # these always order their messages: a bug, not this split
-                trial = by_key[key]
+                trial = work.trials[key]
                 trial.status, trial.partition = "skipped", None
                 trial.reason = f"{schedule_label(c.schedule, c.chunks)} cannot order this split's messages ({exc})"
                 break
         else:
-            return ranked, {combination_key(c): drafts[combination_key(c)] for c in ranked}
+            work.drafts = {combination_key(c): drafts[combination_key(c)] for c in ranked}
+            return ranked
 
 
 
 def _refine_in_simulation(
-    model: torch.nn.Module,
-    captured: CapturedModel,
-    micro: tuple[torch.Tensor, ...],
-    scaled: ScaledCosts,
-    ranked: list[Solved],
-    drafts: dict[CombinationKey, Plan],
-    trials: dict[CombinationKey, Trial],
-    options: PlanOptions,
-    *,
-    say: Status,
+    work: _Drafting, ranked: list[Solved], *, say: Status,
 ) -> tuple[list[Solved], dict[CombinationKey, Refinement]]:
     """Each simulated candidate's split improved by local search in simulation (:mod:`partitioner.schedule.refine`).
 
@@ -566,10 +585,11 @@ def _refine_in_simulation(
     the fastest split in simulation.  Each candidate of two stages or more is
     refined for ``options.refine_simulations`` simulated steps; a changed split is built into a
     plan and kept only if that plan simulates faster than the solver's draft
-    (so refinement never makes a candidate worse).  ``drafts`` and the trials'
+    (so refinement never makes a candidate worse).  ``work``'s drafts and trials'
     partitions are updated in place; returns the candidates and what each
     refinement did.
     """
+    captured, scaled, options = work.captured, work.scaled, work.options
     out: list[Solved] = []
     done: dict[CombinationKey, Refinement] = {}
     for c in ranked:
@@ -590,21 +610,15 @@ def _refine_in_simulation(
         found = refine_split(c.problem, c.partition.stage_of, c.stages, microbatches=c.microbatches,
                              schedule=c.schedule, model=_step_model(graph, c.problem, c.dp, options, shard=c.shard),
                              budget=options.refine_simulations, alternatives=starts)
-        before = drafts[key].predicted.step_s
+        before = work.drafts[key].predicted.step_s
         after, moves = before, 0
         if found.stage_of != c.partition.stage_of:
             partition = dataclasses.replace(
                 c.partition, stage_of=found.stage_of, recompute=found.recompute, objective=found.objective,
                 status="feasible", wall_s=c.partition.wall_s + found.wall_s)
             better = dataclasses.replace(c, partition=partition)
-            try:
-                draft = assemble.build_plan(model, captured, micro, graph, better, options)
-            except ScheduleError:  # a chunked order that cannot place this split's messages: keep the start
-                draft = drafts[key]
-            if draft.predicted.step_s < before:
+            if (draft := work.keep_if_faster(better)) is not None:
                 c, after, moves = better, draft.predicted.step_s, found.moves
-                drafts[key] = draft
-                trials[key].partition, trials[key].status = partition, partition.status
         done[key] = Refinement(before, after, moves, found.simulations, found.wall_s)
         if moves:
             say(f"refined {c.pp} {'stages' if c.chunks == 1 else 'pipeline ranks'} x {c.dp} replicas, M {c.microbatches}, {schedule_label(c.schedule, c.chunks)} in simulation: "
@@ -614,20 +628,9 @@ def _refine_in_simulation(
 
 
 
-def _spend_headroom(
-    model: torch.nn.Module,
-    captured: CapturedModel,
-    micro: tuple[torch.Tensor, ...],
-    scaled: ScaledCosts,
-    ranked: list[Solved],
-    drafts: dict[CombinationKey, Plan],
-    trials: dict[CombinationKey, Trial],
-    options: PlanOptions,
-    *,
-    say: Status,
-) -> list[Solved]:
+def _spend_headroom(work: _Drafting, ranked: list[Solved], *, say: Status) -> list[Solved]:
     """Each simulated candidate recomputing less where its ranks' exact peaks leave room, or only cheap ops
-    (:mod:`partitioner.solve.headroom`); kept where its plan simulates faster.  ``drafts`` and the
+    (:mod:`partitioner.solve.headroom`); kept where its plan simulates faster.  ``work``'s drafts and
     trials' partitions are updated in place."""
     out: list[Solved] = []
     for c in ranked:
@@ -644,15 +647,9 @@ def _spend_headroom(
         partition = dataclasses.replace(c.partition, recompute=recompute, recompute_ops=ops, objective=objective,
                                         status="feasible")
         better = dataclasses.replace(c, partition=partition)
-        before = drafts[key].predicted.step_s
-        try:
-            draft = assemble.build_plan(model, captured, micro, scaled.at(c.microbatches), better, options)
-        except ScheduleError:
-            out.append(c)
-            continue
-        if draft.predicted.step_s < before:
-            drafts[key], c = draft, better
-            trials[key].partition, trials[key].status = partition, partition.status
+        before = work.drafts[key].predicted.step_s
+        if (draft := work.keep_if_faster(better)) is not None:
+            c = better
             cheap = sum(s.recompute_ops_layers for s in draft.stages)
             say(f"recomputing less within each rank's exact peak{f' ({cheap} layers only their cheap ops)' if cheap else ''}: "
                 f"{plural(c.pp, 'pipeline rank')} x {plural(c.dp, 'replica')}, M {c.microbatches}, "

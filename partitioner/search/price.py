@@ -147,7 +147,7 @@ def price_layout(
     fixed: dict[str, Any] = dict(
         gpus=layout.gpus, tp=layout.tp, pp=layout.pp, dp=layout.dp, microbatches=layout.microbatches,
         schedule=layout.schedule, chunks=layout.chunks, shard=layout.shard, shard_span=layout.shard_span,
-        zero3_unit=layout.zero3_unit, recompute=layout.recompute, **common)
+        zero3_unit=layout.zero3_unit, recompute=layout.recompute, priced_only=True, **common)
     if leaves_no_choice(layout):  # one plan whatever the limit: planned once, compared with the limit
         plan = compile(model, example_inputs, memory_per_gpu=UNLIMITED_MEMORY, **fixed)
         limit = memory_per_gpu if memory_per_gpu is not None else _device_limit(fixed.get("device", "auto"))
