@@ -51,7 +51,7 @@ from partitioner.export.torchtitan import (
     torchtitan_stage_ranks,
 )
 from partitioner.orders import stage_ranks
-from partitioner.plan import Plan, StagePlan, TensorSpec, TiedParameter, example_plan
+from partitioner.plan import Plan, TensorSpec, TiedParameter, example_plan, legacy_spans
 
 LAYERS = 4  # examples/llama.py:llama_tiny
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -81,13 +81,6 @@ def _layer_start(i: int) -> int:
     return 1 + 9 * i
 
 
-@dataclasses.dataclass(frozen=True)
-class _SpanStage(StagePlan):
-    """A stage with the coming plan field ``shard_span`` ("world" or "node"), read with getattr by the export."""
-
-    shard_span: str = ""
-
-
 def _llama_plan(schedule: str = "1f1b", *, pp: int = 2, dp: int = 1, chunks: int = 1, cuts: tuple[int, ...] = (),
                 shard: tuple[str, ...] | str = "none", recompute: tuple[str, ...] | str = "none",
                 reshard: bool = False, ops_layers: int = 0, span: str = "", precision: str = "fp32",
@@ -111,9 +104,8 @@ def _llama_plan(schedule: str = "1f1b", *, pp: int = 2, dp: int = 1, chunks: int
             base.stages[0], index=s, rank=placed[s], ranks=tuple(placed[s] * dp + i for i in range(dp)),
             parameters=tuple(sorted(held)), nodes=tuple(n.replace(".", "_") for n in held), shard=mode,
             recompute=redo, reshard_after_forward=reshard and mode == "full",
-            recompute_ops_layers=ops_layers if redo == "selective" else 0)
-        stages.append(_SpanStage(**{f.name: getattr(stage, f.name) for f in dataclasses.fields(StagePlan)},
-                                 shard_span=span) if span else stage)
+            recompute_ops_layers=ops_layers if redo == "selective" else 0, shard_span=span)  # "": a legacy plan
+        stages.append(stage)
     micro = batch_size // (dp * microbatches)
     model = dataclasses.replace(base.model, class_name="LlamaForCausalLM", parameters=sum(TINY_SIZES.values()),
                                 inputs=(TensorSpec("input_ids", (micro, 32), "int64"),))
@@ -282,14 +274,16 @@ def test_replicas_and_resharding_map_to_one_data_parallel_setting(
 
 
 def test_hsdp_by_default_follows_the_cost_model() -> None:
-    """Without shard_span, a full stage group is HSDP exactly where the planner priced it so."""
-    from partitioner.cost.precision import shard_degree
-
+    """Without shard_span (a plan older than spans), a full stage group is HSDP exactly where the planner priced it so
+    (plan.legacy_spans), and with a span, as the span says (Plan.shard_degree)."""
     for dp, per_node, tp in ((16, 8, 1), (4, 8, 1), (12, 8, 1), (16, 8, 2), (32, 8, 1)):
         plan = dataclasses.replace(example_plan(), gpus=2 * dp * tp, pp=2, dp=dp, tp=tp, gpus_per_node=per_node)
-        replicas, shards = shard_layout(plan, dataclasses.replace(plan.stages[0], shard="full"))
-        assert replicas * shards == dp
-        assert shards == shard_degree("full", dp, plan.shard_gpus_per_node), (dp, per_node, tp)
+        for span in ("", "world", "node"):
+            stage = dataclasses.replace(plan.stages[0], shard="full", shard_span=span)
+            priced = legacy_spans(dataclasses.replace(plan, stages=(stage, *plan.stages[1:])))
+            replicas, shards = shard_layout(plan, stage)
+            assert replicas * shards == dp
+            assert shards == priced.shard_degree(priced.stages[0]), (dp, per_node, tp, span)
 
 
 def test_a_tensor_parallel_plan_exports_its_degree_with_sequence_parallelism() -> None:
