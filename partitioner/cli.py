@@ -218,9 +218,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="over which replicas a fully sharded stage group spanning nodes shards: auto (both "
                         "weighed), world (every replica: FSDP FULL_SHARD, ZeRO-3), node (the replicas of one node, "
                         "the nodes replicating each other: HSDP) (default auto)")
-    parser.add_argument("--tp", type=_microbatches, default=1, metavar="auto|N",
+    parser.add_argument("--tp", type=_microbatches, default=_AUTO, metavar="auto|N",
                         help="GPUs per tensor-parallel group, inside a node: auto (searched with pp and dp over the "
-                        "divisors of --gpus-per-node the model's heads and widths allow) or N (default 1)")
+                        "divisors of --gpus-per-node the model's heads and widths allow) or N (default auto)")
     parser.add_argument("--gpus-per-node", type=_positive_int, metavar="K",
                         help="GPUs per node, a divisor of N: links between nodes are slower "
                         "(default: the largest divisor of N up to 8)")
