@@ -1,5 +1,10 @@
 """``Pipeline``: one rank's view of a plan: its stage, its replicas, its schedule.
 
+Its ``__init__`` is a recipe: this rank's stage stack (:mod:`runtime.execute.stack`)
+built layer by layer, each step a function of the layer's subpackage (values,
+tensor split, recomputation, precision, sharding, replication, the schedule runner);
+:meth:`Pipeline.step` runs the runner inside the layers' hooks.
+
 Example (in each rank started by ``autopartition run`` / torchrun)::
 
     plan = Plan.load("plan/")
