@@ -43,7 +43,7 @@ _SHARD = ("auto", *SHARD_MODES, "zero3")
 _SPAN = ("auto", *SHARD_SPANS)
 _WIDTH = 100
 _EXAMPLES = Path(__file__).resolve().parent.parent / "examples"  # in a checkout (pip install -e .)
-_WEIGHTS_ENV = "AUTOPARTITION_WEIGHTS"  # runtime.weights.WEIGHTS_ENV: Pipeline reads it (no torch import here)
+_WEIGHTS_ENV = "AUTOPARTITION_WEIGHTS"  # runtime.state.weights.WEIGHTS_ENV: Pipeline reads it (no torch import here)
 
 _EPILOG = """\
 examples:
@@ -596,7 +596,7 @@ def _export(args: argparse.Namespace) -> int:
 def _tensor_parallel_refusal(plan: Any, engine: str | None = None) -> str | None:
     """Why the runtime cannot run this plan's tensor parallelism (None: it can, or no runtime installed)."""
     try:
-        from runtime.tensorparallel import tensor_parallel_refusal
+        from runtime.parallel.tensorparallel import tensor_parallel_refusal
     except ImportError:
         return None
     return tensor_parallel_refusal(plan, engine=engine or "ours")
@@ -625,7 +625,7 @@ def _verify(args: argparse.Namespace) -> int:
         options["dtype"] = args.dtype
     if args.engine != "ours":
         options["engine"] = args.engine
-    from runtime.failure import RankFailure
+    from runtime.launch.failure import RankFailure
 
     try:
         return verify_plan(args.plan, args.model, **options)
@@ -666,9 +666,9 @@ def _run(args: list[str]) -> int:
             raise AutopartitionError(f"--weights {parsed.weights}: no such file or directory.")
         os.environ[_WEIGHTS_ENV] = str(weights.resolve())  # the ranks inherit it through torchrun
     try:
-        from runtime.launch import run_plan
+        from runtime.launch.torchrun import run_plan
     except ImportError as exc:
-        return _runtime_missing("run", "runtime.launch.run_plan", exc)
+        return _runtime_missing("run", "runtime.launch.torchrun.run_plan", exc)
     engine = {} if parsed.engine is None else {"engine": parsed.engine}  # else each rank's own default
     return run_plan(parsed.plan, torchrun_args, script, **engine)
 

@@ -10,7 +10,7 @@ The file is imported by path and must define (see DESIGN.md):
   into the graph.  Or a module-level value ``example_inputs``;
 * optionally ``loss_fn(outputs, target)`` and ``example_target(batch_size)``;
 * optionally ``init_weights(module, name)``, which initialises one submodule of
-  a model built on the meta device (:mod:`runtime.materialise`);
+  a model built on the meta device (:mod:`runtime.state.materialise`);
 * or, for a model that computes its own loss (Hugging Face ``labels=``),
   ``example_target(batch_size)`` and ``target_keyword = "labels"``, the keyword
   the target is passed as (no ``loss_fn``).

@@ -148,9 +148,9 @@ class StagePlan:
     shard: str = dataclasses.field(default="none", metadata={ADDED_IN_VERSION: 3})  # one of STAGE_SHARD
     # shard "full" only: ZeRO-3 (one FSDP2 unit per layer, freed after each forward and backward, gradients
     # reduce-scattered after every micro-batch's backward) rather than the stage kept gathered from the first
-    # forward to the last backward with its gradients accumulated whole (runtime/shard.py).
+    # forward to the last backward with its gradients accumulated whole (runtime/parallel/shard.py).
     reshard_after_forward: bool = dataclasses.field(default=False, metadata={ADDED_IN_VERSION: 3})
-    # recompute "selective" only: how many of the stage's layer runs (its first ones, as runtime/recompute.py cuts the
+    # recompute "selective" only: how many of the stage's layer runs (its first ones, as runtime/execute/recompute.py cuts the
     # stage graph: a layer's ops, or root-level code such as a mask the stage computes) recompute; the others keep
     # their activations. 0 otherwise.
     recompute_layers: int = dataclasses.field(default=0, metadata={ADDED_IN_VERSION: 3})
@@ -330,7 +330,7 @@ class Plan:
     gpus_per_node: int | None = None  # node of rank r: r // gpus_per_node; None: one node
     chunks: int = 1  # stages per pipeline rank (interleaved-1f1b: v; zbv: 2)
     # GPUs per tensor-parallel group (gpus = pp x dp x tp); with tp > 1 each entry of a stage's ``ranks`` is a
-    # group: global ranks ``g x tp .. g x tp + tp - 1``, inside one node (runtime.tensorparallel).
+    # group: global ranks ``g x tp .. g x tp + tp - 1``, inside one node (runtime.parallel.tensorparallel).
     tp: int = dataclasses.field(default=1, metadata={ADDED_IN_VERSION: 3})
 
     @property

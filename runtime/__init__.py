@@ -1,6 +1,6 @@
 """autopartition's runtime: execute a plan on torchrun ranks (GPipe / 1F1B, DDP per stage group).
 
-:class:`Pipeline` is imported on first use, so ``runtime.launch`` (``autopartition run``)
+:class:`Pipeline` is imported on first use, so ``runtime.launch.torchrun`` (``autopartition run``)
 starts torchrun without importing torch and ``torch.distributed`` itself.
 """
 

@@ -39,10 +39,18 @@ from torch.utils import _pytree as pytree
 from partitioner.errors import InternalError
 from partitioner.graph.capture import model_loss
 from partitioner.plan import Boundary, Plan
-from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
-from runtime.execute import StepFailure
-from runtime.stage import LocalStage
-from runtime.tensorparallel import gathered, group_rank, wire_shape
+from runtime.execute.comm import (
+    Communicator,
+    DistCommunicator,
+    PeerFailure,
+    RecvSpec,
+    Work,
+    wait_all,
+)
+from runtime.execute.runner import StepFailure
+from runtime.execute.stage import LocalStage
+from runtime.execute.wire import group_rank, wire_shape
+from runtime.parallel.tensorparallel import gathered
 
 __all__ = ["concat_microbatches", "evaluate", "evaluation_mode", "forward_tag", "send_order"]
 

@@ -1,5 +1,10 @@
 """``Pipeline``: one rank's view of a plan: its stage, its replicas, its schedule.
 
+Its ``__init__`` is a recipe: this rank's stage stack (:mod:`runtime.execute.stack`)
+built layer by layer, each step a function of the layer's subpackage (values,
+tensor split, recomputation, precision, sharding, replication, the schedule runner);
+:meth:`Pipeline.step` runs the runner inside the layers' hooks.
+
 Example (in each rank started by ``autopartition run`` / torchrun)::
 
     plan = Plan.load("plan/")
@@ -17,14 +22,12 @@ import hashlib
 import io
 import os
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from partitioner import errors
@@ -35,9 +38,11 @@ from partitioner.orders import Action
 from partitioner.plan import Plan
 from partitioner.schedule.lower import validate
 from partitioner.schedule.timeline import TimelineEvent, write_chrome_trace
-from runtime import checkpoint
-from runtime.clip import clip_gradients
-from runtime.comm import (
+from runtime.engines.choice import engine_from_env
+from runtime.engines.runners import apply_runner
+from runtime.engines.torch_engine import torch_engine_refusal, torch_stage_refusal
+from runtime.evaluate import concat_microbatches, evaluate, evaluation_mode
+from runtime.execute.comm import (
     PeerFailure,
     RecvSpec,
     Work,
@@ -48,59 +53,45 @@ from runtime.comm import (
     send_tensors,
     wait_all,
 )
-from runtime.evaluate import concat_microbatches, evaluate, evaluation_mode
-from runtime.execute import StepRunner, gradient_order
-from runtime.failure import reports_failures
-from runtime.materialise import InitWeights, materialise_modules, materialised_values
-from runtime.precision import PrecisionForward, cast_parameters, plan_at_precision, precision_loss
-from runtime.recompute import Recomputed
-from runtime.replicate import (
-    broadcast_replicas,
-    make_groups,
-    needs_explicit_reduce,
-    replica_reducer,
-    share_tied_parameters,
-    sum_tied_grads,
-    sync_tied_weights,
-    wrap_replicas,
+from runtime.execute.recompute import apply_recompute
+from runtime.execute.stack import LossFn, Runner, StageStack
+from runtime.execute.stage import build_local_stages
+from runtime.execute.wire import group_rank
+from runtime.launch.failure import reports_failures
+from runtime.parallel.clip import clip_gradients
+from runtime.parallel.parallelize import (
+    ReplicaLayer,
+    ShardingLayer,
+    TiedLayer,
+    apply_fsdp,
+    apply_groups,
+    apply_replicas,
+    apply_tp,
+    apply_tp_io,
+    shard_while_loading,
+    sync_tied_copies,
+    tie_parameters,
 )
-from runtime.shard import (
-    ShardedStep,
+from runtime.parallel.shard import (
     bf16_gathered_parameters,
-    build_optimizer,
     check_shard_plan,
-    fill_shards,
     plain_tensor,
     rank_shard_mode,
-    shard_layout,
-    shard_modules,
-    shard_of,
-    shardable_on_meta,
-    stage_meshes,
 )
-from runtime.stage import LocalStage, build_local_stages, example_microbatch
-from runtime.tensorparallel import (
-    TensorParallelStage,
-    group_rank,
-    has_vocabulary_head,
-    match_gradients,
-    parallelize_stages,
-    tensor_parallel_loss,
-    tensor_parallel_meshes,
-    tensor_parallel_refusal,
-    tensor_parallel_step,
+from runtime.parallel.tensorparallel import tensor_parallel_refusal
+from runtime.state import checkpoint
+from runtime.state.materialise import InitWeights
+from runtime.state.values import (
+    apply_precision,
+    at_precision,
+    cast_values,
+    load_values,
+    values_on_device,
 )
-from runtime.torch_engine import (
-    TorchEngine,
-    engine_from_env,
-    torch_engine_refusal,
-    torch_stage_refusal,
-)
-from runtime.weights import load_weights, weights_from_env
+from runtime.state.weights import weights_from_env
 
 __all__ = ["Pipeline"]
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 BATCH_MODES = ("global", "replica")  # what step() receives: the whole mini-batch, or this replica's share
 
 
@@ -123,12 +114,12 @@ class Pipeline:
     A model built on the meta device gets real tensors for this rank's stages only,
     each module initialised under a generator seeded by ``(seed, its name)`` with
     ``init_weights(module, name)`` (the model file's), else the Hugging Face model's
-    ``_init_weights``, else ``reset_parameters()`` (:mod:`runtime.materialise`); a
+    ``_init_weights``, else ``reset_parameters()`` (:mod:`runtime.state.materialise`); a
     model with real weights is used as it is.  ``weights=`` (default: the
     ``AUTOPARTITION_WEIGHTS`` variable ``autopartition run --weights`` sets) reads
-    this rank's tensors from a safetensors or DCP checkpoint (:mod:`runtime.weights`);
+    this rank's tensors from a safetensors or DCP checkpoint (:mod:`runtime.state.weights`);
     :meth:`save_checkpoint` / :meth:`load_checkpoint` resume under any plan
-    (:mod:`runtime.checkpoint`).
+    (:mod:`runtime.state.checkpoint`).
 
     The plan's ``precision`` is applied to every stage: ``bf16-mixed`` runs forward
     and loss under ``torch.autocast`` (bfloat16) with float32 parameters, ``bf16``
@@ -136,7 +127,7 @@ class Pipeline:
     boundary tensors travel in the dtype they are computed in.  A stage planned
     with ``recompute="full"`` runs each layer under activation checkpointing; one
     planned ``"selective"`` its first ``recompute_layers`` layers so, and the next
-    ``recompute_ops_layers`` under per-op checkpointing (:mod:`runtime.recompute`).
+    ``recompute_ops_layers`` under per-op checkpointing (:mod:`runtime.execute.recompute`).
 
     ``batch="global"`` (default): every rank passes the whole mini-batch and each
     replica takes its slice; ``batch="replica"``: each rank passes only its
@@ -154,17 +145,17 @@ class Pipeline:
     of :attr:`dp_rank`).
 
     Stages planned with ``shard`` ``optimizer`` or ``full`` split their state over their
-    replicas (:mod:`runtime.shard`); :meth:`optimizer` builds the optimizer that fits.
+    replicas (:mod:`runtime.parallel.shard`); :meth:`optimizer` builds the optimizer that fits.
 
     ``timeout``: seconds any wait for a peer may take (default: ``$AUTOPARTITION_TIMEOUT``,
     else 300); past it the rank stops with an error naming the peer and the action.
 
     ``engine``: ``"ours"`` (default; ``$AUTOPARTITION_ENGINE``, which ``autopartition run
     --engine`` sets) or ``"torch"``: the stages run under torch.distributed.pipelining's
-    schedules (:mod:`runtime.torch_engine`); :meth:`step` takes and returns the same.
+    schedules (:mod:`runtime.engines.torch_engine`); :meth:`step` takes and returns the same.
     """
 
-    @reports_failures  # a rank's error names its stage in the launcher's message (runtime.failure)
+    @reports_failures  # a rank's error names its stage in the launcher's message (runtime.launch.failure)
     def __init__(
         self,
         plan: Plan,
@@ -181,152 +172,92 @@ class Pipeline:
         weights: str | os.PathLike[str] | None = None,
         engine: str | None = None,
     ) -> None:
-        if batch not in BATCH_MODES:
-            raise AutopartitionError(
-                f"batch={batch!r}: pass 'global' (every rank gets the whole mini-batch) or 'replica' (each "
-                "rank gets only its replica's batch_size / dp samples)."
-            )
-        self.plan = plan
-        self._loss_fn = loss_fn
-        self._target_keyword = target_keyword
-        self._batch = batch
+        _check_batch(batch)
+        self.plan, self._loss_fn, self._target_keyword, self._batch, self.trace = plan, loss_fn, target_keyword, batch, trace
         self.device = device or pick_device()
         self.timeout = timeout = rank_timeout(timeout)  # None: $AUTOPARTITION_TIMEOUT, else 300 s
-        self.trace = trace
         init_distributed(self.device, timeout=timeout)
         self.rank = dist.get_rank()
         self._state_keys = set(model.state_dict().keys())
-        # Every check that can fail on one rank alone runs before the ranks compare notes,
-        # so that a failure on any rank stops all of them (a lone raise would leave the
-        # others waiting in the first collective until the timeout).
+        # Every check that can fail on one rank alone runs before the ranks compare notes, so that a failure on
+        # any rank stops all of them (a lone raise would leave the others waiting in the first collective).
         failure: Exception | None = None
-        deferred: dict[str, torch.Tensor] | None = None  # shards of a meta model's stage, put in once sharded
         try:
-            self.engine = engine_from_env(engine)
-            refusal = tensor_parallel_refusal(plan, engine=self.engine)  # before _place counts the ranks
-            if refusal is not None:
-                raise AutopartitionError(refusal)
-            self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
-            check_shard_plan(plan)  # a shard mode the runtime cannot run: refused on every rank alike
-            if self.engine == "torch":
-                refusal = torch_engine_refusal(plan, trace=trace)
-            if refusal is not None:
-                raise AutopartitionError(refusal)
-            validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from(),
-                     stage_rank=plan.stage_ranks())
-            # Every stage this rank holds: one with chunks == 1, several for interleaved and V schedules.
-            self._stages = build_local_stages(plan, model, plan.stages_of(self.pipeline_rank))
-            if self.engine == "torch" and (refusal := torch_stage_refusal(plan, self._stages)) is not None:
-                raise AutopartitionError(refusal)  # every rank raises it (_agree, below)
+            stack = self._rank_stack(plan, model, engine=engine)
             weights = weights_from_env(weights)  # `autopartition run --weights PATH` sets the variable
-            if weights is not None:  # this rank's tensors only; meta ones are replaced, the rest copied into
-                load_weights([s.module for s in self._stages], weights, keys=self._state_keys, tied=plan.tied)
-            # A model built on meta: only this rank's stages get real tensors, initialised per module
-            # under seeds from (seed, module name), so every partition starts from the same values.
-            # A fully sharded rank keeps only its shard of each, one module at a time (runtime.shard).
-            self.shard_mode = rank_shard_mode(plan, self.pipeline_rank)
-            held = [local.module for local in self._stages]
-            if self.shard_mode == "full" and weights is None and plan.tp == 1 and shardable_on_meta(held):
-                parts = shard_layout(plan, self.pipeline_rank)[1]  # HSDP: a node's replicas split it
-                part = self.replica % parts
-                deferred = materialised_values(
-                    model, held, seed=seed, init_weights=init_weights, device=self.device,
-                    keep=lambda value, is_param: shard_of(value, dp=parts, replica=part) if is_param else value)
-            else:
-                materialise_modules(model, held, seed=seed, init_weights=init_weights, device=self.device)
+            stack = load_values(stack, model, weights=weights, keys=self._state_keys, seed=seed,
+                                init_weights=init_weights, keep=shard_while_loading(stack, weights_given=weights is not None))
         except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised
             failure = exc
         _agree(plan, failure, device=self.device, timeout=timeout)
-        # The plan the ranks run: boundary tensors in the dtype the plan's precision computes them in,
-        # found by fake propagation of the whole graph (every rank finds the same); buffers follow it.
-        # self.plan stays the plan as given (as saved, and as recapture checks it).
-        plan = self._run_plan = plan_at_precision(
-            plan, self._stages[0].captured.graph_module, example_microbatch(plan), device_type=self.device.type,
-            bf16_parameters=bf16_gathered_parameters(plan))  # FSDP2's bfloat16 copies under bf16-mixed
-        for local in self._stages:
-            local.plan = plan.stages[local.plan.index]
-        self._groups = make_groups(plan, self.rank)
-        # FSDP2's mesh (None unless this rank's stages are "full"), and with tp > 1 the tensor-parallel mesh:
-        # both slices of one (pp, dp, tp) mesh, as FSDP2 over DTensor-split layers requires.
-        tp_mesh: DeviceMesh | None = None
-        if plan.tp > 1:
-            tp_mesh, dp_mesh = tensor_parallel_meshes(plan, self.device)  # collective: every rank
-            mesh = dp_mesh if self.shard_mode == "full" else None
-        else:
-            mesh = stage_meshes(plan, self.rank, self._groups.stage, self.device)  # collective: every rank
-        modules = [local.module for local in self._stages]
-        share_tied_parameters(plan, modules)  # a weight two stages of this rank use: one Parameter
-        if deferred is None:  # else still on meta: every copy and replica gets its values from one rule
-            for module in modules:
-                module.to(self.device)
-            sync_tied_weights(modules, self._groups)
-        for module in modules:
-            cast_parameters(module, plan.precision)  # bf16: parameters in bfloat16; else unchanged
-        if tp_mesh is not None:  # each stage's layers split over this rank's tensor-parallel group (DTensor)
-            parallelize_stages(modules, tp_mesh)
-        # What runs each stage's forward: precision and recomputation wrappers around the stage module
-        # (made after every .to(): they read the stage's state through it, never copies).
-        twice = self.engine == "torch" and plan.schedule_data().splits_backward  # torch's B, then W: two backwards
-        self._runnables = tuple(_runnable(local, plan.precision, self.device, backward_twice=twice)
-                                for local in self._stages)
-        # shard "full": each stage's runnable becomes one FSDP2 unit over its stage group (runtime.shard).
-        self._sharded: ShardedStep | None = None
-        self._built_optimizer = False
-        if mesh is not None:
-            if deferred is None:
-                broadcast_replicas(modules, self._groups)  # every replica keeps its shard of equal values
-            policy = [local.plan.reshard_after_forward for local in self._stages]
-            self._runnables = shard_modules(self._runnables, policy, mesh, precision=plan.precision)
-            if deferred is not None:
-                fill_shards(self._runnables, modules, deferred, self.device)
-                deferred = None
-            self._sharded = ShardedStep(self._runnables, policy,
-                                        splits_backward=plan.schedule_data().splits_backward)
-        self._shard_units = list(self._runnables) if self._sharded is not None else []
-        if tp_mesh is not None:  # outermost: tensors enter and leave each stage as DTensors, around FSDP2's unit
-            self._runnables = tuple(
-                TensorParallelStage(r, tp_mesh, model_inputs=len(local.signature.model_inputs),
-                                    received=_received_shapes(local), sent=len(local.signature.sent))
-                for r, local in zip(self._runnables, self._stages, strict=True))
-        self._run_loss = precision_loss(loss_fn, plan.precision, self.device.type)
-        self._vocabulary_parallel = False  # tp > 1 and this rank holds the LM head: loss_parallel in each step
-        if tp_mesh is not None:
-            self._run_loss = tensor_parallel_loss(self._run_loss)
-            self._vocabulary_parallel = has_vocabulary_head(modules)
-        self._reducer = None
-        self._modules: tuple[torch.nn.Module, ...] = self._runnables  # "full": FSDP2 reduces the gradients
-        self._torch: TorchEngine | None = None  # engine="torch": it replicates and reduces itself
-        if self.engine == "torch":
-            self._torch = TorchEngine(plan, self._stages, self._runnables, self._groups, loss_fn=self._run_loss,
-                                      device=self.device, timeout=timeout, sharded=self._sharded is not None)
-        elif self._sharded is None and needs_explicit_reduce(plan):  # W actions or several stages: no DDP hooks
-            broadcast_replicas(modules, self._groups)
-            self._reducer = replica_reducer(
-                {local.plan.index: local.module for local in self._stages},
-                gradient_order(plan.schedule_data().actions[self.pipeline_rank]), self._groups,
-                bucket_cap_mb=plan.bucket_cap_mb, timeout=timeout,
-            )
-        elif self._sharded is None:
-            self._modules = tuple(
-                wrap_replicas(m, self._groups, bucket_cap_mb=plan.bucket_cap_mb, device=self.device)
-                for m in self._runnables
-            )
-        self._runner = StepRunner(
-            plan, self._stages, self._modules, replica=self.replica, rank=self.rank,
-            loss_fn=self._run_loss, device=self.device, timeout=timeout,
-            on_gradients=None if self._reducer is None else self._reducer.start,
-        )
-        # batch="replica": the target travels from the rank that read the inputs (stage 0) to the last
-        # stage, so that every sample's target meets its own inputs whatever sampler fed the last stage.
-        tp_rank = self.rank % plan.tp  # tp > 1: the target goes to this rank's counterpart
-        first, last = (group_rank(plan.stages[s].ranks[self.replica], tp_rank, plan.tp) for s in (0, -1))
-        ships = batch == "replica" and loss_fn is not None and first != last and self.rank in (first, last)
-        self._ship = (first, last) if ships else None
+        # The stack, layer by layer (runtime.execute.stack), in the order of the ranks' collectives.
+        # self.plan stays the plan as given (as saved, and as recapture checks it); the stack runs it at precision.
+        stack = at_precision(stack, bf16_parameters=bf16_gathered_parameters(plan))  # FSDP2's bf16 copies
+        stack = apply_groups(stack)  # collective: replica and tied-copy groups, tensor-parallel and FSDP2 meshes
+        stack = tie_parameters(stack)  # a weight two stages of this rank use: one Parameter
+        stack = values_on_device(stack)
+        stack = sync_tied_copies(stack)  # a tied weight's copies on other ranks: equal now, gradients summed
+        stack = cast_values(stack)  # bf16: parameters in bfloat16
+        stack = apply_tp(stack)  # tp > 1: each stage's layers split over the tensor-parallel group
+        twice = stack.engine == "torch" and plan.schedule_data().splits_backward  # torch's B, then W: two backwards
+        stack = apply_recompute(stack, backward_twice=twice)
+        stack = apply_precision(stack, loss_fn)
+        stack = apply_fsdp(stack)  # shard "full": each stage's runnable one FSDP2 unit over its stage group
+        stack = apply_tp_io(stack)  # outermost: tensors enter and leave each stage as DTensors
+        stack = apply_replicas(stack)  # DDP, or our reducer (W actions, several stages, DTensors), or neither
+        self._stack = apply_runner(stack)
+        self._ship = _target_route(self._stack, ships=batch == "replica" and loss_fn is not None)
         self._fed: set[str] = set()  # step / eval_step: whose first feeding the ranks compared
-        self._warned_optimizer = False
         self._shipping: list[Any] = []  # the target's sends in flight: buffers and works
         dist.barrier()
         self._clock_zero = time.time()  # right after a barrier: a common origin for traces
+
+    def _rank_stack(self, plan: Plan, model: torch.nn.Module, *, engine: str | None) -> StageStack:
+        """What one rank can check alone, its place, and its stages (recaptured, checked against the plan)."""
+        self.engine = engine_from_env(engine)
+        refusal = tensor_parallel_refusal(plan, engine=self.engine)  # before _place counts the ranks
+        if refusal is not None:
+            raise AutopartitionError(refusal)
+        self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
+        check_shard_plan(plan)  # a shard mode the runtime cannot run: refused on every rank alike
+        if self.engine == "torch":
+            refusal = torch_engine_refusal(plan, trace=self.trace)
+        if refusal is not None:
+            raise AutopartitionError(refusal)
+        validate(plan.schedule_data(), sends_to=plan.sends_to(), receives_from=plan.receives_from(),
+                 stage_rank=plan.stage_ranks())
+        # Every stage this rank holds: one with chunks == 1, several for interleaved and V schedules.
+        self._stages = build_local_stages(plan, model, plan.stages_of(self.pipeline_rank))
+        if self.engine == "torch" and (refusal := torch_stage_refusal(plan, self._stages)) is not None:
+            raise AutopartitionError(refusal)  # every rank raises it (_agree, below)
+        # A fully sharded rank keeps only its shard of each value (runtime.parallel.parallelize.shard_while_loading).
+        self.shard_mode = rank_shard_mode(plan, self.pipeline_rank)
+        return StageStack(plan, self._stages, rank=self.rank, pipeline_rank=self.pipeline_rank, replica=self.replica,
+                          device=self.device, timeout=self.timeout, engine=self.engine, shard_mode=self.shard_mode)
+
+    @property
+    def _runner(self) -> Runner:
+        assert self._stack.runner is not None  # apply_runner made it
+        return self._stack.runner
+
+    @property
+    def _runnables(self) -> tuple[torch.nn.Module, ...]:
+        """What runs each stage's forward: the stage module inside its layers' wrappers."""
+        return self._stack.runnables
+
+    @property
+    def _run_plan(self) -> Plan:
+        """The plan the ranks run: boundary tensors in the dtype the plan's precision computes them in."""
+        return self._stack.plan
+
+    @property
+    def _sharding(self) -> ShardingLayer:
+        return self._stack.layer(ShardingLayer)
+
+    @property
+    def _shard_units(self) -> list[torch.nn.Module]:
+        """This rank's FSDP2 units (none unless its stages are planned ``full``)."""
+        return self._sharding.units
 
     # ---------------------------------------------------------------- public
 
@@ -375,9 +306,7 @@ class Pipeline:
         (``opt.step()`` updates this replica's share of the parameters and broadcasts them); under ``full``
         the parameters are already shards, so the plain optimizer is; under ``none`` it is the plain one.
         """
-        self._built_optimizer = True
-        return build_optimizer(self.parameters(), optimizer_class, mode=self.shard_mode,
-                               group=self._groups.stage, **defaults)
+        return self._sharding.optimizer(self.parameters(), optimizer_class, **defaults)
 
     @property
     def dp_rank(self) -> int:
@@ -428,31 +357,11 @@ class Pipeline:
         Returns the mini-batch mean loss on the last stage's ranks, None on the others.
         """
         micro = self._feed(inputs, target, call="step")
-        if self._sharded is not None:
-            self._sharded.begin()
-        with tensor_parallel_step(self.plan, vocabulary_parallel=self._vocabulary_parallel):  # tp > 1: DTensors
-            loss = self._runner.run(micro, record=self.trace) if self._torch is None else self._torch.run(micro)
-        if self._sharded is not None:
-            self._sharded.end()  # one reduce-scatter per stage, averaged over the replicas
-        elif self.shard_mode == "optimizer" and not self._built_optimizer and not self._warned_optimizer:
-            self._warned_optimizer = True
-            warnings.warn(
-                f"rank {self.rank}: the plan shards the optimizer state of stages {list(self.stages)} over their "
-                f"{self.plan.dp} replicas, but no optimizer was built with pipe.optimizer(...): an optimizer over "
-                "pipe.parameters() holds the whole state on every replica (training is right, the memory the plan "
-                "counted on is not saved). Build it with pipe.optimizer(torch.optim.AdamW, lr=...).",
-                RuntimeWarning, stacklevel=2,
-            )
+        with self._stack.stepping(training=True):  # the layers' hooks: FSDP2's gradient sync off, DTensor's switches
+            loss = self._runner.run(micro, record=self.trace)
         self._target_sent()
-        if self._reducer is not None:
-            self._reducer.finish()
-        sum_tied_grads([local.module for local in self._stages], self._groups)
-        if self.plan.tp > 1:  # each rank's part of the whole gradient, as its parameter is laid out
-            match_gradients([local.module for local in self._stages])
-        if loss is not None and self._groups.stage is not None:
-            dist.all_reduce(loss, group=self._groups.stage)
-            loss = loss / self.plan.dp
-        return loss
+        self._stack.after_step()  # the replicas' average, then tied copies summed and tp gradients laid out
+        return self._stack.layer(ReplicaLayer).mean(loss)
 
     @reports_failures
     def eval_step(self, inputs: Any = None, target: Any = None, *, return_outputs: bool = False) -> Any:
@@ -466,19 +375,15 @@ class Pipeline:
         Every rank must call it.
         """
         micro = self._feed(inputs, target, call="eval_step")
-        with evaluation_mode([local.module for local in self._stages]), \
-                tensor_parallel_step(self.plan, vocabulary_parallel=self._vocabulary_parallel):
+        with evaluation_mode([local.module for local in self._stages]), self._stack.stepping(training=False):
             loss, outputs = evaluate(
-                self._run_plan, list(zip(self._stages, self._runnables)), micro, replica=self.replica,
-                rank=self.rank, loss_fn=self._run_loss, device=self.device, timeout=self.timeout,
+                self._run_plan, self._stack.zipped(self._runnables), micro, replica=self.replica,
+                rank=self.rank, loss_fn=self._stack.loss_fn, device=self.device, timeout=self.timeout,
                 keep_outputs=return_outputs,
             )
-        for module in self._sharded_modules():  # gathered by the forward: an optimizer step must not miss them
-            module.reshard()  # type: ignore[operator]
+        self._stack.after_eval()  # FSDP2: what the forwards gathered is resharded (an optimizer step needs it so)
         self._target_sent()
-        if loss is not None and self._groups.stage is not None:
-            dist.all_reduce(loss, group=self._groups.stage)
-            loss = loss / self.plan.dp
+        loss = self._stack.layer(ReplicaLayer).mean(loss)
         return (loss, concat_microbatches(outputs)) if return_outputs else loss
 
     def clip_grad_norm_(
@@ -494,7 +399,7 @@ class Pipeline:
         return clip_gradients(
             self.plan, [(local.plan.index, local.module) for local in self._stages], replica=self.replica,
             # Shards count once: HSDP's other nodes hold copies of the first node's shards.
-            sharded=self._sharded is not None and self.replica < shard_layout(self.plan, self.pipeline_rank)[1],
+            sharded=self._sharding.counts_shards_once(self.replica, self.pipeline_rank),
             max_norm=max_norm, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite,
         )
 
@@ -539,7 +444,7 @@ class Pipeline:
             )
         for module, wanted in loads:
             module.load_state_dict(_as_held(module, wanted), strict=False)
-        sync_tied_weights([module for module, _ in loads], self._groups)
+        self._stack.layer(TiedLayer).sync([module for module, _ in loads])
 
     def save_checkpoint(
         self,
@@ -550,7 +455,7 @@ class Pipeline:
         keep: int | None = checkpoint.DEFAULT_KEEP,
     ) -> Path:
         """Every rank: write model, optimizer state, step and plan in the original names, atomically into
-        ``directory/step-<step>``, keeping the newest ``keep`` steps (:mod:`runtime.checkpoint`); returns it."""
+        ``directory/step-<step>``, keeping the newest ``keep`` steps (:mod:`runtime.state.checkpoint`); returns it."""
         return checkpoint.save_checkpoint(directory, modules=self.modules, plan=self.plan,
                                           keys=self._state_keys, optimizer=optimizer, step=step, keep=keep)
 
@@ -561,10 +466,6 @@ class Pipeline:
         complete step, or one ``step-N`` folder); returns its step."""
         return checkpoint.load_checkpoint(directory, modules=self.modules, plan=self.plan,
                                           keys=self._state_keys, optimizer=optimizer)
-
-    def _sharded_modules(self) -> list[torch.nn.Module]:
-        """This rank's fully sharded stage modules (none unless its stages are planned ``full``)."""
-        return self._shard_units
 
     def _aliases(self) -> dict[str, tuple[str, ...]]:
         """Each tied parameter this stage holds (by its name here) -> all of its names."""
@@ -580,7 +481,7 @@ class Pipeline:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every stage's state gathered on rank 0 (replica 0 of each stage), in the original names."""
-        state = self.state_dict() if self.replica == 0 or self._sharded is not None else {}  # gathers shards
+        state = self.state_dict() if self.replica == 0 or self._sharding.sharded is not None else {}  # gathers shards
         local = {k: v.detach().cpu() for k, v in state.items()} if self.replica == 0 else {}
         gathered: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
         dist.gather_object(local, gathered if self.rank == 0 else None, dst=0)
@@ -761,6 +662,24 @@ class Pipeline:
         ]
 
 
+def _check_batch(batch: str) -> None:
+    if batch not in BATCH_MODES:
+        raise AutopartitionError(
+            f"batch={batch!r}: pass 'global' (every rank gets the whole mini-batch) or 'replica' (each "
+            "rank gets only its replica's batch_size / dp samples)."
+        )
+
+
+def _target_route(stack: StageStack, *, ships: bool) -> tuple[int, int] | None:
+    """batch="replica" with a loss_fn: the target travels from the rank that read the inputs (stage 0) to the
+    last stage, so that every sample's target meets its own inputs whatever sampler fed the last stage.
+    (sender, receiver) where this rank is one of them, else None."""
+    plan, rank = stack.plan, stack.rank
+    tp_rank = rank % plan.tp  # tp > 1: the target goes to this rank's counterpart
+    first, last = (group_rank(plan.stages[s].ranks[stack.replica], tp_rank, plan.tp) for s in (0, -1))
+    return (first, last) if ships and first != last and rank in (first, last) else None
+
+
 def _as_held(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole tensors laid out as ``module`` holds them: this rank's shard where it holds a ``DTensor``."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -840,28 +759,6 @@ def _unsent_message(rank: int, replica: int) -> str:
     )
 
 
-def _runnable(local: LocalStage, precision: str, device: torch.device, *, backward_twice: bool = False
-              ) -> torch.nn.Module:
-    """What runs a stage's forward: its module, each layer recomputed if planned, under the plan's precision.
-
-    ``backward_twice``: the engine backpropagates through a stage in two calls (torch's
-    split backward: input gradients, then weight gradients), which torch's per-op
-    checkpointing refuses: the layers planned to recompute their cheap ops recompute
-    wholly instead (the same numbers, less memory than planned, more time).
-    """
-    module: torch.nn.Module = local.module
-    if local.plan.recompute == "full":
-        module = Recomputed(local.module)
-    elif local.plan.recompute == "selective":  # the first layers wholly, the next ones' cheap ops (0 of either)
-        layers, ops_layers = local.plan.recompute_layers, local.plan.recompute_ops_layers
-        if backward_twice:
-            layers, ops_layers = layers + ops_layers, 0
-        module = Recomputed(local.module, layers=layers, ops_layers=ops_layers)
-    if precision != "fp32":
-        module = PrecisionForward(module, precision=precision, device_type=device.type,
-                                  model_inputs=len(local.signature.model_inputs))
-    return module
-
 
 # ---------------------------------------------------------- one plan for all
 
@@ -872,11 +769,6 @@ _SAFE_PATTERN = (
     "after init_process_group solves on rank 0 and sends that plan to the others.)"
 )
 
-
-def _received_shapes(local: LocalStage) -> list[tuple[tuple[int, ...], str]]:
-    """(whole shape, dtype) of each tensor the stage receives, in its signature's order."""
-    planned = {b.producer: b for b in local.plan.inputs}
-    return [(planned[name].shape, planned[name].dtype) for name in local.signature.received]
 
 
 def _place(plan: Plan, rank: int, world: int) -> tuple[int, int]:

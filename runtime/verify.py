@@ -63,7 +63,8 @@ from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import CallSpec, model_loss
 from partitioner.graph.ir import dtype_name
 from partitioner.plan import Plan
-from runtime.failure import (
+from runtime.execute.stage import call_spec, recapture
+from runtime.launch.failure import (
     FAILURE_DIR_ENV,
     RankFailure,
     RankInputError,
@@ -73,10 +74,9 @@ from runtime.failure import (
     summarise,
     write_log,
 )
-from runtime.materialise import InitWeights, materialise_model
-from runtime.shard import plain_tensor
-from runtime.stage import call_spec, recapture
-from runtime.tensorparallel import refuse_unrunnable_tp
+from runtime.parallel.shard import plain_tensor
+from runtime.parallel.tensorparallel import refuse_unrunnable_tp
+from runtime.state.materialise import InitWeights, materialise_model
 
 __all__ = [
     "DTYPES",
@@ -335,7 +335,7 @@ def free_port() -> int:
 RANK_PRELOAD = [
     "torch", "torch._dynamo", "torch.export", "torch.distributed", "torch.distributed.fsdp",
     "torch.distributed.tensor", "torch.distributed.checkpoint", "partitioner.modelfile", "runtime.pipeline",
-    "runtime.checkpoint", "runtime.verify",
+    "runtime.state.checkpoint", "runtime.verify",
 ]
 
 
@@ -382,7 +382,7 @@ def verify(
 
     ``tolerance`` defaults to 1e-5 for float32 and 1e-10 for float64; ``progress``
     receives a line at each phase.  A model file building on meta is materialised
-    with its ``init_weights`` and base ``seed`` (:mod:`runtime.materialise`): per
+    with its ``init_weights`` and base ``seed`` (:mod:`runtime.state.materialise`): per
     stage on the ranks, whole for the reference, so both start from the same values.
     ``engine``: the ranks' ``Pipeline(engine=)``: ``"ours"`` or ``"torch"`` (torch.distributed.pipelining).
     """

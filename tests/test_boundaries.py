@@ -10,6 +10,13 @@
 * Only the CLI (and ``cost.splitcost``, which times the runtime's split backward)
   imports ``runtime``, inside functions; the runtime imports no solving pass.
 * ``import partitioner`` and ``autopartition --help`` do not import torch.
+* The runtime's subpackages are floors: ``execute`` (the stage, its wire, its runner)
+  < ``state`` (values, weights, checkpoints, precision) < ``parallel`` (tensor split,
+  sharding, replication) < ``engines`` < ``launch`` < the flat top (``pipeline``,
+  ``evaluate``, ``verify``).  No runtime module imports one of a higher floor, no two
+  floors import each other, and no two runtime modules do either (function-level
+  imports count).  ``launch``, ``engines.choice``, ``state.folders``, ``execute.wire``
+  and every subpackage's ``__init__`` import without torch.
 
 Imports are read with :mod:`ast` (``import``, ``from ... import``, relative imports
 and ``importlib.import_module("...")`` / ``__import__("...")`` strings, at any depth,
@@ -45,6 +52,27 @@ LAYERS: dict[str, int] = {
     "search": 7,
     "cli": 8, "__main__": 8, "__init__": 8,
 }
+
+# Every unit of the runtime (a subpackage, or a flat module) and its floor, as LAYERS for the planner.
+RUNTIME_FLOORS: dict[str, int] = {
+    "execute": 0,
+    "state": 1,
+    "parallel": 2,
+    "engines": 3,
+    "launch": 4,
+    "evaluate": 5, "pipeline": 5, "verify": 5, "__init__": 5,
+}
+
+# Runtime modules that must import without torch: what `autopartition run` imports before torchrun
+# starts, the checkpoint layout, the engine's name, the wire's numbers, and every subpackage's __init__.
+RUNTIME_TORCH_FREE = (
+    "runtime",
+    "runtime.launch.failure",
+    "runtime.launch.torchrun",
+    "runtime.engines.choice",
+    "runtime.state.folders",
+    "runtime.execute.wire",
+)
 
 # Modules that must import without torch: the solver, the schedules, the plan and the base,
 # and the cost pass's numbers-only modules.
@@ -111,10 +139,10 @@ def _sources(package: str, root: Path | None = None) -> list[Path]:
     return sorted((root or ROOT).joinpath(package).rglob("*.py"))
 
 
-def _unit(module: str) -> str | None:
-    """The layer unit of a partitioner module: its subpackage, or the flat module's name."""
+def _unit(module: str, package: str = "partitioner") -> str | None:
+    """The layer unit of a ``package`` module: its subpackage, or the flat module's name."""
     parts = module.split(".")
-    if parts[0] != "partitioner":
+    if parts[0] != package:
         return None
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -168,35 +196,47 @@ def _loaded_after(code: str, *, no_torch: bool = False) -> list[str]:
 # ----------------------------------------------------------------- the checkers
 
 
-def _partitioner_imports(root: Path) -> dict[str, set[str]]:
-    """Module -> the partitioner modules it imports (any depth, TYPE_CHECKING included).
+def _partitioner_imports(root: Path, package: str = "partitioner") -> dict[str, set[str]]:
+    """Module -> the ``package`` modules it imports (any depth, TYPE_CHECKING included).
 
     The bare package name is left out: ``from partitioner import x`` imports ``x`` (and the
-    package's ``__init__`` loads nothing eagerly but ``errors``).
+    package's ``__init__`` loads nothing eagerly but ``errors``; the runtime's, nothing).
     """
-    return {_dotted(path): {n for n in _imports(path) if _unit(n) is not None and n != "partitioner"}
-            for path in _sources("partitioner", root)}
+    return {_dotted(path): {n for n in _imports(path) if _unit(n, package) is not None and n != package}
+            for path in _sources(package, root)}
 
 
-def _upward_imports(root: Path) -> dict[str, list[str]]:
+def _upward_imports(root: Path, package: str = "partitioner",
+                    layers: dict[str, int] | None = None) -> dict[str, list[str]]:
     """Every import of a module from a higher layer than the importer's; unplaced units count as upward."""
+    layers = LAYERS if layers is None else layers
     found: dict[str, list[str]] = {}
-    for module, names in _partitioner_imports(root).items():
-        mine = LAYERS.get(_unit(module) or "", -1)
-        up = sorted(n for n in names if LAYERS.get(_unit(n) or "", 99) > mine)
+    for module, names in _partitioner_imports(root, package).items():
+        mine = layers.get(_unit(module, package) or "", -1)
+        up = sorted(n for n in names if layers.get(_unit(n, package) or "", 99) > mine)
         if up:
             found[module] = up
     return found
 
 
-def _unit_cycles(root: Path) -> list[list[str]]:
+def _unit_cycles(root: Path, package: str = "partitioner") -> list[list[str]]:
     """Import circles between units (subpackages and flat modules), through any number of others."""
     graph = nx.DiGraph()
-    for module, names in _partitioner_imports(root).items():
+    for module, names in _partitioner_imports(root, package).items():
         for name in names:
-            a, b = _unit(module), _unit(name)
+            a, b = _unit(module, package), _unit(name, package)
             if a and b and a != b:
                 graph.add_edge(a, b)
+    return [sorted(c) for c in nx.simple_cycles(graph)]
+
+
+def _module_cycles(root: Path, package: str) -> list[list[str]]:
+    """Import circles between modules of ``package`` (within a unit too); a ``__main__`` block's
+    import of its own module (the module, not the ``__main__`` copy running) is no circle."""
+    graph = nx.DiGraph()
+    imports = _partitioner_imports(root, package)
+    for module, names in imports.items():
+        graph.add_edges_from((module, name) for name in names if name in imports and name != module)
     return [sorted(c) for c in nx.simple_cycles(graph)]
 
 
@@ -251,6 +291,53 @@ def test_the_layer_checkers_catch_a_break(tmp_path: Path, monkeypatch: pytest.Mo
     }
     assert sorted(map(sorted, _unit_cycles(root))) == [["cost", "plan"], ["search", "solve"]]
     assert _runtime_importers(root) == {"partitioner.graph.ir": ["runtime.stage"]}
+
+
+# ----------------------------------------------------------------- the runtime's floors
+
+
+def test_every_runtime_unit_has_a_floor() -> None:
+    units = {_unit(_dotted(path), "runtime") for path in _sources("runtime")}
+    assert units - set(RUNTIME_FLOORS) == set(), "place the new subpackage or flat module in RUNTIME_FLOORS"
+    flat = {p.stem for p in (ROOT / "runtime").glob("*.py")}
+    assert flat == {"__init__", "pipeline", "evaluate", "verify"}, "a new runtime module goes into a subpackage"
+
+
+def test_no_runtime_floor_reaches_up() -> None:
+    assert _upward_imports(ROOT, "runtime", RUNTIME_FLOORS) == {}
+
+
+def test_no_import_circle_in_the_runtime() -> None:
+    assert _unit_cycles(ROOT, "runtime") == []
+    assert _module_cycles(ROOT, "runtime") == []
+
+
+def test_the_floor_checkers_catch_a_break(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    # An upward import, closing a circle between two floors:
+    _tree(tmp_path, {"runtime/execute/runner.py": "def f():\n    from runtime.parallel import shard\n",
+                     "runtime/parallel/shard.py": "from runtime.execute.runner import f\n"})
+    # A circle inside one floor (checkpoint <-> weights, as it was), and a __main__ block importing its own module:
+    root = _tree(tmp_path, {
+        "runtime/state/weights.py": "def g():\n    from runtime.state.checkpoint import find\n",
+        "runtime/state/checkpoint.py": "from runtime.state import weights\n",
+        "runtime/launch/torchrun.py": "if __name__ == '__main__':\n    from runtime.launch.torchrun import main\n",
+    })
+    assert _upward_imports(root, "runtime", RUNTIME_FLOORS) == {
+        "runtime.execute.runner": ["runtime.parallel", "runtime.parallel.shard"],
+    }
+    assert _unit_cycles(root, "runtime") == [["execute", "parallel"]]
+    assert sorted(_module_cycles(root, "runtime")) == [
+        ["runtime.execute.runner", "runtime.parallel.shard"],
+        ["runtime.state.checkpoint", "runtime.state.weights"],
+    ]
+
+
+def test_the_runtime_entry_points_import_without_torch() -> None:
+    packages = [_dotted(p) for p in _sources("runtime") if p.name == "__init__.py"]
+    assert {"runtime.execute", "runtime.state", "runtime.parallel", "runtime.engines", "runtime.launch"} <= set(packages)
+    loaded = _loaded_after("\n".join(f"import {m}" for m in (*RUNTIME_TORCH_FREE, *packages)), no_torch=True)
+    assert "torch" not in loaded
 
 
 # ----------------------------------------------------------------- torch-free layers

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (runtime/checkpoint.py): save under one plan, resume under another.
+"""Sharded checkpoints (runtime/state/checkpoint.py): save under one plan, resume under another.
 
 Four spawned CPU ranks (gloo) train ``tests/models/tied_lm.py`` (tied embedding / LM
 head, a persistent buffer) for two Adam steps as pp=4 x dp=1 and save; four new
@@ -34,15 +34,16 @@ import torch.distributed.checkpoint as dcp
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan, TiedParameter
 from partitioner.search.planner import compile
-from runtime import checkpoint as ckpt
-from runtime.checkpoint import (
+from runtime.state import checkpoint as ckpt
+from runtime.state import folders
+from runtime.state.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     canonical_names,
     read_checkpoint_info,
 )
+from runtime.state.weights import read_stage_weights
 from runtime.verify import free_port
-from runtime.weights import read_stage_weights
 
 MODELS = Path(__file__).parent / "models"
 SPEC = str(MODELS / "tied_lm.py")
@@ -237,11 +238,11 @@ def test_directories_that_are_no_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not an autopartition checkpoint manifest"):
         read_checkpoint_info(tmp_path)
     (tmp_path / "checkpoint.json").write_text(json.dumps(
-        {"format": ckpt.FORMAT, "format_version": 1, "step": 1, "model": "M", "optimizer": None}))
+        {"format": folders.FORMAT, "format_version": 1, "step": 1, "model": "M", "optimizer": None}))
     with pytest.raises(CheckpointError, match="incomplete"):  # .metadata is empty
         read_checkpoint_info(tmp_path)
     (tmp_path / "checkpoint.json").write_text(json.dumps(
-        {"format": ckpt.FORMAT, "format_version": 1, "step": -3, "model": "M", "optimizer": None}))
+        {"format": folders.FORMAT, "format_version": 1, "step": -3, "model": "M", "optimizer": None}))
     with pytest.raises(CheckpointError, match=r"its step is -3, not a count of steps"):
         read_checkpoint_info(tmp_path)
 
@@ -518,7 +519,7 @@ def test_unfinished_saves_are_refused_and_the_complete_step_named(group: None, t
     with pytest.raises(CheckpointError) as error:
         _load(unfinished)
     assert "did not finish" in str(error.value) and f"exists at {root / 'step-2'}" in str(error.value)
-    assert ckpt.find_checkpoint(root) == root / "step-2"
+    assert folders.find_checkpoint(root) == root / "step-2"
 
 
 def test_single_folder_checkpoints_of_earlier_versions_still_load(group: None, tmp_path: Path) -> None:

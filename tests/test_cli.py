@@ -400,7 +400,7 @@ def test_verify_needs_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 
 def test_run_splits_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _fake(monkeypatch, "runtime.launch", "run_plan", 3)
+    calls = _fake(monkeypatch, "runtime.launch.torchrun", "run_plan", 3)
     plan_dir = str(_saved_plan(tmp_path))
     code = main(["run", plan_dir, "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-endpoint=h:1",
                  "--", "train.py", "--lr", "1", "--", "x"])
@@ -412,7 +412,7 @@ def test_run_splits_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_engine_option_reaches_verify_and_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     verified = _fake(monkeypatch, "runtime.verify", "verify_plan", 0)
-    ran = _fake(monkeypatch, "runtime.launch", "run_plan", 0)
+    ran = _fake(monkeypatch, "runtime.launch.torchrun", "run_plan", 0)
     plan_dir = str(_saved_plan(tmp_path))
     assert main(["verify", plan_dir, "--model", "m.py", "--engine", "torch"]) == 0
     assert main(["run", plan_dir, "--engine", "torch", "--", "train.py"]) == 0
@@ -431,7 +431,7 @@ def test_a_tensor_parallel_plan_is_refused_before_any_rank_starts(
     base = example_plan()
     plan_dir = dataclasses.replace(base, tp=2, gpus=base.gpus * 2).save(tmp_path / "plan")
     monkeypatch.setattr("runtime.verify.verify_plan", lambda *a, **k: pytest.fail("verify started ranks"))
-    monkeypatch.setattr("runtime.launch.run_plan", lambda *a, **k: pytest.fail("run started ranks"))
+    monkeypatch.setattr("runtime.launch.torchrun.run_plan", lambda *a, **k: pytest.fail("run started ranks"))
     args = ([command, str(plan_dir), "--model", "m.py", "--engine", "torch"] if command == "verify"
             else [command, str(plan_dir), "--engine", "torch", "--", "t.py"])
     assert main(args) == 2
@@ -442,7 +442,8 @@ def test_a_tensor_parallel_plan_is_refused_before_any_rank_starts(
 def test_the_runtime_entry_points_refuse_a_tensor_parallel_plan_too(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Called from Python, not only through the CLI: no rank starts for a plan the runtime cannot run."""
-    from runtime import launch, verify
+    from runtime import verify
+    from runtime.launch import torchrun as launch
 
     base = example_plan()
     zero1 = tuple(dataclasses.replace(s, shard="optimizer", ranks=(2 * s.rank, 2 * s.rank + 1)) for s in base.stages)
@@ -467,9 +468,9 @@ def test_run_needs_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_run_without_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                              capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, "runtime.launch", None)
+    monkeypatch.setitem(sys.modules, "runtime.launch.torchrun", None)
     assert main(["run", str(_saved_plan(tmp_path)), "--", "train.py"]) == 1
-    assert "runtime.launch.run_plan" in _error_of(capsys)
+    assert "runtime.launch.torchrun.run_plan" in _error_of(capsys)
 
 
 def test_cli_module_exports() -> None:
@@ -663,7 +664,7 @@ def test_run_sets_omp_threads_and_says_what_starts(tmp_path: Path, monkeypatch: 
                                                    capsys: pytest.CaptureFixture[str], preset: str | None,
                                                    expected: str) -> None:
     """torchrun prints its OMP_NUM_THREADS banner only when the variable is unset: set it (1) for the ranks."""
-    from runtime import launch
+    from runtime.launch import torchrun as launch
 
     seen: list[dict[str, str]] = []
 

@@ -33,9 +33,9 @@ from rank_workers import spawn_and_wait
 from runtime_workers import plan_model, reference_run
 
 from partitioner.plan import Plan
-from runtime.comm import RecvSpec, Work
 from runtime.evaluate import concat_microbatches, evaluate, evaluation_mode
-from runtime.stage import build_local_stage
+from runtime.execute.comm import RecvSpec, Work
+from runtime.execute.stage import build_local_stage
 from runtime.verify import free_port
 
 MODELS = Path(__file__).parent / "models"

@@ -308,7 +308,7 @@ class _Stack(nn.Module):
 
 
 def test_a_recomputed_layer_keeps_its_input_once_and_holds_its_activations_again() -> None:
-    """As runtime/recompute.py runs it: each layer under one checkpoint, whatever the solver's blocks.
+    """As runtime/execute/recompute.py runs it: each layer under one checkpoint, whatever the solver's blocks.
 
     Found: the planner charged every solver block's inputs (about three per transformer layer), so
     recomputed stages looked two to three times fuller than they are (torchtitan 70B TP8 FSDP32 priced at

@@ -36,10 +36,10 @@ from partitioner.graph.ir import KIND_KEY
 from partitioner.graph.tensorparallel import TP_KEY, TPRole
 from partitioner.modelfile import ModelFile, load_model_file
 from partitioner.solve.coarsen import coarsen
-from runtime.meetings import mark_meetings
-from runtime.recompute import RunKind, run_block
-from runtime.splitbackward import SplitBackward
-from runtime.tensorparallel import (
+from runtime.execute.meetings import mark_meetings
+from runtime.execute.recompute import RunKind, run_block
+from runtime.execute.splitbackward import SplitBackward
+from runtime.parallel.tensorparallel import (
     VOCABULARY_OUTPUTS,
     _rewrite,
     plain_write,
@@ -241,7 +241,7 @@ def test_tensor_parallel_with_optimizer_sharded_replicas_is_refused_before_solvi
 
 
 def test_a_fully_sharded_stage_refuses_parameter_hooks_it_would_drop() -> None:
-    from runtime.shard import shard_modules
+    from runtime.parallel.shard import shard_modules
 
     layer = nn.Linear(2, 2)
     layer.weight.register_hook(lambda g: g * 2)

@@ -1,6 +1,6 @@
 """``autopartition run``: a failed rank names its cause first; signals reach every rank; the timeout is settable.
 
-Default tier: the failure records and the summary (:mod:`runtime.failure`), the
+Default tier: the failure records and the summary (:mod:`runtime.launch.failure`), the
 timeout setting, and the launcher's signal handling with a stand-in torchrun (plain
 Python processes that start "ranks" in sessions of their own, as torchrun does).
 Slow tier: the real thing, ``python -m partitioner run plan/ -- failing_workers.py``
@@ -22,15 +22,21 @@ from pathlib import Path
 import pytest
 
 from partitioner.errors import AutopartitionError
-from runtime import failure
-from runtime.failure import FailureRecord, make_record, read_records, record_failure, summarise
+from runtime.launch import failure
+from runtime.launch.failure import (
+    FailureRecord,
+    make_record,
+    read_records,
+    record_failure,
+    summarise,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = Path(__file__).resolve().parent / "models"
 PYTHON = sys.executable
 
 
-class StepFailure(RuntimeError):  # runtime.execute's wrapper, by name as the records see it
+class StepFailure(RuntimeError):  # runtime.execute.runner's wrapper, by name as the records see it
     pass
 
 
@@ -142,7 +148,7 @@ def test_the_first_cause_is_an_error_not_the_earlier_peer_failures() -> None:
 
 def test_bad_input_exits_2_and_a_bug_in_autopartition_says_so() -> None:
     assert summarise([_record(0, "error", 1.0, bad_input=True)]).exit_code == 2
-    bug = summarise([_record(0, "error", 1.0, where="runtime/execute.py:250: out = x")])
+    bug = summarise([_record(0, "error", 1.0, where="runtime/execute/runner.py:250: out = x")])
     assert bug.exit_code == 1 and "This is a bug in autopartition" in bug.text
 
 
@@ -165,7 +171,7 @@ def test_a_rank_that_died_without_a_record_is_the_cause() -> None:
 
 
 def test_the_timeout_comes_from_the_argument_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime.comm import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, rank_timeout
+    from runtime.execute.comm import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, rank_timeout
 
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
     assert rank_timeout() == DEFAULT_TIMEOUT_S
@@ -178,8 +184,8 @@ def test_the_timeout_comes_from_the_argument_else_the_environment(monkeypatch: p
 
 
 def test_a_timed_out_wait_names_the_peer() -> None:
-    from runtime.comm import PeerFailure as RealPeerFailure
-    from runtime.comm import _PeerWork, wait_all
+    from runtime.execute.comm import PeerFailure as RealPeerFailure
+    from runtime.execute.comm import _PeerWork, wait_all
 
     class Silent:
         def wait(self, timeout: datetime.timedelta) -> bool:
@@ -192,11 +198,11 @@ def test_a_timed_out_wait_names_the_peer() -> None:
 # ------------------------------------------------- signals, stand-in torchrun
 
 # A stand-in for torchrun: starts two "ranks" in sessions of their own (as torchrun does),
-# each leaving its pid as runtime.failure.run_script does; on SIGTERM it stops them
+# each leaving its pid as runtime.launch.failure.run_script does; on SIGTERM it stops them
 # (unless told to ignore signals, like a torchrun stuck in its teardown).
 _FAKE_TORCHRUN = """
 import os, signal, subprocess, sys, time
-from runtime.failure import _start_time
+from runtime.launch.failure import _start_time
 job, ignore = sys.argv[1], sys.argv[2] == "ignore"
 rank_code = "import time\\nwhile True: time.sleep(0.05)"
 ranks = [subprocess.Popen([sys.executable, "-c", rank_code], start_new_session=True) for _ in range(2)]
@@ -222,7 +228,7 @@ while True:
 _LAUNCHER = """
 import sys
 from pathlib import Path
-from runtime import launch
+from runtime.launch import torchrun as launch
 job = Path(sys.argv[1])
 code, signum = launch._supervise([sys.executable, sys.argv[2], str(job), sys.argv[3]], env=dict(__import__("os").environ),
                                  job=job, grace=float(sys.argv[4]))
@@ -457,7 +463,7 @@ def test_the_rank_entry_point_records_an_error_in_the_script(tmp_path: Path) -> 
     """))
     job = tmp_path / "job"
     env = dict(os.environ, RANK="3", **{failure.FAILURE_DIR_ENV: str(job)})
-    done = subprocess.run([PYTHON, "-m", "runtime.failure", str(script), "--steps", "2"], cwd=ROOT, env=env,
+    done = subprocess.run([PYTHON, "-m", "runtime.launch.failure", str(script), "--steps", "2"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1, done.stderr
     assert "args ['--steps', '2'] __main__" in done.stdout
@@ -493,7 +499,7 @@ def test_an_error_a_script_catches_from_the_pipeline_is_still_recorded(
 
 def test_the_excepthook_records_an_uncaught_error_and_still_prints_it(tmp_path: Path) -> None:
     """Ranks started without the entry point (torchrun --no-python / -m): Pipeline installs the hook."""
-    code = "from runtime.failure import install_excepthook\ninstall_excepthook()\nraise ValueError('lr must be > 0')"
+    code = "from runtime.launch.failure import install_excepthook\ninstall_excepthook()\nraise ValueError('lr must be > 0')"
     env = dict(os.environ, RANK="0", **{failure.FAILURE_DIR_ENV: str(tmp_path)})
     done = subprocess.run([PYTHON, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
                           check=False)
@@ -503,7 +509,7 @@ def test_the_excepthook_records_an_uncaught_error_and_still_prints_it(tmp_path: 
 
 
 def test_stop_grace_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime import launch
+    from runtime.launch import torchrun as launch
 
     monkeypatch.setenv("AUTOPARTITION_STOP_GRACE", "0")
     assert launch._grace() == 0.0  # 0: kill at once

@@ -19,7 +19,7 @@ from torch import nn
 
 from partitioner.errors import ModelFileError
 from partitioner.modelfile import load_model_file
-from runtime.materialise import holds_meta, init_seed, materialise_model, materialise_modules
+from runtime.state.materialise import holds_meta, init_seed, materialise_model, materialise_modules
 from runtime.verify import verify
 
 MODELS = Path(__file__).parent / "models"

@@ -9,7 +9,7 @@ expected, an expected refusal that now plans, and a plan that trains differently
 
 * Default tier, one row per model (``DEFAULT_SCHEDULE``: every schedule is exercised, on
   models of several kinds): the plan's action lists run through the real
-  :class:`runtime.execute.StepRunner`, every pipeline rank a thread of this process over
+  :class:`runtime.execute.runner.StepRunner`, every pipeline rank a thread of this process over
   in-memory channels (``tests/models/inprocess.py``), against the whole model run on the
   same micro-batches.  Rows with replicas (``auto``) or random ops (two forwards differ:
   dropout's masks would differ between threads) run ``verify`` on spawned CPU ranks instead.

@@ -38,8 +38,8 @@ from partitioner.graph.capture import capture
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
 from partitioner.search.planner import compile
-from runtime.recompute import SAVED_OPS, Recomputed, block_nodes, block_run, run_block
-from runtime.shard import LayeredStage
+from runtime.execute.recompute import SAVED_OPS, Recomputed, block_nodes, block_run, run_block
+from runtime.parallel.shard import LayeredStage
 
 SPEC = str(Path(__file__).parent / "models" / "block_mlp.py")
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")

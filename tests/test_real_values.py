@@ -238,7 +238,7 @@ def _ids() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _run_stages(plan: Plan, model: nn.Module, micro: tuple[torch.Tensor, ...]) -> Any:
     """Every stage module built from the plan, fed in order: the split is a valid pipeline."""
-    from runtime.stage import recapture
+    from runtime.execute.stage import recapture
 
     captured, infos = recapture(plan, model)  # once, as every rank does; it checks boundary shapes
     statics = {name: info.static for name, info in infos.items() if info.kind == "static"}

@@ -23,7 +23,7 @@ from runtime_workers import plan_model, reference_run
 from torch import fx
 
 from partitioner.graph.capture import capture
-from runtime.recompute import Recomputed, block_nodes
+from runtime.execute.recompute import Recomputed, block_nodes
 from runtime.verify import free_port
 
 SPEC = str(Path(__file__).parent / "models" / "block_mlp.py")
@@ -118,7 +118,7 @@ def test_recomputed_runs_write_batchnorm_statistics_and_in_place_inputs_once(how
     ReLU's write into an input it keeps.)"""
     import resnet_inplace
 
-    from runtime.shard import LayeredStage
+    from runtime.parallel.shard import LayeredStage
 
     inputs = resnet_inplace.example_inputs(4)
     torch.manual_seed(0)

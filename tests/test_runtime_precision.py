@@ -37,8 +37,8 @@ from torch import fx
 
 from partitioner.graph.capture import capture
 from partitioner.modelfile import load_model_file
-from runtime.precision import PrecisionForward, boundary_dtypes, plan_at_precision
-from runtime.stage import example_microbatch
+from runtime.execute.stage import example_microbatch
+from runtime.state.precision import PrecisionForward, boundary_dtypes, plan_at_precision
 from runtime.verify import free_port
 
 MODELS = Path(__file__).parent / "models"

@@ -37,9 +37,9 @@ from partitioner.modelfile import load_model_file
 from partitioner.orders import Schedule, stage_ranks
 from partitioner.plan import Plan
 from partitioner.schedule.lower import compute_order, lower, validate
-from runtime.comm import RecvSpec, Work
-from runtime.execute import StepRunner
-from runtime.stage import build_local_stages, call_spec
+from runtime.execute.comm import RecvSpec, Work
+from runtime.execute.runner import StepRunner
+from runtime.execute.stage import build_local_stages, call_spec
 
 CNN = str(Path(__file__).parent.parent / "examples" / "cnn.py")
 TOLERANCE = 1e-5

@@ -48,8 +48,8 @@ from partitioner.solve.problem import (
     within_limit,
 )
 from partitioner.stagegraph import build_stage, stage_signature
-from runtime.recompute import Recomputed, block_nodes
-from runtime.shard import LayeredStage
+from runtime.execute.recompute import Recomputed, block_nodes
+from runtime.parallel.shard import LayeredStage
 from runtime.verify import free_port
 
 SPEC = str(Path(__file__).parent / "models" / "block_mlp.py")

@@ -9,7 +9,7 @@ sharded gradients stay float32; losses and gradients match the same plan unshard
 autocast in one process) within bf16 tolerance; the bytes FSDP2 really holds beyond the shards at each unit's
 post-backward and each forward are those :mod:`partitioner.cost.precision` prices.  The tied LM's embedding
 gathered in bf16 makes its residual stream, and so the boundary tensor, bf16: the ranks must agree on that
-(``runtime.shard.bf16_gathered_parameters``) or the stages cannot talk.
+(``runtime.parallel.shard.bf16_gathered_parameters``) or the stages cannot talk.
 
 Without ranks: the byte formulas under each precision (fp32 as before the policy).
 """

@@ -32,7 +32,7 @@ from partitioner import defaults
 from partitioner.defaults import SCHEDULES, SHARD_MODES, shard_refusal
 from partitioner.errors import ScheduleError
 from partitioner.plan import Plan
-from runtime.shard import check_shard_plan
+from runtime.parallel.shard import check_shard_plan
 from runtime.verify import free_port
 
 MODELS = Path(__file__).parent / "models"
@@ -322,9 +322,9 @@ def test_verify_runs_a_fully_sharded_meta_built_model_against_the_whole_model(tm
 def test_a_meta_stage_is_materialised_one_module_at_a_time_into_shards(tmp_path: Path) -> None:
     """What a fully sharded rank keeps of its meta-built stage: its shard of every parameter, whole buffers."""
     from partitioner.modelfile import load_model_file
-    from runtime.materialise import materialise_model, materialised_values
-    from runtime.shard import shard_of, shardable_on_meta
-    from runtime.stage import build_local_stage
+    from runtime.execute.stage import build_local_stage
+    from runtime.parallel.shard import shard_of, shardable_on_meta
+    from runtime.state.materialise import materialise_model, materialised_values
 
     plan = plan_sharded(META_GPT, tmp_path, schedule="1f1b", shard="full")
     model_file = load_model_file(META_GPT)
@@ -356,9 +356,9 @@ def test_zero3_units_are_the_layers_of_an_exported_graph() -> None:
     spec = "examples/llama.py:llama_tiny"
     from partitioner.graph.capture import capture
     from partitioner.modelfile import load_model_file
-    from runtime.materialise import materialise_model
-    from runtime.recompute import block_nodes
-    from runtime.shard import LayeredStage
+    from runtime.execute.recompute import block_nodes
+    from runtime.parallel.shard import LayeredStage
+    from runtime.state.materialise import materialise_model
 
     model_file = load_model_file(spec)
     model = model_file.build()

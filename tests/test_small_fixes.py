@@ -94,7 +94,8 @@ def test_an_edited_batch_size_stops_before_any_rank_starts(tmp_path: Path, monke
     """A batch_size edited in plan.json aborted a rank inside gloo (SIGABRT); now: exit 2 with what to do."""
     from partitioner.cli import main
     from partitioner.plan import example_plan
-    from runtime import launch, verify
+    from runtime import verify
+    from runtime.launch import torchrun as launch
 
     def no_ranks(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("ranks started on a corrupt plan")

@@ -35,7 +35,8 @@ from partitioner.errors import AutopartitionError
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
 from partitioner.search.planner import compile
-from runtime.tensorparallel import (
+from runtime.execute.wire import wire_shape
+from runtime.parallel.tensorparallel import (
     _rewrite,
     head_parallel_attention,
     parameter_placements,
@@ -43,7 +44,6 @@ from runtime.tensorparallel import (
     replicated,
     sequence_sharded,
     tensor_parallel_refusal,
-    wire_shape,
 )
 from runtime.verify import free_port
 

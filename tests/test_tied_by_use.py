@@ -37,9 +37,9 @@ from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import capture, written_state_nodes
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from runtime.clip import local_gradients
-from runtime.stage import build_local_stages
-from runtime.torch_engine import torch_stage_refusal
+from runtime.engines.torch_engine import torch_stage_refusal
+from runtime.execute.stage import build_local_stages
+from runtime.parallel.clip import local_gradients
 
 MODELS = Path(__file__).parent / "models"
 ALBERT = str(MODELS / "albert_shared.py")
@@ -132,7 +132,7 @@ def test_tied_by_use_trains_as_the_whole_model(default_runs: dict[str, Any], cas
 def test_the_checkpoint_stores_a_tied_weight_once_with_its_trained_value(default_runs: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from runtime.checkpoint import find_checkpoint
+    from runtime.state.folders import find_checkpoint
 
     _, spec, job, ranks = default_runs["albert gpipe dp2 (DDP) clipped, saved"]
     assert job.save is not None

@@ -38,8 +38,9 @@ from partitioner.errors import AutopartitionError
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan, example_plan
 from partitioner.search.planner import compile
-from runtime.flatstage import carried_values
-from runtime.torch_engine import engine_from_env, torch_engine_refusal, torch_schedule_name
+from runtime.engines.choice import engine_from_env
+from runtime.engines.torch_engine import torch_engine_refusal, torch_schedule_name
+from runtime.execute.flatstage import carried_values
 
 MODELS = Path(__file__).parent / "models"
 GPT = str(Path(__file__).parent.parent / "examples" / "gpt.py")
@@ -215,7 +216,7 @@ def test_bench_runtime_runs_both_engines_side_by_side(capsys: pytest.CaptureFixt
 
 def test_received_gradients_leave_contiguous() -> None:
     """gloo sends only contiguous tensors: a stage reading its input through a view gets a strided gradient."""
-    from runtime.flatstage import _contiguous_grad
+    from runtime.execute.flatstage import _contiguous_grad
 
     x = torch.randn(4, 6, requires_grad=True)
     w = torch.randn(6, 4)

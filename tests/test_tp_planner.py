@@ -212,6 +212,6 @@ def test_full_sharding_spans_nodes_with_tensor_parallelism(
     world = sum(base.problem(4, 1, "full").static_bytes)  # over every replica, as with tp: 4 shards
     assert world == pytest.approx(sum(base.problem(4, 1, "none").static_bytes) * 12 / 16, rel=1e-6)
     assert tp.problem(4, 1, "full").gpus_per_node == 1  # the links stay the layout's
-    # ZeRO-1 is not tried with tp > 1 (runtime.tensorparallel runs replicated and fully sharded groups)
+    # ZeRO-1 is not tried with tp > 1 (runtime.parallel.tensorparallel runs replicated and fully sharded groups)
     assert options.shard_modes("1f1b", 4) == ("none", "full")
     assert dataclasses.replace(options, tp=1).shard_modes("1f1b", 4) == ("none", "optimizer", "full")

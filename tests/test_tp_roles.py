@@ -29,7 +29,7 @@ from partitioner.graph.tensorparallel import TP_KEY, TPLayout, find_tensor_paral
 from partitioner.graph.values import propagate_values
 from partitioner.modelfile import load_model_file
 from partitioner.solve.tensorparallel import node_share
-from runtime.tensorparallel import parameter_placements
+from runtime.parallel.tensorparallel import parameter_placements
 
 MODELS = Path(__file__).parent / "models"
 C, H, T = 16, 4, 6

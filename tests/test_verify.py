@@ -313,7 +313,7 @@ def test_mismatch_says_whether_the_model_has_random_ops_or_batch_statistics() ->
 
 def test_a_user_error_in_a_rank_is_one_paragraph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from partitioner.errors import PlanMismatchError
-    from runtime import failure
+    from runtime.launch import failure
 
     monkeypatch.setattr(failure, "_this_rank_stages", None)  # as in a rank that built no Pipeline yet
     try:
@@ -328,7 +328,7 @@ def test_a_user_error_in_a_rank_is_one_paragraph(tmp_path: Path, monkeypatch: py
 
 
 def test_a_rank_that_died_without_a_record_is_named(tmp_path: Path) -> None:
-    from runtime import failure
+    from runtime.launch import failure
 
     killed = torch.multiprocessing.ProcessExitedException("process 0 terminated with signal SIGKILL", 0, 7, -9,
                                                           "SIGKILL")

@@ -1,4 +1,4 @@
-"""Weights from disk per stage (runtime/weights.py): safetensors (one file, sharded) and DCP.
+"""Weights from disk per stage (runtime/state/weights.py): safetensors (one file, sharded) and DCP.
 
 The reader is tested on its own first (no ranks): every form of path, a tied
 weight stored once under one of its names (as Hugging Face saves GPT-2), dtype
@@ -30,8 +30,7 @@ from safetensors.torch import save_file
 
 from partitioner.modelfile import load_model_file
 from partitioner.plan import TiedParameter
-from runtime.verify import free_port
-from runtime.weights import (
+from runtime.state.weights import (
     WEIGHTS_ENV,
     CheckpointError,
     alias_map,
@@ -40,6 +39,7 @@ from runtime.weights import (
     weights_from_env,
     weights_supply,
 )
+from runtime.verify import free_port
 
 MODELS = Path(__file__).parent / "models"
 SPEC = str(MODELS / "tied_lm.py")
@@ -241,7 +241,7 @@ def test_truncated_or_garbage_safetensors_files_are_named(tmp_path: Path) -> Non
 
 def test_pipeline_checkpoints_give_their_newest_complete_step_and_refuse_unfinished_ones(tmp_path: Path) -> None:
     from partitioner.plan import example_plan
-    from runtime.checkpoint import save_checkpoint
+    from runtime.state.checkpoint import save_checkpoint
 
     root = tmp_path / "ckpt"
     states = {}
@@ -306,7 +306,7 @@ def test_cli_run_passes_weights_to_the_ranks_in_the_environment(
 ) -> None:
     from partitioner import cli
     from partitioner.plan import example_plan
-    from runtime import launch
+    from runtime.launch import torchrun as launch
 
     example_plan().save(tmp_path / "plan")
     (tmp_path / "model.safetensors").write_bytes(b"")

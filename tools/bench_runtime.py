@@ -29,7 +29,7 @@ thread per process, ``torch.set_num_threads(1)`` everywhere), the step time of:
 ``--engines`` runs instead, on the same plans (GPipe, 1F1B, interleaved 1F1B with two
 stages per rank), our :class:`runtime.Pipeline` with ``engine="ours"`` and with
 ``engine="torch"`` (torch.distributed.pipelining's schedule classes driving our
-stages, :mod:`runtime.torch_engine`), interleaved in the same rounds; the
+stages, :mod:`runtime.engines.torch_engine`), interleaved in the same rounds; the
 ``ours/theirs`` column is then the ratio of the two engines' step times measured in
 that one run (<= 1: ours faster).
 
@@ -52,7 +52,7 @@ mini-batch from the same weights, so the losses agree.
 Tied weights: the GPT ties ``lm_head.weight`` to ``wte.weight``; on our split the
 two stages each hold a copy.  Our Pipeline sums the copies' gradients after each
 step (one all-reduce); for torch's schedules on our split the benchmark does the
-same all-reduce (``runtime.replicate.sum_tied_grads``) so both compute the same
+same all-reduce (``runtime.parallel.replicate.sum_tied_grads``) so both compute the same
 gradients.  torch.distributed.pipelining itself does not keep tied weights in sync
 across stages, so the hand-written middle split unties the LM head (its own copy
 of the weight, starting equal) and skips that all-reduce.
@@ -91,7 +91,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.flatstage import ContiguousGrad  # gloo sends contiguous tensors only
+from runtime.execute.flatstage import ContiguousGrad  # gloo sends contiguous tensors only
 
 __all__ = ["BenchConfig", "Row", "engine_ratios", "format_table", "main", "run_benchmark", "timed_steps"]
 
@@ -417,8 +417,9 @@ def _theirs_on_plan(key: str, rank: int, plan_dir: str, schedule: str, cfg: Benc
                     x: torch.Tensor, y: torch.Tensor) -> _Case:
     from examples.gpt import loss_fn
     from partitioner.plan import Plan
-    from runtime.replicate import make_groups, sum_tied_grads
-    from runtime.stage import build_local_stage
+    from runtime.execute.comm import make_groups
+    from runtime.execute.stage import build_local_stage
+    from runtime.parallel.replicate import sum_tied_grads
 
     plan = Plan.load(plan_dir)
     check_two_stage_chain(plan)

@@ -287,8 +287,9 @@ def _theirs(key: str, rank: int, plan_dir: str, class_name: str, cfg: BenchConfi
 
     from examples.gpt import loss_fn
     from partitioner.plan import Plan
-    from runtime.replicate import make_groups, sum_tied_grads
-    from runtime.stage import build_local_stages
+    from runtime.execute.comm import make_groups
+    from runtime.execute.stage import build_local_stages
+    from runtime.parallel.replicate import sum_tied_grads
 
     plan = Plan.load(plan_dir)
     problems = chain_problems(plan)

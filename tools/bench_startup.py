@@ -17,7 +17,7 @@ then
   RSS (``VmHWM``), builds its :class:`runtime.Pipeline` (recapture on meta, its
   stage's nodes, only its stage's tensors materialised) and reads the peak again;
 * one more process builds the model on meta and materialises all of it
-  (:func:`runtime.materialise.materialise_model`): what a rank holding the whole
+  (:func:`runtime.state.materialise.materialise_model`): what a rank holding the whole
   model (a model built with real weights) costs.
 
 It prints, per rank, the stage's parameter and buffer bytes and the growth of the
@@ -156,7 +156,7 @@ def _rank_main(rank: int, world: int, port: int, plan_dir: str, config: dict[str
 
 
 def _whole_main(_: int, config: dict[str, Any], out: str) -> None:
-    from runtime.materialise import materialise_model
+    from runtime.state.materialise import materialise_model
 
     model = StartupConfig(**config).build()
     before = peak_rss_bytes()

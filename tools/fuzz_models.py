@@ -109,7 +109,7 @@ def _keep_failure(case: Case, result: CaseResult, case_dir: Path, out: Path, *, 
     shutil.copytree(case_dir, kept)
     (kept / "case.json").write_text(json.dumps(case.to_json(), indent=1))
     (kept / "error.txt").write_text(f"{result.outcome}: {result.detail}\n\n{result.error}")
-    log = re.search(r"traceback: (\S+\.log)", result.error)  # the ranks' tracebacks (runtime.failure)
+    log = re.search(r"traceback: (\S+\.log)", result.error)  # the ranks' tracebacks (runtime.launch.failure)
     if log and Path(log.group(1)).exists():
         shutil.copy(log.group(1), kept / "ranks.log")
     if not reduce:

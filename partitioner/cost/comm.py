@@ -22,7 +22,7 @@ bandwidth in bytes/s and latency in seconds per message); no torch.
   a ring reduce-scatter and a ring all-gather each take ``D-1`` steps of
   ``bytes / D`` (half a ring all-reduce each, the same references):
   ``(D-1)/D x bytes / bandwidth + (D-1) x latency``.  Per step, a stage group
-  sharded ``optimizer`` (ZeRO-1: torch's ``ZeroRedundancyOptimizer``, runtime/shard.py)
+  sharded ``optimizer`` (ZeRO-1: torch's ``ZeroRedundancyOptimizer``, runtime/parallel/shard.py)
   all-reduces its gradients as DDP does and broadcasts its updated weights (as
   held: an all-gather's bytes) after the optimizer step; one sharded ``full``
   all-gathers its weights (as held: bf16-mixed is autocast, not an FSDP2

@@ -38,7 +38,7 @@ that dtype too):
   reduce-scatter (ZeRO-2's ``G/d`` does not apply under gradient accumulation).
   bf16-mixed with Adam: ``8 + 8/d`` (our weights are the fp32 master copy, which
   the paper counts in its 12 bytes of optimizer state).
-* ``full`` (FSDP2 ``fully_shard``; runtime/shard.py): ``(W + G + S)/d`` held.
+* ``full`` (FSDP2 ``fully_shard``; runtime/parallel/shard.py): ``(W + G + S)/d`` held.
   Under bf16-mixed every unit has FSDP2's ``MixedPrecisionPolicy(param_dtype=
   bfloat16, reduce_dtype=float32)``, as torchtitan: ``C`` = 2 bytes gathered
   (what the all-gathers move), gradients reduce-scattered in float32 (``G`` = 4,
@@ -64,7 +64,7 @@ that dtype too):
   Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.2): ``(W + G + S)/d`` held,
   nothing else through the step (gradients are reduce-scattered after every
   micro-batch's backward into the sharded accumulation), plus a transient of
-  FSDP2 units, one per layer (runtime/shard.py), at its largest at the end of a
+  FSDP2 units, one per layer (runtime/parallel/shard.py), at its largest at the end of a
   unit's backward (``FSDPParamGroup.pre_backward`` / ``_backward_prefetch`` and
   ``post_backward`` in ``_fsdp_param_group.py``): the unit in use gathered
   (``C``) with its unsharded gradients (``C``, the compute dtype), the next
@@ -248,7 +248,7 @@ def weight_bytes(precision: str, *, elements: float, model_bytes: float, compute
     (shard "optimizer").  ``compute``: the copy a ``full`` stage's all-gathers
     move and hold, and the dtype of the unsharded gradients its backward
     computes: under bf16-mixed FSDP2's ``param_dtype`` bfloat16 (2 bytes per
-    element; runtime/shard.py's ``fsdp_policy``), else the held weights (no
+    element; runtime/parallel/shard.py's ``fsdp_policy``), else the held weights (no
     policy).
 
     >>> weight_bytes("bf16-mixed", elements=10, model_bytes=40), weight_bytes("bf16-mixed", elements=10,
@@ -273,7 +273,7 @@ def shard_degree(shard: str, dp: int, gpus_per_node: int | None, *, span: str = 
     ``span`` (``full`` only): ``"world"``, every replica holds one shard;
     ``"node"``, HSDP: sharded over the group's replicas on one node, the nodes
     replicas of each other (torchtitan's ``dp_replicate x dp_shard`` mesh;
-    runtime/shard.py builds the same), where the group spans whole nodes of
+    runtime/parallel/shard.py builds the same), where the group spans whole nodes of
     ``gpus_per_node`` replicas (else as ``"world"``).  ``optimizer`` (ZeRO-1)
     shards over the whole group.
 

@@ -570,7 +570,7 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
 
 
 def _placement_key(gm: fx.GraphModule, node: fx.Node, param: str, role: TPRole | None) -> tuple[str, int]:
-    """How ``node``'s role splits ``param``: (dimension of the tensor, units), or whole (runtime/tensorparallel.py)."""
+    """How ``node``'s role splits ``param``: (dimension of the tensor, units), or whole (runtime/parallel/tensorparallel.py)."""
     if role is None or role.role not in ("column", "row", "embedding", "head"):
         return ("whole", 0)
     dim2 = _param_dim(gm, param) == 2

@@ -137,7 +137,7 @@ def recompute_label(stage: StagePlan) -> str:
     (the next K runs recompute only their cheap ops, keeping matmul and attention outputs), or both.
 
     A run is what the runtime checkpoints as one: a layer's consecutive ops, or root-level code
-    of the model (a mask, rotary tables) a stage computes itself (``runtime.recompute.block_nodes``).
+    of the model (a mask, rotary tables) a stage computes itself (``runtime.execute.recompute.block_nodes``).
 
     >>> from partitioner.plan import example_plan
     >>> import dataclasses

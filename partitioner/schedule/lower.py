@@ -23,7 +23,7 @@ memory.  A row belongs to a pipeline rank, which may hold several stages
 
 NCCL pairs point-to-point messages by their order alone, so a rank's receive
 actions need not take one peer's messages in the order it sends them: the
-runtime (:mod:`runtime.execute`) *posts* every receive from a peer in that
+runtime (:mod:`runtime.execute.runner`) *posts* every receive from a peer in that
 peer's send order, read from the peer's row, and waits for it at its own
 action.  Only deadlocks can stop a lowered schedule, and with sends posted
 right after their compute and receives right before theirs there are none

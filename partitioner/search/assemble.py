@@ -217,7 +217,7 @@ def _stages(
                           ops=ops)
     base, zero3, span = mode_parts(solved.shard)
     zero3 = zero3 and dp > 1
-    # ZeRO-3 is shard "full" with reshard_after_forward (runtime/shard.py); its exposed collectives per
+    # ZeRO-3 is shard "full" with reshard_after_forward (runtime/parallel/shard.py); its exposed collectives per
     # micro-batch are in the problem's block times (formulate) and here in each stage's F and B.
     shard = [base if dp > 1 else "none"] * count
     reshard = [zero3] * count
@@ -242,7 +242,7 @@ def _stages(
         wait = allreduce_latencies(whole, count)
         # Every stage holding a tied parameter (any parameter two stages read: aliases, a reused layer, a
         # head reading the embedding's weight) keeps the combination's mode: the runtime sums a tied
-        # parameter's copies shard for shard, or whole, never one of each (runtime/shard.py).
+        # parameter's copies shard for shard, or whole, never one of each (runtime/parallel/shard.py).
         holders: dict[str, set[int]] = {}
         for b, read in enumerate(graph.block_parameters):
             for name in read:
@@ -341,7 +341,7 @@ def _recompute_mode(
     solver's per-stage choice: its first ``redone`` blocks recompute wholly, the next ``cheap`` their cheap ops.
 
     Selective: the runtime recomputes the stage graph's first layer runs
-    (``runtime.recompute.block_nodes``, the rule of :func:`~partitioner.solve.formulate.layer_runs`),
+    (``runtime.execute.recompute.block_nodes``, the rule of :func:`~partitioner.solve.formulate.layer_runs`),
     so each count is that of the runs before the one holding the first block past it
     (the solver cuts only where a layer starts: ``PartitionProblem.layer_start``).
     """

@@ -250,7 +250,7 @@ def _shared_state(scaled: ScaledCosts) -> tuple[dict[str, tuple[int, ...]], dict
 def _tied_on_one_rank(tied: dict[str, tuple[int, ...]], kind: str, p: int, v: int, ends: set[int]) -> list[str]:
     """Tied parameters (read by several blocks, under one name or several) that two stages of one pipeline
     rank may hold under this schedule (several stages per rank): fully sharded, that is one parameter in
-    two FSDP units, which the runtime refuses (runtime/shard.py).  Interleaved places the first stage on
+    two FSDP units, which the runtime refuses (runtime/parallel/shard.py).  Interleaved places the first stage on
     rank 0 and the last on rank P-1, so a parameter read only at the ends (an embedding and its tied
     head) is safe there (should a split still put them on one rank, the runtime refuses it by name)."""
     if v == 1:
@@ -375,7 +375,7 @@ def _policies(options: PlanOptions, schedule: ScheduleKind, dp: int) -> tuple[st
     ZeRO-3 is ``full`` with ``reshard_after_forward``: tried wherever ``full`` may run
     (:meth:`~partitioner.search.options.PlanOptions.shard_modes`' footprint filter aside,
     which prices per step what ZeRO-3 moves per micro-batch, mostly behind compute), except
-    under a split backward, whose W the runtime cannot reduce per backward (runtime/shard.py).
+    under a split backward, whose W the runtime cannot reduce per backward (runtime/parallel/shard.py).
     """
     modes = options.shard_modes(schedule, dp)
     if dp > 1 and options.shard in ("auto", "full", ZERO3) and not splits_backward(schedule) \

@@ -124,7 +124,7 @@ class PlanOptions:
 
         One replica shards nothing ("none"); ``auto`` tries every mode the
         runtime runs under the schedule (:func:`~partitioner.defaults.shard_refusal`;
-        with ``tp > 1`` not ``optimizer``: runtime.tensorparallel runs none and full),
+        with ``tp > 1`` not ``optimizer``: runtime.parallel.tensorparallel runs none and full),
         a fixed ``--shard`` only itself (:func:`check_options` refused the pairs
         it cannot run).
 
@@ -380,7 +380,7 @@ def _check_shard(kinds: tuple[ScheduleKind, ...], shard: str, *, fixed: bool) ->
         )
     if shard == AUTO:
         return kinds
-    if shard == ZERO3:  # full, resharded: not under a split backward (runtime/shard.py)
+    if shard == ZERO3:  # full, resharded: not under a split backward (runtime/parallel/shard.py)
         allowed = tuple(k for k in kinds if not splits_backward(k) and shard_refusal(k, "full") is None)
         if allowed:
             return allowed

@@ -350,7 +350,7 @@ def graph_costs(
                 sends[b] += _nbytes(node)
                 senders[b].append(name)
             # A recomputed layer keeps what it reads from outside itself, once, however many of the
-            # solver's blocks (about three per transformer layer) split it (runtime/recompute.py).
+            # solver's blocks (about three per transformer layer) split it (runtime/execute/recompute.py).
             run = run_of.get(name, -1 - b)
             for arg in node.all_input_nodes:
                 outside = arg.meta.get(KIND_KEY) == "input" or (
@@ -624,7 +624,7 @@ def zero3_costs(
 ) -> Zero3Costs:
     """ZeRO-3's exposed collectives and transient memory for ``graph`` on ``dp`` replicas (see :class:`Zero3Costs`).
 
-    The runtime's units are layers (runtime/shard.py groups a stage's nodes by
+    The runtime's units are layers (runtime/parallel/shard.py groups a stage's nodes by
     their layer, ``partitioner.graph.ir.layer_of``); a parameter's layer is its
     name's prefix up to the first list index (``model.layers.3``), or the name's
     module (``lm_head``).  Sharded over every replica (``span`` "world") a group
@@ -634,7 +634,7 @@ def zero3_costs(
     NVLink, each shard's gradients then all-reduced across the nodes on one port.
     Each unit's collectives pay a ring's latency once (``(D - 1)`` steps: at thousands
     of replicas, tens of milliseconds each), on the block where the unit starts:
-    ``unit`` "layer" is FSDP2's (one unit per layer, as runtime/shard.py and
+    ``unit`` "layer" is FSDP2's (one unit per layer, as runtime/parallel/shard.py and
     torchtitan wrap), each prefetched behind the compute before it; "module", one per
     parameter-owning module, fetched in that module's own hook before its compute, is
     how DeepSpeed's ZeRO-3 fetched parameters (for pricing published runs): none hides.
@@ -690,13 +690,13 @@ def zero3_costs(
 
 
 def _layer_runs(gm: Any) -> list[tuple[str, ...]]:
-    """The graph's compute nodes in layer runs, as ``runtime.recompute.block_nodes`` groups a stage."""
+    """The graph's compute nodes in layer runs, as ``runtime.execute.recompute.block_nodes`` groups a stage."""
     return layer_runs(gm.graph.nodes)
 
 
 def layer_runs(graph_nodes: Iterable[Any]) -> list[tuple[str, ...]]:
     """The call nodes among ``graph_nodes`` (fx nodes, graph order) in layer runs, as
-    ``runtime.recompute.block_nodes`` groups a stage graph.
+    ``runtime.execute.recompute.block_nodes`` groups a stage graph.
 
     A run is consecutive nodes of one layer (:func:`~partitioner.graph.ir.layer_of`), root-level
     glue joining the run before it (or the first run, when it leads).
@@ -770,12 +770,12 @@ def _cheap_recompute(graph: GraphCosts, scale: float, precision: str) -> dict[st
     A block that recomputes only its cheap ops keeps its inputs (as a recomputed
     block does) and the outputs of the ops that carry FLOPs (matrix
     multiplications and attention: the nodes ``torch.utils.flop_counter`` counts,
-    as runtime/recompute.py's policy saves them), and spends the forward seconds
+    as runtime/execute/recompute.py's policy saves them), and spends the forward seconds
     of its other nodes again: per-op selective activation checkpointing as in
     torchtitan (``torchtitan/distributed/activation_checkpoint.py``, whose saved
     list is the matmuls and attention; it also recomputes every second matmul,
     which this does not).  A layer run writing anything in place cannot (torch refuses an op
-    writing into an output the policy saved, so runtime/recompute.py recomputes it wholly): its
+    writing into an output the policy saved, so runtime/execute/recompute.py recomputes it wholly): its
     blocks are priced as recomputing wholly.
     """
     sums = _block_sums(graph, precision=precision)  # the sums below, before the replicas' share
@@ -786,7 +786,7 @@ def _cheap_recompute(graph: GraphCosts, scale: float, precision: str) -> dict[st
 def _layer_starts(graph: GraphCosts) -> tuple[bool, ...]:
     """Per block: does it begin a layer run (its first node in another run than the block before's last)?
 
-    A stage's runtime layers (``runtime.recompute.block_nodes``) then split where these blocks
+    A stage's runtime layers (``runtime.execute.recompute.block_nodes``) then split where these blocks
     start, so recomputing a stage's blocks before one of them recomputes whole runtime layers.
     """
     run_of = {name: r for r, run in enumerate(graph.layer_runs) for name in run}

@@ -44,7 +44,7 @@ def weights_worker(
     Source ``env`` is passed through ``AUTOPARTITION_WEIGHTS`` instead of ``weights=``; source
     ``meta`` goes into a model built on the meta device.
     """
-    from runtime.weights import WEIGHTS_ENV
+    from runtime.state.weights import WEIGHTS_ENV
 
     set_rank_env(rank, world, port)
     torch.set_num_threads(1)

@@ -93,7 +93,7 @@ def _arm(point: str, rank: int, victim: int, out: Path) -> None:
     """Install the fault of ``point`` in this process (the victim's), for the second save only."""
     import torch.distributed.checkpoint as dcp
 
-    from runtime import checkpoint
+    from runtime.state import checkpoint
 
     if rank != victim:
         return

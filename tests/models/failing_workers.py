@@ -15,7 +15,7 @@ from pathlib import Path
 import dying
 import torch
 
-from runtime.launch import plan_from_env
+from runtime.launch.torchrun import plan_from_env
 from runtime.pipeline import Pipeline
 
 out = Path(os.environ["AUTOPARTITION_TEST_OUT"])

@@ -17,7 +17,7 @@ Layout (``FUZZ_LAYOUT``)::
     .venv/bin/autopartition tests/models/fuzz_fsdp_inplace_input.py --gpus 4 --pp 2 --dp 2 --shard full --schedule gpipe --microbatches 2 --recompute none --device h100 --batch-size 8 --out plan
     .venv/bin/autopartition verify plan --model tests/models/fuzz_fsdp_inplace_input.py
 
-Where: ``runtime/shard.py`` (FSDP2 stages) with ``runtime/execute.py``: clone a received
+Where: ``runtime/parallel/shard.py`` (FSDP2 stages) with ``runtime/execute/runner.py``: clone a received
 tensor the stage writes in place after FSDP2's pre-forward hook, i.e. inside the wrapped
 module (or clone it whenever the stage is fully sharded).
 """

@@ -20,7 +20,7 @@ Layout (``FUZZ_LAYOUT``)::
 
 Where: ``runtime/verify.py`` (``Derandomised`` must also cover recomputation, e.g. enter
 the mode in checkpoint's recompute context, or swap dropout's p for 0 on the modules and
-functionals themselves) with ``runtime/recompute.py``.
+functionals themselves) with ``runtime/execute/recompute.py``.
 """
 
 from typing import Any

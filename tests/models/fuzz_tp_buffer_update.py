@@ -13,7 +13,7 @@ Layout: one stage, tensor-parallel 2 (``FUZZ_LAYOUT``)::
     .venv/bin/autopartition tests/models/fuzz_tp_buffer_update.py --gpus 2 --pp 1 --tp 2 --microbatches 2 --device h100 --batch-size 8 --out plan
     .venv/bin/autopartition verify plan --model tests/models/fuzz_tp_buffer_update.py
 
-Where: ``runtime/tensorparallel.py`` (buffers a stage writes: keep them as replicated
+Where: ``runtime/parallel/tensorparallel.py`` (buffers a stage writes: keep them as replicated
 DTensors, or write them from the local tensor; else refuse ``--tp`` for the model when
 planning, naming the buffer).
 """

@@ -14,7 +14,7 @@ Layout: one stage, tensor-parallel 2 (``FUZZ_LAYOUT``)::
     .venv/bin/autopartition tests/models/fuzz_tp_inplace_view.py --gpus 2 --pp 1 --tp 2 --microbatches 2 --device h100 --batch-size 8 --out plan
     .venv/bin/autopartition verify plan --model tests/models/fuzz_tp_inplace_view.py
 
-verify: MISMATCH, the loss differs from step 1.  Where: ``runtime/tensorparallel.py``
+verify: MISMATCH, the loss differs from step 1.  Where: ``runtime/parallel/tensorparallel.py``
 (in-place writes through views of DTensor activations: run them on the local tensor, or
 refuse ``--tp`` for such a graph when planning).
 """

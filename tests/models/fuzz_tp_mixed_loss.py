@@ -9,7 +9,7 @@ a DTensor and the cross-entropy runs under ``loss_parallel``, while ``early`` le
 (``implicit_replication``), so ``early``'s gradient comes back as a DTensor, which
 ``full_tensor``'s own backward refuses: ``RuntimeError: the local_tensor argument only
 accepts torch.Tensor but got DTensor`` in the last stage's backward.  Fixed in
-``runtime/tensorparallel.py`` (``gathered``: a gather whose backward takes either).
+``runtime/parallel/tensorparallel.py`` (``gathered``: a gather whose backward takes either).
 
 The running mean ``self.ema.mul_(0.9).add_(...)`` is captured by ``torch.export`` (its
 first op reads the buffer alone, which symbolic tracing cannot record): the second op

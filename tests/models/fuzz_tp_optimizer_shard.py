@@ -4,7 +4,7 @@ Found by ``tools/fuzz_models.py`` (seeds 271, 508, 592).  ``compile(..., tp=2, d
 returns a plan (tp 2, both replicas' stage groups sharded as ZeRO-1); ``verify`` and
 ``run`` then refuse it before starting ranks: "this plan has tp=2 with optimizer-sharded
 replicas (ZeRO-1); the runtime runs tensor parallelism with replicated or fully sharded
-(FSDP2) stage groups" (``runtime/tensorparallel.py``, ``tensor_parallel_refusal``).  The
+(FSDP2) stage groups" (``runtime/parallel/tensorparallel.py``, ``tensor_parallel_refusal``).  The
 reason is clear, but it comes after planning: ``--shard auto`` already leaves
 ``optimizer`` out with tp > 1 (``PlanOptions.shard_modes``), a fixed ``--shard optimizer``
 does not.

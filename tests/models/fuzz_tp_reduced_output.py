@@ -13,7 +13,7 @@ Layout: one stage, tensor-parallel 2 (``FUZZ_LAYOUT``)::
     .venv/bin/autopartition tests/models/fuzz_tp_reduced_output.py --gpus 2 --pp 1 --tp 2 --microbatches 2 --device h100 --batch-size 8 --out plan
     .venv/bin/autopartition verify plan --model tests/models/fuzz_tp_reduced_output.py
 
-Where: ``runtime/tensorparallel.py`` (``TensorParallelStage``: model outputs "leave
+Where: ``runtime/parallel/tensorparallel.py`` (``TensorParallelStage``: model outputs "leave
 whole"; an output that is no longer ``(B, T, ...)`` sequence-sharded, here the mean over
 the hidden dimension, gets a DTensor gradient handed to a plain-tensor ``to_local``).
 """

@@ -23,10 +23,10 @@ from torch.utils import _pytree as pytree
 from partitioner.graph.capture import CallSpec, model_loss
 from partitioner.graph.ir import dtype_from_name
 from partitioner.plan import Plan
-from runtime.comm import RecvSpec, Work
-from runtime.execute import StepRunner
-from runtime.replicate import share_tied_parameters
-from runtime.stage import build_local_stages, call_spec
+from runtime.execute.comm import RecvSpec, Work
+from runtime.execute.runner import StepRunner
+from runtime.execute.stage import build_local_stages, call_spec
+from runtime.parallel.replicate import share_tied_parameters
 
 __all__ = ["assert_matches_whole_model", "run_stages", "whole_model_step"]
 

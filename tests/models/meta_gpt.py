@@ -1,7 +1,7 @@
 """examples/gpt.py's GPT built on the meta device, with the init_weights a meta model file needs.
 
 No memory is allocated by ``build_model()``; every rank materialises its stage's
-tensors (``runtime.materialise``), each module under a generator seeded by its name.
+tensors (``runtime.state.materialise``), each module under a generator seeded by its name.
 ``init_weights(module, name)`` gives linear layers and embeddings GPT-2's N(0, 0.02)
 (biases zero) and recomputes the causal mask buffer; LayerNorms fall through to
 their ``reset_parameters()``.  The LM head is tied to the token embedding.

@@ -30,9 +30,9 @@ __all__ = ["train_plans"]
 def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, str, str]], steps: int, out: str) -> None:
     from rank_workers import set_rank_env
 
+    from runtime.execute.recompute import Recomputed
+    from runtime.parallel.shard import LayeredStage, plain_tensor
     from runtime.pipeline import Pipeline
-    from runtime.recompute import Recomputed
-    from runtime.shard import LayeredStage, plain_tensor
 
     set_rank_env(rank, world, port)
     torch.set_num_threads(1)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from runtime.stage import call_spec
+from runtime.execute.stage import call_spec
 from runtime.verify import free_port, reference_microbatches, start_ranks
 
 __all__ = ["Differences", "compare_with_reference", "train_plans"]

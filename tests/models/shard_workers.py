@@ -65,8 +65,8 @@ def shard_worker(rank: int, world: int, port: int, spec: str, out_dir: str, case
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
+    from runtime.parallel.shard import LayeredStage
     from runtime.pipeline import Pipeline
-    from runtime.shard import LayeredStage
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -234,7 +234,7 @@ def reference(
     optimizer: str = "adamw", precision: str = "fp32",
 ) -> dict[str, Any]:
     """The pipeline's training on the whole model in one process: losses, norms, each step's gradients and the
-    trained state (``bf16-mixed``: forward and loss under CPU autocast, as runtime.precision runs them)."""
+    trained state (``bf16-mixed``: forward and loss under CPU autocast, as runtime.state.precision runs them)."""
     import contextlib
 
     threads = torch.get_num_threads()

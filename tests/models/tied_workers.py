@@ -30,7 +30,7 @@ import torch.distributed as dist
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
 from partitioner.search.planner import compile
-from runtime.stage import call_spec
+from runtime.execute.stage import call_spec
 from runtime.verify import free_port, reference_microbatches, start_ranks
 
 __all__ = ["Differences", "Job", "compare", "plan_case", "train_jobs"]
@@ -68,7 +68,7 @@ def plan_case(spec: str, directory: Path, *, pp: int, dp: int = 1, tp: int = 1, 
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
-    from runtime.shard import plain_tensor
+    from runtime.parallel.shard import plain_tensor
 
     return plain_tensor(value).detach().clone()
 

@@ -32,8 +32,8 @@ MOMENTUM = 0.9
 def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, str, str]], steps: int, out: str) -> None:
     from rank_workers import set_rank_env
 
+    from runtime.parallel.shard import plain_tensor
     from runtime.pipeline import Pipeline
-    from runtime.shard import plain_tensor
 
     set_rank_env(rank, world, port)
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """``engine="torch"``: a plan's stages run by torch.distributed.pipelining instead of our StepRunner.
 
-Each stage this rank holds becomes a :class:`runtime.flatstage.FlatStage` (flat
+Each stage this rank holds becomes a :class:`runtime.execute.flatstage.FlatStage` (flat
 tuples in and out; values skipping stages are carried through the stages in
 between, one extra send per stage crossed) inside a ``PipelineStage`` on this
 replica's pipeline group, driven by torch's schedule class for the plan's
@@ -26,7 +26,7 @@ and no split backward each stage is wrapped in DDP, which torch's stage drives
 actions, whose ``autograd.grad`` calls fire no DDP hook) our
 ``ReplicaReducer`` averages the gradients after the schedule ends (not
 overlapped with the backward).  Stages planned ``shard="full"`` are FSDP2 units
-inside the wrapper (:mod:`runtime.shard`, made before this engine); torch's stage
+inside the wrapper (:mod:`runtime.parallel.shard`, made before this engine); torch's stage
 sees a plain module, and the Pipeline's ``ShardedStep`` turns gradient sync off
 before the schedule and runs FSDP2's post-backward (one reduce-scatter) after it,
 as torch's own ``perform_reduce_grad`` would.  The loss is scaled by ``1 / M`` in
@@ -45,7 +45,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,26 +65,19 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from partitioner.errors import AutopartitionError
 from partitioner.graph.ir import node_parameters
 from partitioner.plan import Plan
-from runtime.flatstage import Feed, FlatStage, IndexedLoss, carried_values
-from runtime.launch import ENGINE_ENV  # `autopartition run --engine torch` sets it for every rank
-from runtime.replicate import (
-    Groups,
+from runtime.execute.comm import Groups
+from runtime.execute.flatstage import Feed, FlatStage, IndexedLoss, carried_values
+from runtime.execute.stage import LocalStage
+from runtime.parallel.replicate import (
     ReplicaReducer,
     broadcast_replicas,
     replica_reducer,
     wrap_replicas,
 )
-from runtime.stage import LocalStage
 
-__all__ = [
-    "ENGINES", "ENGINE_ENV", "TorchEngine", "engine_from_env", "torch_engine_refusal", "torch_schedule_name",
-    "torch_stage_refusal",
-]
-
-ENGINES = ("ours", "torch")
+__all__ = ["TorchEngine", "torch_engine_refusal", "torch_schedule_name", "torch_stage_refusal"]
 
 _CLASSES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -95,15 +87,6 @@ _CLASSES: dict[str, Any] = {
 }
 _ACTION_LIST = "_PipelineScheduleRuntime (the plan's action rows)"
 
-
-def engine_from_env(engine: str | None) -> str:
-    """``engine``, else ``$AUTOPARTITION_ENGINE``, else ``"ours"``; an unknown name is refused."""
-    chosen = engine if engine is not None else os.environ.get(ENGINE_ENV, "") or "ours"
-    if chosen not in ENGINES:
-        source = "engine=" if engine is not None else f"${ENGINE_ENV}="
-        raise AutopartitionError(f"{source}{chosen!r}: the engines are 'ours' (default) and 'torch' "
-                                 "(torch.distributed.pipelining's schedules).")
-    return chosen
 
 
 def torch_schedule_name(plan: Plan) -> str:
@@ -161,6 +144,7 @@ class TorchEngine:
     ) -> None:
         self.plan = plan
         self.device = device
+        self.records: list[Any] = []  # torch's schedules time no actions (see run)
         self._feed = Feed()
         pipeline_rank, replica = plan.rank_layout()[dist.get_rank()]
         self._group = _pipeline_group(plan, replica)
@@ -199,9 +183,13 @@ class TorchEngine:
         self.schedule = _schedule(plan, self._stages, loss)
         _check_placement(plan, self.schedule, pipeline_rank)
 
-    def run(self, micro: list[tuple[tuple[torch.Tensor, ...], Any]]) -> torch.Tensor | None:
-        """One step over this replica's micro-batches; the summed (1/M-scaled) loss where the last stage is held."""
-        self._feed.micro = micro
+    def run(self, microbatches: list[tuple[tuple[torch.Tensor, ...], Any]], *, record: bool = False
+            ) -> torch.Tensor | None:
+        """One step over this replica's micro-batches; the summed (1/M-scaled) loss where the last stage is held.
+
+        ``record``: never set (:func:`torch_engine_refusal` refuses traces: torch's schedules time no actions).
+        """
+        self._feed.micro = microbatches
         index = torch.arange(self.plan.microbatches, device=self.device)
         losses: list[torch.Tensor] = []
         try:

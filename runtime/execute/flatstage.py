@@ -36,8 +36,8 @@ from torch import nn
 
 from partitioner.graph.capture import model_loss
 from partitioner.plan import Plan
-from runtime.meetings import inputs_written_in_place
-from runtime.stage import LocalStage
+from runtime.execute.meetings import inputs_written_in_place
+from runtime.execute.stage import LocalStage
 
 __all__ = ["MICROBATCH", "ContiguousGrad", "Feed", "FlatStage", "IndexedLoss", "carried_values"]
 

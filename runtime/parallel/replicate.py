@@ -16,7 +16,7 @@ per pipeline rank serves all of them.
   stage's gradients once they are complete in the step, in buckets of the same
   size, asynchronously, in the same order on every replica.
 * A pipeline rank whose stages are planned ``shard="full"`` uses neither: FSDP2
-  reduce-scatters its gradients (:mod:`runtime.shard`); under ``"optimizer"``
+  reduce-scatters its gradients (:mod:`runtime.parallel.shard`); under ``"optimizer"``
   gradients are averaged as above and the optimizer state is split.
 * A parameter tied across stages (GPT-2's token embedding is also its LM head;
   or tied by use: one name read by several stages, an LM head
@@ -26,7 +26,7 @@ per pipeline rank serves all of them.
   holding it; the copies start equal (broadcast from the rank of the first
   stage holding it) and their gradients are summed over those ranks, replica
   by replica, before the optimizer step, so they stay equal.  In fully sharded
-  stages (:mod:`runtime.shard`) each replica does so with its own shard.
+  stages (:mod:`runtime.parallel.shard`) each replica does so with its own shard.
 
 All ranks create every group in the same order, as torch.distributed requires.
 
@@ -39,7 +39,6 @@ Example (which way a plan's replicas are averaged)::
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from typing import cast
@@ -49,14 +48,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from partitioner.plan import Plan
-from runtime.comm import PeerFailure, Work, wait_all
+from runtime.execute.comm import Groups, PeerFailure, Work, wait_all
 
 __all__ = [
-    "Groups",
     "ReplicaReducer",
-    "TiedCopy",
     "broadcast_replicas",
-    "make_groups",
     "needs_explicit_reduce",
     "replica_reducer",
     "share_tied_parameters",
@@ -68,23 +64,6 @@ __all__ = [
 Modules = torch.nn.Module | Sequence[torch.nn.Module]
 
 
-@dataclasses.dataclass(frozen=True)
-class TiedCopy:
-    """This rank's copy of a tied parameter and the group of ranks holding the other copies."""
-
-    name: str  # canonical name
-    local_name: str  # the alias this rank's stages hold
-    group: dist.ProcessGroup
-    source: int  # global rank whose copy wins at start
-
-
-@dataclasses.dataclass(frozen=True)
-class Groups:
-    stage: dist.ProcessGroup | None  # this pipeline rank's replicas (all its stages), when dp > 1
-    tied: tuple[TiedCopy, ...]
-    replicas: tuple[int, ...] = ()  # global ranks of this pipeline rank's replicas, replica order
-
-
 def needs_explicit_reduce(plan: Plan) -> bool:
     """Whether replicas average gradients with :class:`ReplicaReducer` rather than DDP.
 
@@ -94,42 +73,6 @@ def needs_explicit_reduce(plan: Plan) -> bool:
     (tensor-parallel stages average their local shards).
     """
     return plan.tp > 1 or plan.chunks > 1 or plan.schedule_data().splits_backward
-
-
-def make_groups(plan: Plan, rank: int) -> Groups:
-    """This rank's replica group and tied-parameter groups (every rank creates all of them, in one order).
-
-    With ``tp > 1`` tensor-parallel rank ``t`` of a group averages and ties with rank
-    ``t`` of the others only (:mod:`runtime.tensorparallel`): they hold the same shards.
-    """
-    pipeline_rank, _ = plan.rank_layout()[rank]
-    here = rank % plan.tp
-
-    def spread(groups: Sequence[int], tp_rank: int) -> list[int]:
-        return [g * plan.tp + tp_rank for g in groups]
-
-    stage_group = None
-    replicas = tuple(spread([pipeline_rank * plan.dp + r for r in range(plan.dp)], here))
-    if plan.dp > 1:
-        for p in range(plan.pp):
-            for t in range(plan.tp):
-                group = dist.new_group(spread([p * plan.dp + r for r in range(plan.dp)], t))
-                if p == pipeline_rank and t == here:
-                    stage_group = group
-    mine = {name for s in plan.stages_of(pipeline_rank) for name in plan.stages[s].parameters}
-    tied: list[TiedCopy] = []
-    for tie in plan.tied:
-        # Pipeline ranks holding a copy, in the order of the stages holding it: one copy per rank.
-        holders = list(dict.fromkeys(plan.stages[s].rank for s in tie.stages))
-        if len(holders) < 2:
-            continue
-        for r in range(plan.dp):
-            for t in range(plan.tp):
-                ranks = spread([h * plan.dp + r for h in holders], t)
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    tied.append(TiedCopy(tie.name, min(set(tie.aliases) & mine), group, ranks[0]))
-    return Groups(stage=stage_group, tied=tuple(tied), replicas=replicas)
 
 
 def wrap_replicas(
@@ -215,7 +158,7 @@ def replica_reducer(
     """A reducer for this rank's stages (None without replicas).
 
     ``finish_order``: the stages in the order their gradients are complete in a
-    step (:func:`runtime.execute.gradient_order`); a parameter two stages share
+    step (:func:`runtime.execute.runner.gradient_order`); a parameter two stages share
     goes with the later one.
     """
     if groups.stage is None:
@@ -280,7 +223,7 @@ def sum_tied_grads(modules: Modules, groups: Groups) -> None:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A fully sharded copy's own shard (runtime.shard), else the tensor.
+    """A fully sharded copy's own shard (runtime.parallel.shard), else the tensor.
 
     Every copy of a sharded tied parameter is split the same way over replicas of one
     size, so replica r's shards of all copies are the same slice: summed or broadcast

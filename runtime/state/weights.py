@@ -27,7 +27,7 @@ tensor stored in another floating dtype is cast to the wanted one (a bf16 file
 into an fp32 model); a missing or misshapen tensor is an error naming it.
 
 A model built on the meta device takes its weights through
-:func:`weights_supply` (the ``supply`` of :mod:`runtime.materialise`), or
+:func:`weights_supply` (the ``supply`` of :mod:`runtime.state.materialise`), or
 :func:`load_weights`, which replaces meta tensors by the loaded ones.
 
 ``autopartition run plan/ --weights PATH -- train.py`` passes PATH to the
@@ -62,6 +62,15 @@ from torch import nn
 
 from partitioner.errors import CheckpointError
 from partitioner.plan import TiedParameter
+from runtime.state.folders import (
+    DCP_METADATA,
+    MANIFEST,
+    PLAN_FILE,
+    STEP_FOLDER,
+    UNFINISHED_FOLDER,
+    find_checkpoint,
+    read_manifest_files,
+)
 
 __all__ = [
     "WEIGHTS_ENV",
@@ -84,12 +93,8 @@ __all__ = [
 WEIGHTS_ENV = "AUTOPARTITION_WEIGHTS"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-DCP_METADATA = ".metadata"
-# A Pipeline checkpoint stores the model's tensors under this prefix (runtime.checkpoint).
+# A Pipeline checkpoint stores the model's tensors under this prefix (runtime.state.checkpoint).
 MODEL_PREFIX = "model."
-# runtime.checkpoint's manifest: a DCP folder holding one is a Pipeline checkpoint (sizes and CRC-32s).
-CHECKPOINT_MANIFEST = "checkpoint.json"
-PLAN_FILE = "plan.json"
 # Where a DCP entry's bytes lie: (file relative to the folder, offset, length) per stored piece.
 Storage = dict[str, list[tuple[str, int, int]]]
 
@@ -207,7 +212,7 @@ def load_weights(
 def weights_supply(
     path: str | os.PathLike[str], *, keys: Collection[str], tied: Iterable[TiedParameter] = ()
 ) -> Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """The weights at ``path`` as a ``supply`` for :mod:`runtime.materialise` (meta-built models).
+    """The weights at ``path`` as a ``supply`` for :mod:`runtime.state.materialise` (meta-built models).
 
     Given ``{name: meta tensor}``, returns the checkpoint's tensors for the
     persistent ones (``keys``: the whole model's state-dict keys; a tied one by
@@ -282,11 +287,6 @@ def _open(path: Path) -> _Source:
             "safetensors.torch.save_file(torch.load(path), 'model.safetensors')."
         )
     if _pipeline_checkpoint(path):
-        from runtime.checkpoint import (  # it imports this module
-            find_checkpoint,
-            read_manifest_files,
-        )
-
         folder = find_checkpoint(path)
         return _Dcp(folder, files=read_manifest_files(folder))
     if (path / DCP_METADATA).is_file():
@@ -307,9 +307,7 @@ def _open(path: Path) -> _Source:
 
 def _pipeline_checkpoint(path: Path) -> bool:
     """A folder Pipeline.save_checkpoint wrote, or a directory of its step folders, or an unfinished one."""
-    from runtime.checkpoint import STEP_FOLDER, UNFINISHED_FOLDER
-
-    if (path / CHECKPOINT_MANIFEST).is_file() or UNFINISHED_FOLDER.fullmatch(path.name):
+    if (path / MANIFEST).is_file() or UNFINISHED_FOLDER.fullmatch(path.name):
         return True
     if (path / DCP_METADATA).is_file():
         return (path / PLAN_FILE).is_file()  # plan.json without a manifest: a save that did not finish
@@ -553,7 +551,7 @@ def check_reads(
         check_files(folder, {n: files[n] for n in needed if n in files}, checksum=sorted(needed), fix=fix)
         unlisted = sorted(n for n in needed if n not in files)
         if unlisted:
-            raise CheckpointError(f"{folder / unlisted[0]} is not in the manifest {folder / CHECKPOINT_MANIFEST}, "
+            raise CheckpointError(f"{folder / unlisted[0]} is not in the manifest {folder / MANIFEST}, "
                                   f"yet DCP's index places tensors in it. {fix}")
 
 

@@ -18,7 +18,7 @@ paragraph, e.g.::
     Raised in your code, not in autopartition. 1 other rank stopped because of it. ...
 
 Records are written by :func:`record_failure`: from the rank entry point
-``python -m runtime.failure script.py args`` (what ``autopartition run`` starts under
+``python -m runtime.launch.failure script.py args`` (what ``autopartition run`` starts under
 torchrun: it catches everything the script raises), from ``sys.excepthook``
 (:func:`install_excepthook`, for ranks started otherwise) and by verify's ranks.
 :func:`reports_failures` wraps :class:`~runtime.pipeline.Pipeline`'s entry points
@@ -80,7 +80,7 @@ _PEER_RANK = re.compile(r"(?:waiting for|from) rank (\d+)(?: \(stages? (\d+(?:, 
 _ACTION = re.compile(r"stopped at action (\S+?):")
 _STAGE = re.compile(r"\(stage (\d+)")
 _WITHIN = re.compile(r"within ([\d.]+) s")
-_OUR_DIRS = tuple(str(Path(__file__).resolve().parent.parent / d) + os.sep for d in ("partitioner", "runtime"))
+_OUR_DIRS = tuple(str(Path(__file__).resolve().parents[2] / d) + os.sep for d in ("partitioner", "runtime"))
 _LIBRARY_DIRS = tuple(sorted({
     str(Path(p).resolve()) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
     if (p := sysconfig.get_paths().get(key))
@@ -412,7 +412,7 @@ def _alive(pid: int) -> bool:
 
 
 def run_script(argv: Sequence[str]) -> int:
-    """A rank's entry point (``python -m runtime.failure script.py args``): run the script as ``__main__``.
+    """A rank's entry point (``python -m runtime.launch.failure script.py args``): run the script as ``__main__``.
 
     Anything it raises is recorded, its traceback goes into the record (not onto the
     console, where every rank would print its own), and the rank exits 2 (bad input)
@@ -420,7 +420,7 @@ def run_script(argv: Sequence[str]) -> int:
     launcher, which stops every rank when it is stopped.
     """
     if not argv:
-        print("usage: python -m runtime.failure script.py [args]", file=sys.stderr)
+        print("usage: python -m runtime.launch.failure script.py [args]", file=sys.stderr)
         return 2
     set_parent_death_signal(signal.SIGKILL)
     directory = os.environ.get(FAILURE_DIR_ENV)
@@ -550,7 +550,9 @@ def write_log(records: Sequence[FailureRecord], log: str | Path) -> None:
         out.writelines(f"\n===== rank {record.rank} (pid {record.pid}, {record.kind}) =====\n{record.traceback}" for record in sorted(records, key=lambda r: r.rank))
 
 
-if __name__ == "__main__":  # a rank started by `autopartition run`: python -m runtime.failure script.py args
-    from runtime.failure import run_script as _run_script  # the module, not this __main__ copy
+if __name__ == "__main__":  # a rank started by `autopartition run`: python -m runtime.launch.failure script.py args
+    from runtime.launch.failure import (
+        run_script as _run_script,  # the module, not this __main__ copy
+    )
 
     sys.exit(_run_script(sys.argv[1:]))

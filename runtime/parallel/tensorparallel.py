@@ -4,11 +4,11 @@ A plan with ``tp > 1`` runs ``pp x dp x tp`` ranks.  Each entry of a stage's
 ``ranks`` is a *group*: global ranks ``g x tp .. g x tp + tp - 1`` (inside one
 node), each holding a ``1 / tp`` share of the stage.  Tensor-parallel rank ``t``
 of one group talks only to tensor-parallel rank ``t`` of the others: its
-pipeline peers, replicas and tied copies are ``g' x tp + t`` (:func:`group_rank`).
+pipeline peers, replicas and tied copies are ``g' x tp + t`` (:func:`~runtime.execute.wire.group_rank`).
 So for each ``t`` the ranks ``{g x tp + t}`` run the plan's schedule exactly as a
 ``tp = 1`` job would.  A boundary tensor that is the residual stream travels as
 each rank's ``1 / tp`` slice of its sequence, to its counterpart
-(:func:`wire_shape`: what the planner prices, and what sequence parallelism
+(:func:`~runtime.execute.wire.wire_shape`: what the planner prices, and what sequence parallelism
 holds anyway); anything else travels whole.
 
 Inside a stage the split is torch's DTensor, the engine under
@@ -79,12 +79,12 @@ from partitioner.graph.capture import buffers_written
 from partitioner.graph.ir import KIND_KEY, node_parameters
 from partitioner.graph.tensorparallel import TP_KEY, TPRole
 from partitioner.plan import Plan
+from runtime.execute.wire import sequence_split
 
 __all__ = [
     "VOCABULARY_OUTPUTS",
     "TensorParallelStage",
     "gathered",
-    "group_rank",
     "has_vocabulary_head",
     "head_parallel_attention",
     "match_gradients",
@@ -95,25 +95,14 @@ __all__ = [
     "replicated",
     "replicated_gradients",
     "sequence_sharded",
-    "sequence_split",
     "tensor_parallel_loss",
     "tensor_parallel_meshes",
     "tensor_parallel_refusal",
     "tensor_parallel_step",
     "whole_call",
-    "wire_shape",
 ]
 
 _SDPA = ("scaled_dot_product_attention",)
-
-
-def group_rank(group: int, tp_rank: int, tp: int) -> int:
-    """Global rank of tensor-parallel rank ``tp_rank`` of group ``group`` (a stage's ``ranks`` entry).
-
-    >>> [group_rank(g, t, 2) for g in (0, 1) for t in (0, 1)]
-    [0, 1, 2, 3]
-    """
-    return group * tp + tp_rank
 
 
 def tensor_parallel_refusal(plan: Plan, *, engine: str = "ours") -> str | None:
@@ -273,7 +262,7 @@ def _writes_on_whole_values(gm: fx.GraphModule) -> None:
       DTensors: DTensor cannot write into a plain tensor, so the op runs on whole plain
       values (:func:`plain_write`); the buffer then holds what the unsplit model's does.
     """
-    from runtime.meetings import writes_in_place
+    from runtime.execute.meetings import writes_in_place
 
     graph = gm.graph
     made: dict[fx.Node, fx.Node] = {}  # a base written through a view -> its replicated copy
@@ -440,32 +429,11 @@ def head_parallel_attention(query: Any, key: Any, value: Any, *args: Any, **kwar
     return run(query, key, value)
 
 
-def sequence_split(shape: Sequence[int], dtype: str, tp: int) -> bool:
-    """Whether a boundary tensor travels split along the sequence: a floating-point value of 3 or more
-    dimensions whose dimension -2 ``tp`` divides (the residual stream ``(B, T, C)``); any other whole.
-
-    >>> sequence_split((8, 32, 64), "float32", 2), sequence_split((8, 32), "int64", 2)
-    (True, False)
-    """
-    return tp > 1 and len(shape) >= 3 and shape[-2] % tp == 0 and dtype.startswith(("float", "bfloat"))
-
-
-def wire_shape(shape: Sequence[int], dtype: str, tp: int) -> tuple[int, ...]:
-    """The shape one rank sends and receives of a boundary tensor of ``shape`` (:func:`sequence_split`).
-
-    >>> wire_shape((8, 32, 64), "float32", 4)
-    (8, 8, 64)
-    """
-    if not sequence_split(shape, dtype, tp):
-        return tuple(shape)
-    return (*shape[:-2], shape[-2] // tp, shape[-1])
-
-
 class TensorParallelStage(nn.Module):
     """Runs a stage's ``inner`` module on DTensors: tensors enter as DTensors, leave as plain tensors.
 
     Model inputs enter replicated; received boundary tensors (``received``: each one's
-    planned whole shape and dtype, in order) as :func:`sequence_split` says (this
+    planned whole shape and dtype, in order) as :func:`~runtime.execute.wire.sequence_split` says (this
     rank's slice of the sequence, or whole).  The first ``sent`` outputs
     leave by the same rule (what the next stage's rank receives); the others (model
     outputs: logits, a loss) leave whole.  Entering through ``DTensor.from_local``

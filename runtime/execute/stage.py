@@ -87,7 +87,7 @@ def build_local_stage(plan: Plan, model: torch.nn.Module, stage_index: int) -> L
 def build_local_stages(plan: Plan, model: torch.nn.Module, indices: Sequence[int]) -> tuple[LocalStage, ...]:
     """Several stages of one rank from one capture (a parameter two of them use stays one object)."""
     captured, infos = recapture(plan, model)
-    if plan.tp > 1:  # the split layers' roles, in node.meta, for runtime.tensorparallel
+    if plan.tp > 1:  # the split layers' roles, in node.meta, for runtime.parallel.tensorparallel
         find_tensor_parallel(captured)
     return tuple(_local_stage(plan, captured, infos, i) for i in indices)
 

@@ -143,7 +143,7 @@ def boundary_dtypes(
     ``device_type`` picks autocast's op lists (``cuda`` and ``cpu`` differ a
     little); by default the inputs' device.  ``bf16_parameters``: graph names of
     parameters read as bfloat16 copies under ``bf16-mixed`` (FSDP2 gathers a
-    fully sharded stage's weights so: :func:`runtime.shard.fsdp_policy`).
+    fully sharded stage's weights so: :func:`runtime.parallel.shard.fsdp_policy`).
     """
     precision = check_precision(precision)
     mode = FakeTensorMode(allow_non_fake_inputs=True)

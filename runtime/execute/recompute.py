@@ -88,13 +88,15 @@ from torch.utils.checkpoint import (
 
 from partitioner.errors import InternalError, PlanMismatchError
 from partitioner.graph.ir import layer_of, module_path
-from runtime.meetings import inputs_written_in_place, writes_in_place, written_state
+from runtime.execute.meetings import inputs_written_in_place, writes_in_place, written_state
+from runtime.execute.stack import StageStack
 
 __all__ = [
     "RUN_KINDS",
     "SAVED_OPS",
     "Recomputed",
     "RunKind",
+    "apply_recompute",
     "block_nodes",
     "block_run",
     "recomputed_layers",
@@ -147,7 +149,7 @@ def run_block(block: Callable[..., Any], values: Sequence[Any], kind: RunKind,
     """``block(*values)``, recomputed in the backward as ``kind`` says (plainly without gradients).
 
     ``state``: tensors the block writes in place (a BatchNorm's running statistics,
-    :func:`runtime.meetings.written_state`); a recomputation runs on their values as the
+    :func:`runtime.execute.meetings.written_state`); a recomputation runs on their values as the
     forward saw them and leaves them as it found them, so they are written once.
     ``written``: positions of ``values`` the block writes in place (:func:`written_inputs`);
     a recomputed block writes into copies, so the inputs checkpoint keeps stay as they were.
@@ -268,7 +270,7 @@ class _Segment:
     module: fx.GraphModule
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    state: tuple[str, ...] = ()  # buffers of the stage it writes (runtime.meetings.written_state)
+    state: tuple[str, ...] = ()  # buffers of the stage it writes (runtime.execute.meetings.written_state)
 
 
 class Recomputed(nn.Module):
@@ -398,7 +400,7 @@ def block_run(stage: fx.GraphModule, blocks: list[tuple[str, ...]], index: int
 
     It reads the values other blocks (or the stage's inputs) make, and returns those of its
     own that later blocks or the stage's output read.  Used for recomputation here and for
-    ZeRO-3's layer units (:mod:`runtime.shard`).
+    ZeRO-3's layer units (:mod:`runtime.parallel.shard`).
     """
     nodes = {n.name: n for n in stage.graph.nodes}
     block_of = {name: i for i, block in enumerate(blocks) for name in block}
@@ -442,3 +444,25 @@ def _block_module(
     # instead, so that later `.to()`, buffer replacement or state loading is seen by every block.
     block.add_module(_OWNER, stage)
     return block
+
+
+def apply_recompute(stack: StageStack, *, backward_twice: bool = False) -> StageStack:
+    """The stack's step for recomputation: each stage planned ``full`` or ``selective`` runs as :class:`Recomputed`.
+
+    ``backward_twice``: the engine backpropagates through a stage in two calls (torch's
+    split backward: input gradients, then weight gradients), which torch's per-op
+    checkpointing refuses: the layers planned to recompute their cheap ops recompute
+    wholly instead (the same numbers, less memory than planned, more time).
+    """
+    runnables: list[nn.Module] = []
+    for local in stack.stages:
+        module: nn.Module = local.module
+        if local.plan.recompute == "full":
+            module = Recomputed(local.module)
+        elif local.plan.recompute == "selective":  # the first layers wholly, the next ones' cheap ops (0 of either)
+            layers, ops_layers = local.plan.recompute_layers, local.plan.recompute_ops_layers
+            if backward_twice:
+                layers, ops_layers = layers + ops_layers, 0
+            module = Recomputed(local.module, layers=layers, ops_layers=ops_layers)
+        runnables.append(module)
+    return stack.replace(runnables=tuple(runnables))

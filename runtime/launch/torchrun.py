@@ -8,12 +8,12 @@ The training script finds the plan through ``AUTOPARTITION_PLAN``
 
 Failures and signals:
 
-* Each rank runs the script through ``python -m runtime.failure`` (unless torchrun
+* Each rank runs the script through ``python -m runtime.launch.failure`` (unless torchrun
   is given ``--no-python`` or ``-m``): what it raises is written as a record to the
-  job's directory (``AUTOPARTITION_FAILURE_DIR``, :mod:`runtime.failure`) instead of
+  job's directory (``AUTOPARTITION_FAILURE_DIR``, :mod:`runtime.launch.failure`) instead of
   a traceback on the console.  When the job fails, the launcher prints the first
   cause in one paragraph and exits 2 (bad input) or 1.
-* torchrun runs under this module's wrapper (``python -m runtime.launch --job DIR
+* torchrun runs under this module's wrapper (``python -m runtime.launch.torchrun --job DIR
   -- ...``), whose own output (its logs, ``ChildFailedError`` and the ranks'
   tracebacks) goes to ``DIR/torchrun.log``, named in the message.  The ranks keep
   the console: the script's stdout and stderr (prints, logging, warnings) show as
@@ -49,7 +49,8 @@ from types import FrameType
 from partitioner.errors import AutopartitionError
 from partitioner.plan import Plan
 from partitioner.units import env_seconds, plural
-from runtime.failure import (
+from runtime.engines.choice import ENGINE_ENV  # read back in every rank by engine_from_env
+from runtime.launch.failure import (
     FAILURE_DIR_ENV,
     describe_exit,
     read_records,
@@ -59,10 +60,9 @@ from runtime.failure import (
     write_log,
 )
 
-__all__ = ["ENGINE_ENV", "GRACE_ENV", "PLAN_ENV", "plan_from_env", "run_plan", "torchrun_command"]
+__all__ = ["GRACE_ENV", "PLAN_ENV", "plan_from_env", "run_plan", "torchrun_command"]
 
 PLAN_ENV = "AUTOPARTITION_PLAN"
-ENGINE_ENV = "AUTOPARTITION_ENGINE"  # read by runtime.torch_engine.engine_from_env in every rank
 GRACE_ENV = "AUTOPARTITION_STOP_GRACE"
 _DEFAULT_GRACE_S = 30.0  # as long as torchrun itself waits for its ranks after SIGTERM
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -108,10 +108,10 @@ def torchrun_command(plan: Plan, torchrun_args: Sequence[str], script: Sequence[
 
 
 def _supervised_command(args: Sequence[str], script: Sequence[str], job: Path) -> list[str]:
-    """torchrun under :func:`_torchrun_main`, each rank's script under ``runtime.failure``."""
+    """torchrun under :func:`_torchrun_main`, each rank's script under ``runtime.launch.failure``."""
     wrap = not any(a in _NO_WRAP or a.startswith(("--no-python=", "--module=")) for a in args)
-    entry = ["-m", "runtime.failure", *script] if wrap else list(script)
-    return [sys.executable, "-m", "runtime.launch", "--job", str(job), "--", *args, *entry]
+    entry = ["-m", "runtime.launch.failure", *script] if wrap else list(script)
+    return [sys.executable, "-m", "runtime.launch.torchrun", "--job", str(job), "--", *args, *entry]
 
 
 def _grace() -> float:
@@ -126,7 +126,7 @@ def run_plan(plan_dir: str, torchrun_args: Sequence[str], script: Sequence[str],
     """
     # Imported here: DTensor's import sets up logging that would send torchrun's own lines (in the
     # ``--job`` process, which imports this module) to the terminal instead of its log.
-    from runtime.tensorparallel import refuse_unrunnable_tp
+    from runtime.parallel.tensorparallel import refuse_unrunnable_tp
 
     plan = Plan.load(plan_dir)
     refuse_unrunnable_tp(plan, engine=engine)  # before torchrun starts any rank
@@ -276,7 +276,7 @@ def _wake_stopped(job: Path) -> None:
 
 
 def _torchrun_main(argv: Sequence[str]) -> int:
-    """``python -m runtime.launch --job DIR -- [torchrun args]``: torchrun with its own output in DIR/torchrun.log.
+    """``python -m runtime.launch.torchrun --job DIR -- [torchrun args]``: torchrun with its own output in DIR/torchrun.log.
 
     Python's ``sys.stderr`` of this process goes to the log before torch is imported, so
     torchrun's logging, warnings and tracebacks land there; file descriptor 2 stays the
@@ -284,7 +284,7 @@ def _torchrun_main(argv: Sequence[str]) -> int:
     codes go to DIR/torchrun.json.
     """
     if len(argv) < 3 or argv[0] != "--job" or argv[2] != "--":
-        print("usage: python -m runtime.launch --job DIR -- [torchrun options] script [args]", file=sys.stderr)
+        print("usage: python -m runtime.launch.torchrun --job DIR -- [torchrun options] script [args]", file=sys.stderr)
         return 2
     job = Path(argv[1])
     sys.argv[0] = "torchrun"  # its usage and errors name the command the user knows
@@ -319,6 +319,8 @@ def plan_from_env(default: str | None = None) -> Plan:
 
 
 if __name__ == "__main__":  # torchrun, started by run_plan
-    from runtime.launch import _torchrun_main as _main  # the module, not this __main__ copy
+    from runtime.launch.torchrun import (
+        _torchrun_main as _main,  # the module, not this __main__ copy
+    )
 
     sys.exit(_main(sys.argv[1:]))

@@ -5,7 +5,7 @@ The plan gives every stage a shard mode (``StagePlan.shard``,
 SC 2020, section 5) name them:
 
 * ``none``: every replica holds the whole state; DDP or the
-  :class:`runtime.replicate.ReplicaReducer` averages the gradients.
+  :class:`runtime.parallel.replicate.ReplicaReducer` averages the gradients.
 * ``optimizer`` (ZeRO-1, P_os): gradients are averaged exactly as under
   ``none``; the optimizer state is split over the group by
   ``torch.distributed.optim.ZeroRedundancyOptimizer``, which steps only the
@@ -34,7 +34,7 @@ SC 2020, section 5) name them:
   - ZeRO-3 (True; Rajbhandari et al. 2020, section 5.3; Zhao et al., "PyTorch
     FSDP", VLDB 2023): one FSDP unit per layer of the stage
     (:class:`LayeredStage`: the stage graph's nodes in runs of one layer,
-    :func:`runtime.recompute.block_nodes`, each run a :class:`LayerUnit` that
+    :func:`runtime.execute.recompute.block_nodes`, each run a :class:`LayerUnit` that
     owns the parameters only it reads; the rest stay with the stage's root
     unit), each gathered before its forward and again before its backward
     and freed after each, and gradients reduce-scattered after every
@@ -67,7 +67,7 @@ SC 2020, section 5) name them:
   float32 and a residual stream started from it stays bfloat16, as in
   torchtitan; the boundary tensors' dtypes are found with those weights in
   bfloat16 (:func:`bf16_gathered_parameters`,
-  :func:`runtime.precision.plan_at_precision`).  fp32 and bf16: no policy, the
+  :func:`runtime.state.precision.plan_at_precision`).  fp32 and bf16: no policy, the
   units gathered in the parameters' dtype.
 
   A model built on meta is materialised straight into
@@ -78,7 +78,7 @@ SC 2020, section 5) name them:
 One pipeline rank runs one mode on all of its stages (one process group serves
 them).  A tied parameter's copies on several pipeline ranks (aliases, or one name
 read by several stages) are summed shard for
-shard when every stage holding it is ``full`` (:mod:`runtime.replicate`); a
+shard when every stage holding it is ``full`` (:mod:`runtime.parallel.replicate`); a
 ``full`` copy beside a whole one, or two ``full`` stages of one rank holding it
 (one parameter, two FSDP units), are refused.  :func:`shard_refusal` says why a plan
 cannot run, before any rank builds anything.
@@ -105,9 +105,8 @@ from partitioner.defaults import shard_refusal as _schedule_refusal
 from partitioner.defaults import splits_backward
 from partitioner.errors import AutopartitionError, InternalError, ScheduleError
 from partitioner.plan import Plan
-from runtime.meetings import inputs_written_in_place, written_state
-from runtime.precision import PrecisionForward
-from runtime.recompute import (
+from runtime.execute.meetings import inputs_written_in_place, written_state
+from runtime.execute.recompute import (
     Recomputed,
     RunKind,
     block_nodes,
@@ -116,6 +115,7 @@ from runtime.recompute import (
     stage_run_kinds,
     written_inputs,
 )
+from runtime.state.precision import PrecisionForward
 
 __all__ = [
     "LayerUnit",
@@ -197,7 +197,7 @@ class ShardUnit(nn.Module):
 
     ``fully_shard`` swaps the class of the module it wraps; wrapping this holder
     rather than the stage's ``fx.GraphModule`` keeps the graph module's own class,
-    which the split backward recompiles (:func:`runtime.meetings.mark_meetings`).
+    which the split backward recompiles (:func:`runtime.execute.meetings.mark_meetings`).
     The stage's parameters stay registered under their names in the graph module,
     as ``DTensor`` shards between steps.
     """
@@ -297,7 +297,7 @@ class LayerUnit(nn.Module):
 
 
 class LayeredStage(nn.Module):
-    """A stage graph run layer by layer (:func:`runtime.recompute.block_nodes`), for ZeRO-3's finer FSDP2 units.
+    """A stage graph run layer by layer (:func:`runtime.execute.recompute.block_nodes`), for ZeRO-3's finer FSDP2 units.
 
     Each run that owns parameters alone (read by no other run, their owning
     modules holding nothing else) is a :class:`LayerUnit`; the others read the
@@ -305,7 +305,7 @@ class LayeredStage(nn.Module):
     ``recompute`` each run (an ``int``: the first ``recompute`` runs, selective
     recomputation, then the next ``ops_layers`` under per-op checkpointing) goes
     under non-reentrant ``torch.utils.checkpoint`` while gradients are on, as
-    :class:`runtime.recompute.Recomputed` does (the same blocks and kinds, so the
+    :class:`runtime.execute.recompute.Recomputed` does (the same blocks and kinds, so the
     same numbers and memory): FSDP2 then gathers a unit again for its
     recomputation inside the backward (its pre-backward state).
     """
@@ -406,8 +406,8 @@ def _aliased(stage: nn.Module) -> set[nn.Parameter]:
 def _layered(runnable: nn.Module) -> tuple[nn.Module, LayeredStage | None]:
     """``runnable`` with its stage graph run layer by layer (:class:`LayeredStage`), or as it is where it has none.
 
-    A runnable is the stage module, optionally under :class:`~runtime.recompute.Recomputed`, optionally
-    under :class:`~runtime.precision.PrecisionForward` (``runtime.pipeline``'s ``_runnable``).
+    A runnable is the stage module, optionally under :class:`~runtime.execute.recompute.Recomputed`, optionally
+    under :class:`~runtime.state.precision.PrecisionForward` (``runtime.pipeline``'s ``_runnable``).
     """
     outer = runnable if isinstance(runnable, PrecisionForward) else None
     inner = outer.module if outer is not None else runnable
@@ -448,7 +448,7 @@ def bf16_gathered_parameters(plan: Plan) -> tuple[str, ...]:
 
     Those of the stages on pipeline ranks that run ``full`` (:func:`rank_shard_mode`)
     under ``bf16-mixed``; none otherwise.  Every rank finds the same names, so
-    every rank finds the same boundary dtypes (:func:`runtime.precision.plan_at_precision`).
+    every rank finds the same boundary dtypes (:func:`runtime.state.precision.plan_at_precision`).
 
     >>> from partitioner.plan import example_plan
     >>> bf16_gathered_parameters(example_plan())
@@ -525,7 +525,7 @@ def fill_shards(units: Sequence[nn.Module], modules: Sequence[nn.Module], values
     """Give FSDP2 units built on meta their storage and this rank's values.
 
     ``values``: name in the stage modules -> this replica's shard of a parameter,
-    or a whole buffer (:func:`runtime.materialise.materialised_values`); each is
+    or a whole buffer (:func:`runtime.state.materialise.materialised_values`); each is
     taken out of it once copied in, so the rank never holds a parameter's shard
     twice (start-up peak memory: its shards once, plus the largest module while
     it was initialised whole).  Buffers that were real already are kept

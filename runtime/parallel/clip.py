@@ -11,7 +11,7 @@ scales all of its gradients, every copy and replica alike, by the same factor,
 so replicas and tied copies stay equal.  A fully sharded stage's gradients are
 ``DTensor`` shards, each replica holding a different part: every replica counts
 (and scales) its own shard, so the sum over ranks is still the whole stage once.
-Tensor-parallel stages (:mod:`runtime.tensorparallel`) likewise: a split
+Tensor-parallel stages (:mod:`runtime.parallel.tensorparallel`) likewise: a split
 parameter's shards count on every rank of the group, a replicated one (a norm)
 on the group's first rank only.
 

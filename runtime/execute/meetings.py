@@ -1,6 +1,6 @@
 """Where weights meet activations in a stage graph, marked once so that every forward reports them.
 
-A split backward (:mod:`runtime.splitbackward`) needs, for every op that reads
+A split backward (:mod:`runtime.execute.splitbackward`) needs, for every op that reads
 both an *activation* (a value that depends on a received input needing a
 gradient) and a *weight-side* value (a parameter requiring grad, or a value
 computed from parameters and constants alone), that op's outputs and a private
@@ -447,7 +447,7 @@ def written_state(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> list[str]:
     """Names of ``gm``'s buffers that ``nodes`` write: in place through a ``get_attr`` (``copy_`` into a
     running mean, ``num_batches_tracked.add_``), or as a norm module tracking running statistics in training.
 
-    A recomputed forward would write them a second time (runtime/recompute.py restores them around it).
+    A recomputed forward would write them a second time (runtime/execute/recompute.py restores them around it).
 
     >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)))
     >>> written_state(gm, gm.graph.nodes)

@@ -15,13 +15,13 @@ dropped after the last action that needs it.
   and the consumer's backward adds its input gradient to the producer's output
   gradient.  An input the stage graph writes in place (``nn.ReLU(inplace=True)``
   right after a cut; found once per stage,
-  :func:`runtime.meetings.inputs_written_in_place`) is handed to the forward as
+  :func:`runtime.execute.meetings.inputs_written_in_place`) is handed to the forward as
   a clone of the leaf: autograd refuses writes into a leaf requiring grad, and
   the gradient sent back is still the one of the received value.
 * **Split backward.**  When the schedule has ``W`` actions, ``B`` computes
   only the gradient of the stage's received inputs and ``W`` the parameter
   gradients later, from the same autograd graph
-  (:class:`runtime.splitbackward.SplitBackward`).
+  (:class:`runtime.execute.splitbackward.SplitBackward`).
 * Sends are non-blocking (waited for at the end of the step); receives are
   posted ``_LOOKAHEAD`` receive actions ahead (gloo moves data only once the
   receiver has posted, so a late post adds milliseconds) and waited for with
@@ -47,17 +47,23 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel.distributed import _find_tensors
 
 from partitioner.graph.capture import model_loss
 from partitioner.orders import Action
 from partitioner.plan import Boundary, Plan
-from runtime.comm import Communicator, DistCommunicator, PeerFailure, RecvSpec, Work, wait_all
-from runtime.meetings import MarkedGraph, inputs_written_in_place, mark_meetings
-from runtime.splitbackward import SplitBackward
-from runtime.stage import LocalStage
-from runtime.tensorparallel import group_rank, wire_shape
+from runtime.execute.comm import (
+    Communicator,
+    DistCommunicator,
+    PeerFailure,
+    RecvSpec,
+    Work,
+    wait_all,
+)
+from runtime.execute.meetings import MarkedGraph, inputs_written_in_place, mark_meetings
+from runtime.execute.splitbackward import SplitBackward
+from runtime.execute.stack import StackLayer, StepHooks
+from runtime.execute.stage import LocalStage
+from runtime.execute.wire import group_rank, wire_shape
 
 __all__ = ["ActionRecord", "StepFailure", "StepRunner", "gradient_order"]
 
@@ -133,8 +139,11 @@ class StepRunner:
     ``stages`` and ``modules`` (the stage module, or its DDP wrapper) go together,
     by stage index.  ``comm`` moves the boundary tensors: torch.distributed unless
     given (tests pass an in-memory one to run every rank in one process).
-    ``on_gradients(stage)`` is called once a stage's parameter gradients of the
-    step are complete (the explicit replica all-reduce starts there).
+    ``hooks`` (the rank's :class:`~runtime.execute.stack.StageStack`) are the layers'
+    say in a step, asked without knowing which layers there are: around each forward
+    and whole backward (DDP syncs gradients in a stage's last backward only), and once
+    a stage's parameter gradients of the step are complete (the explicit replica
+    all-reduce starts there).
     """
 
     def __init__(
@@ -149,7 +158,7 @@ class StepRunner:
         device: torch.device,
         timeout: float,
         comm: Communicator | None = None,
-        on_gradients: Callable[[int], None] | None = None,
+        hooks: StepHooks | None = None,
     ) -> None:
         if not stages or len(stages) != len(modules):
             raise ValueError(f"StepRunner needs one module per stage, got {len(stages)} stages, {len(modules)} modules")
@@ -160,7 +169,7 @@ class StepRunner:
         self.loss_fn = loss_fn
         self.device = device
         self.timeout = timeout
-        self.on_gradients = on_gradients
+        self.hooks: StepHooks = hooks if hooks is not None else StackLayer()  # no layers: nothing to ask
         names = [t.name for t in plan.model.inputs]
         self._held = {
             s.plan.index: _Held(s, m, tuple(names.index(n) for n in s.signature.model_inputs), _written(s))
@@ -174,8 +183,9 @@ class StepRunner:
         if foreign:
             raise ValueError(f"pipeline rank {self.pipeline_rank}'s actions name stages {foreign} it does not hold")
         self._where = plan.stage_ranks()
-        self._last_backward = {s: max(i for i, a in enumerate(self.actions) if a.kind == "B" and a.stage == s)
-                               for s in self._held}
+        self._last_backwards = {  # each stage's last B of the step (DDP syncs its gradients there)
+            self.actions[max(i for i, a in enumerate(self.actions) if a.kind == "B" and a.stage == s)] for s in self._held
+        }
         self._gradients_done = {
             max(i for i, a in enumerate(self.actions) if a.kind in ("B", "W") and a.stage == s): s for s in self._held
         }
@@ -238,8 +248,8 @@ class StepRunner:
                     losses.append(loss.detach())
                 if position in self._last_use:
                     del self._state[self._last_use[position]]
-                if position in self._gradients_done and self.on_gradients is not None:
-                    self.on_gradients(self._gradients_done[position])
+                if position in self._gradients_done:
+                    self.hooks.gradients_done(self._gradients_done[position])
             except PeerFailure as exc:
                 raise StepFailure(self._where_failed(position, action, f"peer failure: {exc}")) from exc
             except StepFailure:
@@ -283,17 +293,14 @@ class StepRunner:
             batch.split = SplitBackward(check=check, unsplit=marked.unsplit)
             recording = batch.split.recording(marked.log)
         with recording:
-            if isinstance(held.module, DistributedDataParallel):
-                with held.module.no_sync():  # gradients are reduced once, on the last backward
-                    outputs = held.module(*args)
-            else:
+            with self.hooks.forwarding(a.stage):  # DDP: gradients are reduced once, on the last backward
                 outputs = held.module(*args)
             batch.sent = dict(zip(sig.sent, outputs[: len(sig.sent)]))
             if held.stage.is_last:
                 batch.loss = self._loss(held.stage, outputs[len(sig.sent) :], target)
 
     def _marked_graph(self, held: _Held, batch: _MicroBatch) -> MarkedGraph:
-        """The stage module marked for the split backward (:mod:`runtime.meetings`), once per stage."""
+        """The stage module marked for the split backward (:mod:`runtime.execute.meetings`), once per stage."""
         stage = held.stage.plan.index
         if stage not in self._marked:
             sig, module = held.stage.signature, held.stage.module
@@ -343,7 +350,7 @@ class StepRunner:
                 self._whole[a.stage] = batch.split.unsplit
                 self._note_unsplit(a.stage, batch.split.unsplit)
         else:
-            self._full_backward(held, a, tensors, grads)
+            self._full_backward(a, tensors, grads)
             got = [t.grad for _, t in leaves]
         for (name, leaf), g in zip(leaves, got or [None] * len(leaves)):
             batch.input_grads[name] = g if g is not None else torch.zeros_like(leaf)
@@ -357,17 +364,10 @@ class StepRunner:
         batch.received.clear()
         batch.loss = None
 
-    def _full_backward(self, held: _Held, a: Action, tensors: list[torch.Tensor], grads: list[Any]) -> None:
-        module = held.module
-        if isinstance(module, DistributedDataParallel):
-            if self.actions.index(a) == self._last_backward[a.stage]:
-                module.reducer.prepare_for_backward(list(_find_tensors(tensors)))
+    def _full_backward(self, a: Action, tensors: list[torch.Tensor], grads: list[Any]) -> None:
+        with self.hooks.backwarding(a.stage, tensors, last=a in self._last_backwards):
+            if tensors:  # none: nothing to backpropagate (DDP's sync was still set up for the last one)
                 torch.autograd.backward(tensors, grads)
-            else:
-                with module.no_sync():
-                    torch.autograd.backward(tensors, grads)
-        elif tensors:
-            torch.autograd.backward(tensors, grads)
 
     def _weight(self, a: Action) -> None:
         batch = self._state[a.stage, a.microbatch]
@@ -400,7 +400,7 @@ class StepRunner:
         return [(p, [b for b in self.plan.stages[p].outputs if b.target == stage]) for p in producers]
 
     def _peer_rank(self, stage: int) -> int:
-        # tp > 1: this rank's counterpart in the peer's tensor-parallel group (runtime.tensorparallel)
+        # tp > 1: this rank's counterpart in the peer's tensor-parallel group (runtime.parallel.tensorparallel)
         return group_rank(self.plan.stages[stage].ranks[self.replica], self.rank % self.plan.tp, self.plan.tp)
 
     def _tag(self, stage: int, direction: str, mb: int) -> int:

@@ -30,17 +30,21 @@ import torch
 import torch.distributed as dist
 
 from partitioner.graph.ir import dtype_from_name
+from partitioner.plan import Plan
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
     "Communicator",
     "DistCommunicator",
+    "Groups",
     "PeerFailure",
     "RecvSpec",
+    "TiedCopy",
     "Work",
     "backend_for",
     "init_distributed",
+    "make_groups",
     "pick_device",
     "post_recv",
     "rank_timeout",
@@ -83,7 +87,7 @@ class Work(Protocol):
 
 
 class Communicator(Protocol):
-    """Point-to-point transfers of boundary tensors, as :class:`~runtime.execute.StepRunner` uses them."""
+    """Point-to-point transfers of boundary tensors, as :class:`~runtime.execute.runner.StepRunner` uses them."""
 
     def send_tensors(self, tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> list[Work]: ...
 
@@ -194,3 +198,56 @@ def wait_all(works: Sequence[Work], *, timeout: float) -> None:
 
 def _timed_out(text: str) -> bool:
     return "timed out" in text.lower() or "timeout" in text.lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class TiedCopy:
+    """This rank's copy of a tied parameter and the group of ranks holding the other copies."""
+
+    name: str  # canonical name
+    local_name: str  # the alias this rank's stages hold
+    group: dist.ProcessGroup
+    source: int  # global rank whose copy wins at start
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    stage: dist.ProcessGroup | None  # this pipeline rank's replicas (all its stages), when dp > 1
+    tied: tuple[TiedCopy, ...]
+    replicas: tuple[int, ...] = ()  # global ranks of this pipeline rank's replicas, replica order
+
+
+def make_groups(plan: Plan, rank: int) -> Groups:
+    """This rank's replica group and tied-parameter groups (every rank creates all of them, in one order).
+
+    With ``tp > 1`` tensor-parallel rank ``t`` of a group averages and ties with rank
+    ``t`` of the others only (:mod:`runtime.parallel.tensorparallel`): they hold the same shards.
+    """
+    pipeline_rank, _ = plan.rank_layout()[rank]
+    here = rank % plan.tp
+
+    def spread(groups: Sequence[int], tp_rank: int) -> list[int]:
+        return [g * plan.tp + tp_rank for g in groups]
+
+    stage_group = None
+    replicas = tuple(spread([pipeline_rank * plan.dp + r for r in range(plan.dp)], here))
+    if plan.dp > 1:
+        for p in range(plan.pp):
+            for t in range(plan.tp):
+                group = dist.new_group(spread([p * plan.dp + r for r in range(plan.dp)], t))
+                if p == pipeline_rank and t == here:
+                    stage_group = group
+    mine = {name for s in plan.stages_of(pipeline_rank) for name in plan.stages[s].parameters}
+    tied: list[TiedCopy] = []
+    for tie in plan.tied:
+        # Pipeline ranks holding a copy, in the order of the stages holding it: one copy per rank.
+        holders = list(dict.fromkeys(plan.stages[s].rank for s in tie.stages))
+        if len(holders) < 2:
+            continue
+        for r in range(plan.dp):
+            for t in range(plan.tp):
+                ranks = spread([h * plan.dp + r for h in holders], t)
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    tied.append(TiedCopy(tie.name, min(set(tie.aliases) & mine), group, ranks[0]))
+    return Groups(stage=stage_group, tied=tuple(tied), replicas=replicas)

@@ -1,6 +1,6 @@
 """The backward in two parts for zero-bubble schedules: B (input gradient) now, W (weights) later.
 
-The stage graph is marked once (:func:`runtime.meetings.mark_meetings`): every
+The stage graph is marked once (:func:`runtime.execute.meetings.mark_meetings`): every
 op where a weight-side value meets an activation reads private aliases of its
 weight inputs and reports its outputs to the graph's log.  B asks autograd for
 the gradients of the stage's received inputs and of those ops' outputs only, so
@@ -11,9 +11,9 @@ cannot see (a custom ``autograd.Function`` reading a weight it was not passed)
 is caught by a walk over B's graph, and the whole backward then runs in B:
 exact, warned once.
 
-Example (a split backward on one traced module; runtime.execute does this per stage)::
+Example (a split backward on one traced module; runtime.execute.runner does this per stage)::
 
-    >>> from runtime.meetings import mark_meetings
+    >>> from runtime.execute.meetings import mark_meetings
     >>> torch.manual_seed(0) and None
     >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh()))
     >>> marked = mark_meetings(gm, active=["input_1"])
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from runtime.meetings import Meeting, MeetingLog
+from runtime.execute.meetings import Meeting, MeetingLog
 
 __all__ = ["SplitBackward"]
 

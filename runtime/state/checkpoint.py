@@ -46,7 +46,7 @@ without ``files``, is still read): ``step`` (>= 0), ``model`` (class name),
 takes the hyperparameters its parameters were saved with (lr, betas, ...), as
 ``torch.optim.Optimizer.load_state_dict`` does.
 
-Sharded replicas (:mod:`runtime.shard`): a fully sharded stage's parameters and Adam
+Sharded replicas (:mod:`runtime.parallel.shard`): a fully sharded stage's parameters and Adam
 state are ``DTensor`` shards, which DCP writes and reads as parts of the same whole
 entries (a replica reads only its shard); under ZeRO-1 each replica writes the state
 of the parameters it steps and the manifest names the wrapped optimizer's class, so a
@@ -72,7 +72,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -87,11 +86,23 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.plan import Plan, TiedParameter
-from runtime.weights import (
-    CHECKPOINT_MANIFEST,
+from runtime.state.folders import (
     DCP_METADATA,
-    MODEL_PREFIX,
+    FORMAT,
+    FORMAT_VERSION,
+    LEFTOVER_FOLDER,
+    MANIFEST,
     PLAN_FILE,
+    REPLACED_FOLDER,
+    STEP_FOLDER,
+    complete_steps,
+    damage_advice,
+    find_checkpoint,
+    folder_step,
+    read_manifest,
+)
+from runtime.state.weights import (
+    MODEL_PREFIX,
     CheckpointError,
     Storage,
     check_files,
@@ -104,36 +115,19 @@ from runtime.weights import (
 
 __all__ = [
     "DEFAULT_KEEP",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "MANIFEST",
-    "STEP_FOLDER",
-    "UNFINISHED_FOLDER",
     "CheckpointError",
     "CheckpointInfo",
     "canonical_names",
     "check_save_directory",
-    "complete_steps",
-    "find_checkpoint",
     "load_checkpoint",
     "read_checkpoint_info",
-    "read_manifest_files",
     "save_checkpoint",
 ]
 
-FORMAT = "autopartition-checkpoint"
-FORMAT_VERSION = 2  # 2 added "files" (sizes, CRC-32s); 1 is still read
-READ_VERSIONS = (1, 2)
-MANIFEST = CHECKPOINT_MANIFEST
 OPTIM_PREFIX = "optim.state."
 # The newest steps a save keeps: the one just written and the one before it, in case the newest is
 # damaged later (a disk, a copy); twice a checkpoint's room on disk.
 DEFAULT_KEEP = 2
-STEP_FOLDER = re.compile(r"step-(\d+)")
-# A save under way, or one a crash stopped; ".old": a step being replaced; ".del": a step being pruned.
-UNFINISHED_FOLDER = re.compile(r"\.step-(\d+)\.tmp-[0-9a-f]+")
-_REPLACED_FOLDER = re.compile(r"\.step-(\d+)\.old-[0-9a-f]+")
-_LEFTOVER_FOLDER = re.compile(r"\.step-(\d+)\.(tmp|old|del)-[0-9a-f]+")
 # Tests stop a save at these points (tests/models/crash_workers.py): called with the point's name.
 _fault_hook: Callable[[str], None] | None = None
 
@@ -165,117 +159,6 @@ def canonical_names(tied: Iterable[TiedParameter]) -> dict[str, str]:
     return {alias: t.name for t in tied for alias in t.aliases}
 
 
-def complete_steps(directory: str | os.PathLike[str]) -> dict[int, Path]:
-    """The complete steps in ``directory``: step -> its ``step-N`` folder (one holding a manifest).
-
-    A ``.step-N.old-*`` folder (a step a crash left half-replaced) counts when no ``step-N`` does.
-    """
-    path = Path(directory)
-    out: dict[int, Path] = {}
-    if not path.is_dir():
-        return out
-    for child in sorted(path.iterdir()):
-        match = STEP_FOLDER.fullmatch(child.name) or _REPLACED_FOLDER.fullmatch(child.name)
-        if match and (child / MANIFEST).is_file() and (child.name.startswith("step-") or int(match[1]) not in out):
-            out[int(match[1])] = child
-    return dict(sorted(out.items()))
-
-
-def find_checkpoint(directory: str | os.PathLike[str]) -> Path:
-    """The folder to load: ``directory``'s newest complete step, or ``directory`` itself when it is one.
-
-    A folder with ``checkpoint.json`` in it is one (a ``step-N`` folder, or the
-    single-folder layout of earlier versions); an unfinished save is refused, naming
-    the newest complete step beside it, if any.
-    """
-    path = Path(directory)
-    if not path.is_dir():
-        raise CheckpointError(f"No checkpoint at {path}: it is not a directory. Pass the directory "
-                              "save_checkpoint wrote.")
-    unfinished = UNFINISHED_FOLDER.fullmatch(path.name)
-    if unfinished:
-        raise CheckpointError(
-            f"{path} is a save of step {unfinished[1]} that did not finish: it is not loadable, and its shards may "
-            f"be partly written. {_previous_advice(path.parent)}"
-        )
-    steps = complete_steps(path)
-    if (path / MANIFEST).is_file():
-        if steps and max(steps) >= _manifest_step(path):
-            return steps[max(steps)]  # a single-folder checkpoint that newer saves went beside
-        return path
-    if steps:
-        return steps[max(steps)]
-    if (path / DCP_METADATA).is_file():
-        raise CheckpointError(
-            f"{path} is a torch.distributed.checkpoint without {MANIFEST}: not written by save_checkpoint, or "
-            f"its save did not finish (then its shards may mix two steps). {_previous_advice(path)}"
-        )
-    pending = sorted(int(m[1]) for m in map(UNFINISHED_FOLDER.fullmatch, _names(path)) if m)
-    if pending:
-        raise CheckpointError(
-            f"{path} holds no complete checkpoint: the save of step {pending[-1]} did not finish "
-            f"(.step-{pending[-1]}.tmp-*). Start afresh, or resume from another directory."
-        )
-    raise CheckpointError(f"{path} is not a checkpoint. Resume from a directory Pipeline.save_checkpoint wrote.")
-
-
-def _names(path: Path) -> list[str]:
-    return [p.name for p in path.iterdir()] if path.is_dir() else []
-
-
-def _manifest_step(path: Path) -> int:
-    try:
-        return int(json.loads((path / MANIFEST).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1
-
-
-def _previous_advice(directory: Path, *, before: int | None = None) -> str:
-    """Where the newest complete step (older than ``before``) in ``directory`` is, to resume from it."""
-    steps = {k: v for k, v in complete_steps(directory).items() if before is None or k < before}
-    if not steps:
-        return (f"No complete checkpoint is in {directory}: start afresh, or resume from another directory "
-                "(do not load this one as weights: its files may mix two steps).")
-    newest = steps[max(steps)]
-    return f"Resume from the previous complete step, which exists at {newest} (pass that folder)."
-
-
-def read_manifest_files(folder: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-    """The ``files`` records of ``folder``'s manifest ({} for a version-1 manifest); checked as JSON."""
-    return _read_manifest(Path(folder))["files"]
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    manifest = path / MANIFEST
-    try:
-        data = json.loads(manifest.read_text())
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"its format is {data.get('format') if isinstance(data, dict) else data!r}")
-        if data.get("format_version") not in READ_VERSIONS:
-            raise ValueError(f"format version {data.get('format_version')!r}, this autopartition reads "
-                             f"{', '.join(map(str, READ_VERSIONS))}")
-        step = data["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"its step is {step!r}, not a count of steps (an integer >= 0)")
-        files = data.get("files", {}) if data["format_version"] == 1 else data["files"]
-        if not isinstance(files, dict) or not all(
-            isinstance(r, dict) and isinstance(r.get("bytes"), int) and isinstance(r.get("crc32"), str)
-            for r in files.values()
-        ):
-            raise ValueError("its files are not name -> {bytes, crc32}")
-        data["model"], data["optimizer"] = str(data["model"]), data["optimizer"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{manifest} is not an autopartition checkpoint manifest ({exc}). "
-                              f"{_fix(path, _folder_step(path))}") from exc
-    data["files"] = files
-    return data
-
-
-def _folder_step(path: Path) -> int | None:
-    match = STEP_FOLDER.fullmatch(path.name)
-    return int(match[1]) if match else None
-
-
 def read_checkpoint_info(directory: str | os.PathLike[str]) -> CheckpointInfo:
     """Find the folder to load (:func:`find_checkpoint`), read its manifest and DCP's index.
 
@@ -286,13 +169,13 @@ def read_checkpoint_info(directory: str | os.PathLike[str]) -> CheckpointInfo:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = find_checkpoint(directory)
-    data = _read_manifest(path)
-    check_files(path, data["files"], checksum=(DCP_METADATA,), fix=_fix(path, int(data["step"])))
+    data = read_manifest(path)
+    check_files(path, data["files"], checksum=(DCP_METADATA,), fix=damage_advice(path, int(data["step"])))
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
         raise CheckpointError(f"{path / DCP_METADATA} cannot be read ({type(exc).__name__}: {exc}); the "
-                              f"checkpoint is incomplete or corrupt. {_fix(path, int(data['step']))}") from exc
+                              f"checkpoint is incomplete or corrupt. {damage_advice(path, int(data['step']))}") from exc
     tensors = {
         k: (tuple(v.size), v.properties.dtype)
         for k, v in metadata.state_dict_metadata.items()
@@ -300,13 +183,6 @@ def read_checkpoint_info(directory: str | os.PathLike[str]) -> CheckpointInfo:
     }
     return CheckpointInfo(path=path, step=int(data["step"]), model_class=data["model"], optimizer=data["optimizer"],
                           tensors=tensors, files=data["files"], storage=dcp_storage(metadata))
-
-
-def _fix(path: Path, step: int | None) -> str:
-    """What to do when the checkpoint at ``path`` (of ``step``) is damaged: the step before it, if any."""
-    if _folder_step(path) is None and not _REPLACED_FOLDER.fullmatch(path.name):
-        return "Resume from another complete checkpoint, or start afresh."  # a single-folder checkpoint
-    return _previous_advice(path.parent, before=step)
 
 
 def check_save_directory(directory: str | os.PathLike[str]) -> Path:
@@ -496,13 +372,13 @@ def _publish(folder: Path, final: Path, token: str) -> None:
 def _prune(path: Path, *, keep: int | None, current: str) -> None:
     """Keep the newest ``keep`` complete steps; remove what unfinished saves left (never this save's)."""
     for child in sorted(path.iterdir()):
-        match = _REPLACED_FOLDER.fullmatch(child.name)
+        match = REPLACED_FOLDER.fullmatch(child.name)
         if match and not (path / f"step-{match[1]}").exists():
             os.rename(child, path / f"step-{match[1]}")  # a crash stopped its replacement: it is that step
     steps = complete_steps(path)
     doomed = list(steps.values())[:-keep] if keep is not None else []
     for folder in doomed:  # renamed first, so that a crash mid-removal leaves no half step-N behind
-        aside = path / f".step-{_folder_step(folder)}.del-{current.rpartition('-')[2]}"
+        aside = path / f".step-{folder_step(folder)}.del-{current.rpartition('-')[2]}"
         try:
             os.rename(folder, aside)
         except OSError as exc:  # the new step is saved: an old one left behind is no reason to fail
@@ -511,7 +387,7 @@ def _prune(path: Path, *, keep: int | None, current: str) -> None:
         _at("delete")
         shutil.rmtree(aside, ignore_errors=True)
     for child in sorted(path.iterdir()):
-        if _LEFTOVER_FOLDER.fullmatch(child.name) and child.name != current:
+        if LEFTOVER_FOLDER.fullmatch(child.name) and child.name != current:
             shutil.rmtree(child, ignore_errors=True)
 
 
@@ -635,7 +511,7 @@ def load_checkpoint(
                 # A fully sharded parameter's state is read as its shard (DCP reads only that part).
                 targets[key] = _like_parameter(torch.empty(shape, dtype=dtype), held.get(name))
         # The files this rank reads: there, long enough, and (with a manifest) their CRC-32s match.
-        check_reads(info.path, info.storage, targets, info.files, fix=_fix(info.path, info.step))
+        check_reads(info.path, info.storage, targets, info.files, fix=damage_advice(info.path, info.step))
         read_dcp(info.path, targets)
         _apply_model(modules, entries, targets)
         if optimizer is not None:
