@@ -30,8 +30,8 @@ from gpt import SEQ_LEN, GPTConfig, build_model, loss_fn
 
 from partitioner.errors import AutopartitionError
 from runtime import Pipeline
-from runtime.state.checkpoint import DEFAULT_KEEP, check_save_directory
 from runtime.launch.torchrun import plan_from_env
+from runtime.state.checkpoint import DEFAULT_KEEP, check_save_directory
 
 __all__ = ["batches", "main"]
 
