@@ -426,13 +426,13 @@ def _gpus(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     if args.gpus is None and local == 0:
         raise AutopartitionError(
             "No --gpus given and this machine has no GPU to count. Say how many GPUs to plan for, "
-            "and for which: e.g. `--gpus 4 --device h100` (costs predicted for H100s; also a100, h200)."
+            "and for which: e.g. `--gpus 4 --device h100` (costs predicted for H100s; --help lists the other devices)."
         )
     gpus = args.gpus if args.gpus is not None else local
     if args.gpus is None:
         say(f"planning for {plural(gpus, 'GPU')} (the GPUs on this machine; --gpus N to change)")
     if args.device == "auto" and local == 0:
-        say("no GPU here: planning with CPU timings; for GPU costs try --device h100 (a100, h200)")
+        say("no GPU here: planning with CPU timings; for GPU costs try --device h100 (or b200, mi300x, ...: --help)")
     return gpus
 
 

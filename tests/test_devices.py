@@ -35,6 +35,53 @@ def test_intra_and_inter_node_links(name: str, nvlink: float, network: float) ->
     assert spec.inter_node_latency is not None and spec.inter_node_latency > spec.link_latency
 
 
+# The accelerators of 2026 (issue 33), from their datasheets (partitioner/cost/devices.py cites each): dense FP32
+# and BF16/FP16 peaks, memory, its bandwidth, the scale-up link and the network port per GPU, one direction.
+NEW_DEVICES = {
+    "b200": (75e12, 2.25e15, 180e9, 7.7e12, 900e9, 50e9),
+    "gb200": (80e12, 2.5e15, 186e9, 8e12, 900e9, 50e9),
+    "b300": (75e12, 2.25e15, 270e9, 7.7e12, 900e9, 100e9),
+    "mi300x": (163.4e12, 1307.4e12, 192e9, 5.3e12, 448e9, 50e9),
+    "mi325x": (163.4e12, 1307.4e12, 256e9, 6e12, 448e9, 50e9),
+    "mi355x": (157.3e12, 2.5e15, 288e9, 8e12, 537.6e9, 50e9),
+    "l40s": (91.6e12, 362.05e12, 48e9, 0.864e12, 32e9, 25e9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_DEVICES))
+def test_the_devices_of_2026_carry_their_datasheet_numbers(name: str) -> None:
+    fp32, half, memory, bandwidth, link, network = NEW_DEVICES[name]
+    spec = device_spec(name.upper())
+    assert spec.name == name and spec.peak("float32") == fp32
+    assert spec.peak("bfloat16") == spec.peak("float16") == half
+    assert (spec.memory_bytes, spec.memory_bandwidth) == (int(memory), bandwidth)
+    assert (spec.link_bandwidth, spec.inter_node_bandwidth) == (link, network)
+    assert spec.inter_node_latency is not None and spec.inter_node_latency > spec.link_latency
+
+
+@pytest.mark.parametrize("name", [  # one of each kind of node (NVLink 5, Infinity Fabric, PCIe) by default
+    name if name in ("b200", "mi300x", "l40s") else pytest.param(name, marks=pytest.mark.exhaustive)
+    for name in sorted(NEW_DEVICES)])
+def test_each_device_of_2026_plans_a_small_gpt(name: str) -> None:
+    """examples/gpt.py on 8 of them, priced at the bare roofline, its report saying no run calibrates it."""
+    from partitioner.modelfile import load_model_file
+    from partitioner.report.table import device_summary
+    from partitioner.search.planner import compile
+
+    model_file = load_model_file(str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py"))
+    plan = compile(model_file.build(), model_file.example_inputs(16), gpus=8, microbatches=4, device=name,
+                   precision="bf16-mixed", time_limit=5.0)
+    assert plan.device == name and plan.predicted.step_s > 0
+    assert plan.cost_model.peak_flops == pytest.approx(DEVICES[name].peak("bfloat16"))
+    assert "no published run calibrates it" in device_summary(plan)
+
+
+def test_the_cli_offers_every_named_device() -> None:
+    from partitioner.cli import _DEVICES
+
+    assert set(DEVICES) <= set(_DEVICES) and {"auto", "cuda"} <= set(_DEVICES)
+
+
 def test_specs_without_inter_node_numbers_still_build() -> None:
     cpu = DEVICES["cpu"]
     assert cpu.inter_node_bandwidth is None and cpu.inter_node_latency is None

@@ -58,6 +58,28 @@ def test_each_generation_carries_its_fitted_efficiencies_and_names_the_runs() ->
     assert all(DEVICES["cpu"].efficiency_of(c) == 1.0 for c in OP_CLASSES) and not DEVICES["cpu"].calibrated_by
 
 
+def test_every_other_gpu_is_the_bare_roofline_and_says_so() -> None:
+    """The accelerators no published run calibrates (Blackwell, AMD Instinct, L40S): no efficiencies, no runs named,
+    none borrowed from Hopper or Ampere, and a report that says so; tools/published maps no run to them."""
+    from partitioner.plan import example_plan
+    from partitioner.report.table import device_summary
+    from tools.published import GENERATIONS, RUNS
+
+    fitted = {"a100", "a100-40gb", "a100-opa", "h100", "h100-500w", "h200", "cpu"}
+    others = sorted(set(DEVICES) - fitted)
+    assert {"b200", "gb200", "b300", "mi300x", "mi325x", "mi355x", "l40s"} <= set(others)
+    for name in others:
+        spec = DEVICES[name]
+        assert spec.efficiency == () and spec.calibrated_by == (), name
+        assert all(spec.efficiency_of(c) == 1.0 for c in OP_CLASSES)
+        assert name not in GENERATIONS and not any(r.device == name for r in RUNS)
+        plan = example_plan()
+        plan = dataclasses.replace(plan, device=name, cost_model=dataclasses.replace(
+            plan.cost_model, source=f"predicted for {name}", efficiency=spec.efficiency, calibrated_by=spec.calibrated_by))
+        assert device_summary(plan) == f"{name}: no published run calibrates it: the bare datasheet roofline " \
+            "(every op at its peak)"
+
+
 def test_the_500w_grand_teton_h100() -> None:
     sxm, titan = DEVICES["h100"], device_spec("H100-500W")
     assert 835 / 989 - 1e-12 <= H100_500W_PEAK_SHARE <= 1.0  # between the H100 NVL and SXM datasheets

@@ -25,6 +25,58 @@ Peak numbers are the vendors' dense (no sparsity) figures:
   835 dense BF16 TFLOP/s against the SXM's 989, so :data:`H100_500W_PEAK_SHARE` (the
   share of the SXM peak) lies in [0.844, 1]; fitted to torchtitan's runs, it is 835.
 
+The accelerators of 2026 (issue 33), per GPU, dense figures (the vendors print the
+sparse ones, twice these, in their headline tables):
+
+* B200 (``b200``, HGX/DGX B200): NVIDIA's per-GPU table on the GB200 NVL72 page
+  (nvidia.com/en-us/data-center/gb200-nvl72, "HGX B200" column): FP32 75 TFLOP/s,
+  FP16/BF16 tensor core 4.5 PFLOP/s with sparsity (2.25 dense), 180 GB HBM3e at
+  7.7 TB/s; NVLink 5 1.8 TB/s total (900 GB/s each way).  One ConnectX-7 400 Gb/s port
+  per GPU, as DGX H100 (NVIDIA's HGX table: 0.8 TB/s of networking for 8 GPUs, both ways;
+  MLCommons inference v6.0, Nebius' ``nebius_b200_n1``: "8x ConnectX-7 IB NDR 400Gb/s"),
+  50 GB/s per GPU.
+* GB200 (``gb200``, the GPU of GB200 NVL72): the same page's "GB200 NVL72" column:
+  FP32 80 TFLOP/s, FP16/BF16 5 PFLOP/s with sparsity (2.5 dense), 186 GB HBM3e at
+  8 TB/s, NVLink 5 1.8 TB/s (130 TB/s over 72 GPUs).  Each compute tray of 4 GPUs has
+  4 ConnectX-7 adapters (MLCommons inference v6.1, Crusoe's ``GB200-NVL72`` system
+  description: "for each 4-GPU node: 4x ... BlueField-3 [ConnectX-7 Lx]"), 400 Gb/s =
+  50 GB/s per GPU; the 800 Gb/s ConnectX-8 came with GB300 (NVIDIA's GB300 NVL72 reference
+  architecture: 4 per tray), not GB200.  The 72-GPU NVLink domain is not
+  modelled as such: plan with ``--gpus-per-node`` up to 72 for it (a node is NVLink).
+* B300 (``b300``, HGX/DGX B300, Blackwell Ultra): NVIDIA's per-GPU table on the GB300
+  NVL72 page ("HGX B300" column): FP32 75 TFLOP/s, FP16/BF16 4.5 PFLOP/s with sparsity
+  (2.25 dense, as B200: Blackwell Ultra adds FP4 and attention throughput, not BF16),
+  270 GB HBM3e at 7.7 TB/s (DGX B300's 2.3 TB for 8 is the stacks' 288 GB each; the
+  per-GPU table's smaller figure is taken, as B200's 180 GB), NVLink 5 900 GB/s each way; one ConnectX-8 800 Gb/s SuperNIC per
+  GPU (HGX B300: 1.6 TB/s of networking for 8 GPUs, both ways), 100 GB/s.
+* MI300X (``mi300x``): AMD Instinct MI300X data sheet: peak FP32 vector 163.4
+  TFLOP/s, BF16/FP16 matrix 1,307.4 TFLOP/s dense (2,614.9 with sparsity), 192 GB
+  HBM3 at 5.3 TB/s; 7 Infinity Fabric links of 128 GB/s (64 GB/s each way), one to each
+  other GPU of the 8-GPU OAM platform, so 448 GB/s each way per GPU spread over its 7
+  peers: a ring collective across the node's GPUs uses all of them (RCCL lays rings over
+  every link), one point-to-point pipeline message only one (64 GB/s), which this
+  per-GPU figure makes optimistic.  Between nodes 400 Gb/s per GPU, 50 GB/s: Azure's
+  ND MI300X v5 (8 MI300X, "InfiniBand: ... 8x400 Gigabit NDR"; Microsoft's
+  ``nd-mi300x-v5-series`` size page).
+* MI325X (``mi325x``): AMD Instinct MI325X data sheet: compute and Infinity Fabric as
+  MI300X (the same CDNA 3 die), 256 GB HBM3E at 6 TB/s.
+* MI355X (``mi355x``): AMD Instinct MI355X data sheet: peak FP32 vector 157.3 TFLOP/s,
+  BF16/FP16 matrix 2.5 PFLOP/s dense (5.0 with sparsity), 288 GB HBM3E at 8 TB/s;
+  7 Infinity Fabric links of 153.6 GB/s (76.8 GB/s each way), 537.6 GB/s each way per
+  GPU with MI300X's caveat; between nodes 400 Gb/s per GPU as MI300X's platforms (AMD
+  pairs each MI355X with a 400 Gb/s Pensando Pollara 400 NIC), 50 GB/s.
+* L40S (``l40s``): NVIDIA L40S datasheet: FP32 91.6 TFLOP/s, BF16/FP16 tensor core
+  362.05 TFLOP/s dense (733 with sparsity), 48 GB GDDR6 at 864 GB/s, no NVLink: PCIe
+  Gen4 x16, 64 GB/s both ways, 32 GB/s each way between GPUs of a node.  Between nodes
+  NVIDIA's Enterprise Reference Architecture for PCIe servers ("2-8-5": 2 CPUs, 8 GPUs,
+  4 east-west 400 Gb/s adapters and 1 north-south) gives a 400 Gb/s port per 2 GPUs,
+  25 GB/s per GPU.
+
+None of these is calibrated: no published bf16 run in ``tools/published`` ran on them, so
+they carry no efficiencies (the bare roofline, every op at its datasheet peak, which is
+optimistic: compare H100's fitted 0.54 of the peak for matmuls) and every report says so.
+Hopper's or Ampere's shares are not copied onto them: another die, other kernels.
+
 FP32 uses the non-tensor-core peak because PyTorch leaves TF32 matmuls off by
 default (``torch.backends.cuda.matmul.allow_tf32 = False``).  BF16 (and FP16) is
 the dense tensor-core peak: A100 312, H100 SXM 989, H200 989 TFLOP/s (the
@@ -161,6 +213,14 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100-500w": _gpu("h100-500w", 67e12 * H100_500W_PEAK_SHARE, 989e12 * H100_500W_PEAK_SHARE, 2.4e12, 96,
                       450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
     "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
+    # Uncalibrated (no published run): the bare datasheet roofline, efficiency=() and calibrated_by=().
+    "b200": _gpu("b200", 75e12, 2.25e15, 7.7e12, 180, 900e9, 50e9),  # NVLink 5, ConnectX-7 400 Gb/s
+    "gb200": _gpu("gb200", 80e12, 2.5e15, 8e12, 186, 900e9, 50e9),  # NVL72's GPU, ConnectX-7 400 Gb/s
+    "b300": _gpu("b300", 75e12, 2.25e15, 7.7e12, 270, 900e9, 100e9),  # ConnectX-8 800 Gb/s
+    "mi300x": _gpu("mi300x", 163.4e12, 1307.4e12, 5.3e12, 192, 448e9, 50e9),  # 7 x 64 GB/s Infinity Fabric
+    "mi325x": _gpu("mi325x", 163.4e12, 1307.4e12, 6e12, 256, 448e9, 50e9),
+    "mi355x": _gpu("mi355x", 157.3e12, 2.5e15, 8e12, 288, 537.6e9, 50e9),  # 7 x 76.8 GB/s Infinity Fabric
+    "l40s": _gpu("l40s", 91.6e12, 362.05e12, 0.864e12, 48, 32e9, 25e9),  # PCIe Gen4 x16, no NVLink
     # CPU ranks talking over gloo/loopback on this 2-core machine.
     "cpu": DeviceSpec(
         name="cpu",
@@ -178,8 +238,8 @@ DEVICES: dict[str, DeviceSpec] = {
 
 
 def device_spec(name: str) -> DeviceSpec:
-    """A device by name (``a100``, ``a100-40gb``, ``a100-opa``, ``h100``, ``h100-500w``, ``h200``, ``cpu``), or
-    read from a JSON/TOML file.
+    """A device by name (a key of :data:`DEVICES`: ``a100``, ``h100``, ``h200``, ``b200``, ``mi300x``, ``l40s``,
+    ``cpu``, ...), or read from a JSON/TOML file.
 
     A name ending in ``.json`` or ``.toml`` (or naming a file) is a user's own
     device: :func:`load_device`.
