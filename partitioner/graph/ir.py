@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ __all__ = [
     "dtype_name",
     "graph_fingerprint",
     "layer_of",
+    "layer_runs",
     "module_path",
     "node_parameters",
     "tensor_nbytes",
@@ -169,3 +170,22 @@ def tensor_nbytes(shape: Sequence[int], dtype: str) -> int:
     (32, 2)
     """
     return math.prod(shape) * dtype_itemsize(dtype)
+
+
+def layer_runs(graph_nodes: Iterable[Any]) -> list[tuple[str, ...]]:
+    """The call nodes among ``graph_nodes`` (fx nodes, graph order) in layer runs: how the runtime
+    recomputes a stage graph (``runtime.execute.recompute.block_nodes``) and how the planner prices it.
+
+    A run is consecutive nodes of one layer (:func:`layer_of`), root-level glue joining the run
+    before it (or the first run, when it leads).
+    """
+    nodes = [n for n in graph_nodes if n.op in ("call_function", "call_method", "call_module")]
+    keys = [layer_of(module_path(n)) for n in nodes]
+    current = next((k for k in keys if k), "")
+    runs: list[tuple[str, list[str]]] = []
+    for node, key in zip(nodes, keys, strict=True):
+        current = key or current
+        if not runs or runs[-1][0] != current:
+            runs.append((current, []))
+        runs[-1][1].append(node.name)
+    return [tuple(names) for _, names in runs]

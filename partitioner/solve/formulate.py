@@ -79,7 +79,7 @@ from partitioner.graph.ir import (
     VALUE_KEY,
     ValueInfo,
     layer_of,
-    module_path,
+    layer_runs,
     node_parameters,
 )
 from partitioner.solve.problem import PartitionProblem
@@ -692,25 +692,6 @@ def zero3_costs(
 def _layer_runs(gm: Any) -> list[tuple[str, ...]]:
     """The graph's compute nodes in layer runs, as ``runtime.execute.recompute.block_nodes`` groups a stage."""
     return layer_runs(gm.graph.nodes)
-
-
-def layer_runs(graph_nodes: Iterable[Any]) -> list[tuple[str, ...]]:
-    """The call nodes among ``graph_nodes`` (fx nodes, graph order) in layer runs, as
-    ``runtime.execute.recompute.block_nodes`` groups a stage graph.
-
-    A run is consecutive nodes of one layer (:func:`~partitioner.graph.ir.layer_of`), root-level
-    glue joining the run before it (or the first run, when it leads).
-    """
-    nodes = [n for n in graph_nodes if n.op in ("call_function", "call_method", "call_module")]
-    keys = [layer_of(module_path(n)) for n in nodes]
-    current = next((k for k in keys if k), "")
-    runs: list[tuple[str, list[str]]] = []
-    for node, key in zip(nodes, keys, strict=True):
-        current = key or current
-        if not runs or runs[-1][0] != current:
-            runs.append((current, []))
-        runs[-1][1].append(node.name)
-    return [tuple(names) for _, names in runs]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,7 +87,7 @@ from torch.utils.checkpoint import (
 )
 
 from partitioner.errors import InternalError, PlanMismatchError
-from partitioner.graph.ir import layer_of, module_path
+from partitioner.graph.ir import layer_runs
 from runtime.execute.meetings import inputs_written_in_place, writes_in_place, written_state
 from runtime.execute.stack import StageStack
 
@@ -250,17 +250,9 @@ def _preserving(state: Sequence[torch.Tensor]) -> tuple[Any, Any]:
 
 
 def block_nodes(gm: fx.GraphModule) -> list[tuple[str, ...]]:
-    """The compute nodes of ``gm`` in blocks, graph order: runs of one layer, root glue joining the run before it."""
-    nodes = [n for n in gm.graph.nodes if n.op in _CALLS]
-    keys = [layer_of(module_path(n)) for n in nodes]
-    current = next((k for k in keys if k), "")
-    runs: list[tuple[str, list[str]]] = []
-    for node, key in zip(nodes, keys):
-        current = key or current
-        if not runs or runs[-1][0] != current:
-            runs.append((current, []))
-        runs[-1][1].append(node.name)
-    return [tuple(names) for _, names in runs]
+    """The compute nodes of ``gm`` in blocks, graph order: runs of one layer, root glue joining the run before it
+    (:func:`partitioner.graph.ir.layer_runs`, the rule the planner prices)."""
+    return layer_runs(gm.graph.nodes)
 
 
 @dataclasses.dataclass(frozen=True)
