@@ -60,12 +60,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.errors import AutopartitionError
 from partitioner.export.blocks import BlockSplit, layer_index, split_blocks
+from partitioner.export.shell import shell_lines
 from partitioner.export.torchtitan import recompute_summary, seq_len, shard_layout
 from partitioner.plan import Plan
 from partitioner.units import format_count, plural
@@ -375,24 +375,11 @@ def _header(plan: Plan, out: MegatronExport, *, source: str) -> tuple[str, ...]:
          f"{MEGATRON_CORE_VERSION}'s config classes."),
         "",
         "Megatron-LM: these arguments, with your model, data and optimizer arguments, on every node:",
-        *_argument_lines(out.command),
+        *shell_lines(out.command, launcher=out.command.index("pretrain_gpt.py") + 1),
         "",
         "Megatron-Bridge: this file is a recipe override (ConfigContainer sections) with the same settings.",
     ]
     return tuple(lines)
-
-
-def _argument_lines(command: Sequence[str]) -> list[str]:
-    """Shell lines: the launcher, then one argument (with its values) each, continued with backslashes."""
-    launcher = command.index("pretrain_gpt.py") + 1
-    groups: list[list[str]] = [list(command[:launcher])]
-    for word in command[launcher:]:
-        if word.startswith("--"):
-            groups.append([word])
-        else:
-            groups[-1].append(word)
-    lines = [("  " if i == 0 else "      ") + shlex.join(group) for i, group in enumerate(groups)]
-    return [line + " \\" for line in lines[:-1]] + lines[-1:]
 
 
 def _yaml_value(value: Any) -> str:

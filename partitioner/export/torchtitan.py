@@ -67,12 +67,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.errors import AutopartitionError, InternalError
 from partitioner.export.blocks import BlockSplit, layer_index, split_blocks
+from partitioner.export.shell import shell_lines
 from partitioner.orders import stage_ranks
 from partitioner.plan import Plan, StagePlan
 from partitioner.units import format_count, plural
@@ -508,22 +508,15 @@ def _header(plan: Plan, out: TorchtitanExport, *, source: str, style: str) -> tu
         "",
         "torchtitan 0.3 reads no TOML: run this on every node (add your rendezvous options); the sections below",
         "hold the same settings:",
-        *_flag_lines(out.command),
+        *shell_lines(out.command, launcher=_launcher_words(out.command),
+                     starts_option=lambda word: word.startswith("--") or ":" in word),
     ]
     return tuple(lines)
 
 
-def _flag_lines(command: Sequence[str]) -> list[str]:
-    """Shell lines: the launcher, then one option (with its values) each, continued with backslashes."""
-    launcher = command.index("torchtitan.train") + 1 if "torchtitan.train" in command else 0
-    groups: list[list[str]] = [list(command[:launcher])] if launcher else []
-    for word in command[launcher:]:
-        if word.startswith("--") or ":" in word or not groups:
-            groups.append([word])
-        else:
-            groups[-1].append(word)
-    lines = [("  " if i == 0 else "      ") + shlex.join(group) for i, group in enumerate(groups)]
-    return [line + " \\" for line in lines[:-1]] + lines[-1:]
+def _launcher_words(command: Sequence[str]) -> int:
+    """How many words of ``command`` launch torchtitan (through ``-m torchtitan.train``); 0 where none do."""
+    return command.index("torchtitan.train") + 1 if "torchtitan.train" in command else 0
 
 
 def _toml_value(value: Any) -> str:
