@@ -41,7 +41,7 @@ import linecache
 import os
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import fx
@@ -49,6 +49,9 @@ from torch.utils import _pytree as pytree
 
 from partitioner.errors import CaptureError
 from partitioner.graph.ir import KIND_KEY, NodeKind
+
+if TYPE_CHECKING:
+    from partitioner.graph.experts import ExpertLayer
 
 __all__ = ["CallSpec", "CaptureMethod", "CapturedModel", "buffers_written", "capture", "model_loss", "split_call",
            "written_state_nodes"]
@@ -292,6 +295,9 @@ class CapturedModel:
     output_spec: pytree.TreeSpec
     parameter_names: dict[str, str]
     call: CallSpec = dataclasses.field(default_factory=lambda: CallSpec.positional_of(0))
+    # Mixture-of-experts layers (graph/experts.py, filled in after value propagation), and why a router's were not.
+    experts: tuple[ExpertLayer, ...] = ()
+    expert_notes: tuple[str, ...] = ()
 
     def nodes(self) -> dict[str, fx.Node]:
         return {n.name: n for n in self.graph_module.graph.nodes}

@@ -68,6 +68,7 @@ from partitioner.cost.splitcost import split_overhead
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
 from partitioner.errors import AutopartitionError, CaptureError, InfeasibleError, ScheduleError
 from partitioner.graph.capture import CallSpec, CapturedModel, CaptureMethod, capture
+from partitioner.graph.experts import find_experts
 from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, layer_of, module_path
 from partitioner.graph.tensorparallel import find_tensor_parallel
 from partitioner.graph.values import propagate_values
@@ -239,6 +240,8 @@ def compile(
     found = _costs(captured, micro, loss_fn, target, measure=measure, device=local, progress=progress,
                    weight_share=_may_split(schedule), remeasure=remeasure, say=say)
     costs = found.costs
+    experts = find_experts(model, captured)  # after value propagation: it reads the shapes
+    captured = dataclasses.replace(captured, experts=experts.layers, expert_notes=experts.notes)
     times = node_times(costs, spec, precision=options.precision, measure=measure)
     blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
     if not blocks:
