@@ -42,6 +42,7 @@ from typing import Any, Union
 from partitioner.cost.precision import shard_degree, spans_nodes
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, MAX_ACTION_JITTER, SHARD_SPANS
 from partitioner.errors import PlanFormatError
+from partitioner.graph.experts import ExpertLayer
 from partitioner.graph.ir import tensor_nbytes
 from partitioner.orders import Schedule
 from partitioner.solve.blockgraph import BlockGraph
@@ -332,6 +333,11 @@ class Plan:
     # GPUs per tensor-parallel group (gpus = pp x dp x tp); with tp > 1 each entry of a stage's ``ranks`` is a
     # group: global ranks ``g x tp .. g x tp + tp - 1``, inside one node (runtime.parallel.tensorparallel).
     tp: int = dataclasses.field(default=1, metadata={ADDED_IN_VERSION: 3})
+    # Expert parallelism (issue 32): each stage group's ``dp`` replicas form groups of ``ep`` consecutive
+    # replicas (``ranks[g*ep:(g+1)*ep]``); each member holds ``experts/ep`` of every layer in ``experts`` and
+    # tokens travel to their expert's member and back. Expert gradients reduce over ``ranks[j::ep]``.
+    ep: int = dataclasses.field(default=1, metadata={ADDED_IN_VERSION: 3})
+    experts: tuple[ExpertLayer, ...] = dataclasses.field(default=(), metadata={ADDED_IN_VERSION: 3})
 
     @property
     def group_gpus_per_node(self) -> int | None:
@@ -689,6 +695,23 @@ def _check_boundaries(plan: Plan) -> None:
     for t in plan.tied:
         if any(not 0 <= s < n for s in t.stages):
             raise ValueError(f"plan.tied ({t.name}) names stages {list(t.stages)}; the plan has {n}")
+    _check_experts(plan)
+
+
+def _check_experts(plan: Plan) -> None:
+    """``ep`` divides the replicas and every layer's experts; layouts are known."""
+    from partitioner.graph.experts import EXPERT_LAYOUTS
+
+    if plan.ep < 1 or plan.dp % plan.ep:
+        raise ValueError(f"plan.ep is {plan.ep}; it must divide plan.dp ({plan.dp})")
+    if plan.ep > 1 and not plan.experts:
+        raise ValueError(f"plan.ep is {plan.ep} but plan.experts lists no experts layer")
+    for layer in plan.experts:
+        if layer.layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"plan.experts ({layer.module}) has layout {layer.layout!r}, expected one of "
+                             f"{list(EXPERT_LAYOUTS)}")
+        if layer.experts % plan.ep:
+            raise ValueError(f"plan.experts ({layer.module}) has {layer.experts} experts; ep {plan.ep} must divide them")
 
 
 def _described(b: Boundary | None) -> str:

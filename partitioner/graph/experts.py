@@ -29,20 +29,22 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
-
-import torch
-from torch import fx
 
 from partitioner.graph.ir import KIND_KEY, VALUE_KEY, module_path
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # plan.py reads ExpertLayer without importing torch
+    import torch
+    from torch import fx
+
     from partitioner.graph.capture import CapturedModel
 
-__all__ = ["ExpertLayer", "ExpertsFound", "find_experts"]
+__all__ = ["EXPERT_LAYOUTS", "ExpertLayer", "ExpertsFound", "find_experts"]
 
 ExpertLayout = Literal["stacked", "list"]
+EXPERT_LAYOUTS: tuple[ExpertLayout, ...] = ("stacked", "list")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,7 @@ class ExpertLayer:
     top_k: int
     hidden: int
     tokens_per_batch: int
-    layout: ExpertLayout
+    layout: str  # one of EXPERT_LAYOUTS
     parameters: tuple[str, ...]
     nodes: tuple[str, ...]
     tokens: str
@@ -71,9 +73,9 @@ class ExpertLayer:
     weights: str
     output: str
 
-    def expert_parameter_count(self, shapes: Mapping[str, torch.Size]) -> int:
+    def expert_parameter_count(self, shapes: Mapping[str, Sequence[int]]) -> int:
         """Elements of one expert's parameters (all experts are alike)."""
-        return sum(int(torch.Size(shapes[name]).numel()) for name in self.parameters) // self.experts
+        return sum(math.prod(shapes[name]) for name in self.parameters) // self.experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,8 @@ def find_experts(model: torch.nn.Module, captured: CapturedModel) -> ExpertsFoun
 
 def _expert_layout(module: torch.nn.Module) -> ExpertLayout | None:
     """``"stacked"`` when every parameter's dim 0 is one expert count >= 2, ``"list"`` for a ModuleList of alike experts."""
+    import torch
+
     params = list(module.named_parameters())
     if not params:
         return None
@@ -172,6 +176,8 @@ def _layer(captured: CapturedModel, name: str, module: torch.nn.Module, layout: 
             if arg not in inside and arg.meta.get(KIND_KEY) not in ("parameter", "buffer") and arg not in feeds:
                 feeds.append(arg)
     leaving = [n for n in nodes if any(u not in inside for u in n.users)]
+    import torch
+
     cls = type(module).__name__
     if len(leaving) != 1:
         return f"{name} ({cls}): {len(leaving)} of its values are read outside it, not one; planned dense."
@@ -208,6 +214,8 @@ def _layer(captured: CapturedModel, name: str, module: torch.nn.Module, layout: 
 
 def _tensor(node: fx.Node) -> tuple[tuple[int, ...], bool] | None:
     """``(shape, is floating point)`` of a node's tensor: from value propagation, else export's ``val``."""
+    import torch
+
     info = node.meta.get(VALUE_KEY)
     if info is not None:
         return (tuple(info.shape), info.dtype.startswith(("float", "bfloat"))) if info.kind == "tensor" else None
