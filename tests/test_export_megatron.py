@@ -53,13 +53,6 @@ from partitioner.plan import Plan, example_plan
 TINY = types.SimpleNamespace(hidden=64, ffn=176, heads=4, kv_heads=2)  # examples/llama.py's llama_tiny
 
 
-@dataclasses.dataclass(frozen=True)
-class _ExpertPlan(Plan):
-    """A plan with the coming ``ep`` field (expert-parallel degree), read with getattr by the export."""
-
-    ep: int = 1
-
-
 def _export(plan: Plan) -> MegatronExport:
     return export_megatron(plan, sizes=TINY_SIZES)
 
@@ -156,9 +149,8 @@ def test_tensor_sequence_and_expert_parallelism() -> None:
     plan = _llama_plan(pp=2, dp=2, tp=2, cuts=_whole_layer_cuts(2))
     model = _export(plan).bridge["model"]
     assert (model["tensor_model_parallel_size"], model["sequence_parallel"]) == (2, True)
-    assert "expert_model_parallel_size" not in model  # plans have no ep yet: nothing written
-    expert = _ExpertPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)}, ep=2)
-    out = _export(expert)
+    assert "expert_model_parallel_size" not in model  # ep 1: nothing written
+    out = _export(dataclasses.replace(plan, ep=2))
     assert out.bridge["model"]["expert_model_parallel_size"] == 2
     assert out.arguments[out.arguments.index("--expert-model-parallel-size") + 1] == "2"
 
