@@ -48,6 +48,7 @@ from partitioner.export.megatron import (
     megatron_arguments,
     pipeline_layout,
 )
+from partitioner.graph.experts import ExpertLayer
 from partitioner.plan import Plan, example_plan
 
 TINY = types.SimpleNamespace(hidden=64, ffn=176, heads=4, kv_heads=2)  # examples/llama.py's llama_tiny
@@ -149,10 +150,34 @@ def test_tensor_sequence_and_expert_parallelism() -> None:
     plan = _llama_plan(pp=2, dp=2, tp=2, cuts=_whole_layer_cuts(2))
     model = _export(plan).bridge["model"]
     assert (model["tensor_model_parallel_size"], model["sequence_parallel"]) == (2, True)
-    assert "expert_model_parallel_size" not in model  # ep 1: nothing written
-    out = _export(dataclasses.replace(plan, ep=2))
-    assert out.bridge["model"]["expert_model_parallel_size"] == 2
-    assert out.arguments[out.arguments.index("--expert-model-parallel-size") + 1] == "2"
+    assert "expert_model_parallel_size" not in model and "num_moe_experts" not in model  # no experts
+    out = _export(dataclasses.replace(plan, ep=2, experts=_experts_layers(1, 2, 3)))
+    model = out.bridge["model"]
+    assert (model["num_moe_experts"], model["moe_router_topk"]) == (4, 2)
+    assert model["moe_layer_freq"] == [0, 1, 1, 1]  # layer 0 dense, as DeepSeek-V3's first three
+    assert (model["expert_model_parallel_size"], model["expert_tensor_parallel_size"]) == (2, 1)
+    arguments = _parse_arguments(out.arguments)
+    assert arguments["--num-experts"] == ["4"] and arguments["--moe-layer-freq"] == ["[0,1,1,1]"]
+    assert arguments["--expert-model-parallel-size"] == ["2"]
+    every = _export(dataclasses.replace(plan, experts=_experts_layers(0, 1, 2, 3))).bridge["model"]
+    assert "moe_layer_freq" not in every and "expert_model_parallel_size" not in every  # ep 1: Megatron's default
+
+
+def test_megatron_core_accepts_the_experts_settings(core: types.SimpleNamespace) -> None:
+    plan = dataclasses.replace(_llama_plan(pp=2, dp=2, tp=2, cuts=_whole_layer_cuts(2)), ep=2,
+                               experts=_experts_layers(1, 2, 3))
+    config = _transformer_config(core, _export(plan), TINY)
+    assert (config.num_moe_experts, config.moe_router_topk, config.expert_model_parallel_size) == (4, 2, 2)
+    assert config.moe_layer_freq == [0, 1, 1, 1] and config.expert_tensor_parallel_size == 1
+
+
+def _experts_layers(*layers: int) -> tuple[ExpertLayer, ...]:
+    """Experts layers (4 experts, top-2, stacked) in the given decoder layers of the tiny Llama."""
+    return tuple(ExpertLayer(
+        module=f"model.layers.{i}.mlp.experts", module_class="Experts", experts=4, top_k=2, hidden=TINY.hidden,
+        tokens_per_batch=64, layout="stacked", parameters=(f"model.layers.{i}.mlp.experts.gate_up_proj",),
+        nodes=(f"experts_{i}",), tokens=f"tokens_{i}", index=f"index_{i}", weights=f"weights_{i}",
+        output=f"experts_{i}") for i in layers)
 
 
 @pytest.mark.parametrize(("precision", "mixed", "note"), [

@@ -760,3 +760,24 @@ def _replace(out: TorchtitanExport, section: str, **values: Any) -> TorchtitanEx
     """``out`` with some settings changed, its header's command too."""
     changed = dataclasses.replace(out, sections={**out.sections, section: {**out.sections[section], **values}})
     return dataclasses.replace(changed, header=("run this on every node", "", f"  {shlex.join(changed.command)}"))
+
+
+@pytest.mark.parametrize(("shard", "tp", "degrees", "note"), [
+    ("none", 1, (2, 2), "dp_shard x tp = efsdp x ep"),  # replicas only: the dense parts sharded over the ep ranks
+    ("full", 1, (1, 4), None),  # ep inside the 4 shards: torchtitan's own layout
+    ("none", 2, (4, 1), None),  # ep borrows the tensor-parallel ranks
+])
+def test_expert_parallelism_fits_torchtitan_s_mesh(titan: types.SimpleNamespace, shard: str, tp: int,
+                                                   degrees: tuple[int, int], note: str | None) -> None:
+    from test_export_megatron import _experts_layers
+
+    plan = _llama_plan(pp=2, dp=4, tp=tp, cuts=_whole_layer_cuts(2), shard=shard, batch_size=32)
+    plan = dataclasses.replace(plan, ep=2, experts=_experts_layers(1, 2, 3))
+    out = export_torchtitan(plan, sizes=TINY_SIZES)
+    par = out.sections["parallelism"]
+    assert par["expert_parallel_degree"] == 2
+    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == degrees
+    assert (note is None) == (not [n for n in out.notes if "efsdp" in n]), out.notes
+    assert note is None or [n for n in out.notes if note in n]
+    dims = titan.dims.ParallelDims.from_config(_parse(titan, out.command).parallelism, plan.gpus)  # its checks run
+    assert dims.ep == 2 and dims.dp_replicate * dims.dp_shard * dims.pp * dims.tp == plan.gpus

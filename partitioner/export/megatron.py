@@ -22,8 +22,13 @@ The rest (each departure a note naming the nearest setting):
 * **Batch.** ``--micro-batch-size`` and ``--global-batch-size``: Megatron runs
   ``global / (micro x dp)`` micro-batches, the plan's.  ``--seq-length``.
 * **Tensor, sequence and expert parallelism.** ``--tensor-model-parallel-size``
-  with ``--sequence-parallel`` (as priced); ``--expert-model-parallel-size`` where
-  the plan has ``ep > 1``.
+  with ``--sequence-parallel`` (as priced).  A model with experts layers
+  (``plan.experts``) gets ``--num-experts`` and ``--moe-router-topk``, and
+  ``--moe-layer-freq`` where only some layers have experts (DeepSeek-V3's first
+  three are dense); ``ep > 1`` gets ``--expert-model-parallel-size`` (Megatron, like
+  us, forms expert groups from the data-parallel ranks) with
+  ``--expert-tensor-parallel-size 1`` when ``tp > 1`` (our experts are whole on every
+  rank of a tensor-parallel group, Megatron's default would split them).
 * **Replicas.** shard ``optimizer`` (ZeRO-1) -> ``--use-distributed-optimizer``;
   ``full`` kept gathered through the step -> the same (its peak and traffic are
   ZeRO-1's); ZeRO-3 (``reshard_after_forward``) -> Megatron-FSDP
@@ -64,7 +69,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partitioner.errors import AutopartitionError
-from partitioner.export.blocks import BlockSplit, layer_index, split_blocks
+from partitioner.export.blocks import BlockSplit, block_of, layer_index, split_blocks
 from partitioner.export.shell import shell_lines
 from partitioner.export.torchtitan import recompute_summary, seq_len, shard_layout
 from partitioner.plan import Plan
@@ -133,10 +138,8 @@ def export_megatron(plan: Plan, *, sizes: Mapping[str, int] | None = None, sourc
     }
     if plan.tp > 1:
         model["sequence_parallel"] = True  # as priced: boundaries and norms split over the tensor-parallel group
-    ep = int(getattr(plan, "ep", 1) or 1)
-    if ep > 1:
-        model["expert_model_parallel_size"] = ep
     model["num_layers"] = sum(layers)
+    model |= _experts(plan, sum(layers), notes)
     model |= _pipeline(plan, layers, notes)
     length = seq_len(plan)
     if length is not None:
@@ -251,6 +254,37 @@ def _pipeline(plan: Plan, layers: list[int], notes: list[str]) -> dict[str, Any]
     return fields
 
 
+def _experts(plan: Plan, num_layers: int, notes: list[str]) -> dict[str, Any]:
+    """num_moe_experts, moe_router_topk, moe_layer_freq and the expert-parallel sizes of ``plan.experts``."""
+    if not plan.experts:
+        return {}
+    experts = max(layer.experts for layer in plan.experts)
+    top_k = max(layer.top_k for layer in plan.experts)
+    if len({(layer.experts, layer.top_k) for layer in plan.experts}) > 1:
+        notes.append(f"the plan's experts layers differ in experts or top-k; Megatron has one setting for all: "
+                     f"written are the largest, {experts} experts, top-{top_k}.")
+    out: dict[str, Any] = {"num_moe_experts": experts, "moe_router_topk": top_k}
+    notes.append("experts: --moe-ffn-hidden-size, the router's score function and shared experts are the model's "
+                 "and are not written; set them as your model has them (Megatron's defaults: the dense FFN size, "
+                 "softmax, none).")
+    moe = {layer_index(_block_of_module(layer.module)) for layer in plan.experts}
+    if None in moe:
+        notes.append("an experts layer outside the numbered layers: --moe-layer-freq cannot place it; written for "
+                     "every layer.")
+    elif len(moe) < num_layers:
+        out["moe_layer_freq"] = [int(i in moe) for i in range(num_layers)]
+    if plan.ep > 1:
+        out["expert_model_parallel_size"] = plan.ep
+        if plan.tp > 1:
+            out["expert_tensor_parallel_size"] = 1
+    return out
+
+
+def _block_of_module(module: str) -> str:
+    """The numbered block a module path belongs to (``model.layers.3.mlp.experts`` -> ``model.layers.3``)."""
+    return block_of(module + ".weight")
+
+
 def _recompute(plan: Plan, layers: list[int], notes: list[str]) -> dict[str, Any]:
     """TransformerConfig's recompute fields: the nearest that never keeps more than the plan does."""
     modes = {s.recompute for s in plan.stages}
@@ -328,6 +362,7 @@ _ARGUMENT_NAMES = {
     "num_layers_in_last_pipeline_stage": "--decoder-last-pipeline-num-layers",
     "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
     "seq_length": "--seq-length",
+    "num_moe_experts": "--num-experts",
 }
 _NOT_ARGUMENTS = {("dataset", "sequence_length"), ("optimizer", "use_distributed_optimizer"), ("dist", "use_megatron_fsdp")}
 
@@ -352,6 +387,8 @@ def megatron_arguments(bridge: Mapping[str, Any]) -> list[str]:
             name = _ARGUMENT_NAMES.get(key, "--" + key.replace("_", "-"))
             if value is True:
                 arguments.append(name)
+            elif key == "moe_layer_freq":  # one argument, a Python list Megatron-LM evaluates
+                arguments += [name, "[" + ",".join(map(str, value)) + "]"]
             elif isinstance(value, list):
                 arguments += [name, *map(str, value)]
             else:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -201,9 +202,7 @@ def export_torchtitan(plan: Plan, *, names: str = "auto", sizes: Mapping[str, in
     parallelism["tensor_parallel_degree"] = tp  # torchtitan's TP is Megatron's pairs, as we price them
     if tp > 1:
         parallelism["enable_sequence_parallel"] = True  # as priced: boundaries and norms split over the group
-    ep = int(getattr(plan, "ep", 1) or 1)
-    if ep > 1:
-        parallelism["expert_parallel_degree"] = ep
+    parallelism |= _expert_parallel(plan, parallelism, notes)
     training: dict[str, Any] = {
         # pp > 1: one step of batch / dp, cut into the plan's micro-batches; pp = 1: torchtitan accumulates
         # gradients over global / (local x dp) steps of one micro-batch each.
@@ -452,6 +451,33 @@ def _data_parallel(plan: Plan, notes: list[str]) -> dict[str, Any]:
             "gradients per micro-batch (more traffic than the plan's once per step).")
     return {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
             "fsdp_reshard_after_forward": policy}
+
+
+def _expert_parallel(plan: Plan, parallelism: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+    """expert_parallel_degree, and the data-parallel degrees torchtitan's mesh needs for it.
+
+    torchtitan forms expert groups inside the sharded and tensor-parallel ranks only
+    (``ParallelDims``: ``dp_shard x cp x tp = efsdp x ep``; replicas are outside), where
+    ours are ``ep`` consecutive data-parallel replicas, sharded or not.  Where ``ep`` does
+    not divide ``dp_shard x tp`` the nearest torchtitan layout shards the dense parts over
+    more replicas (never more memory, more traffic), said in a note.
+    """
+    if plan.ep == 1:
+        return {}
+    out: dict[str, Any] = {"expert_parallel_degree": plan.ep}
+    replicate = int(parallelism["data_parallel_replicate_degree"])
+    shard = int(parallelism["data_parallel_shard_degree"])
+    need = plan.ep // math.gcd(plan.ep, shard * plan.tp)
+    if need > 1:
+        out |= {"data_parallel_replicate_degree": replicate // need, "data_parallel_shard_degree": shard * need}
+        if shard == 1:
+            out["fsdp_reshard_after_forward"] = "never"
+        notes.append(
+            f"ep {plan.ep} over {replicate} replicated x {shard} sharded data-parallel ranks: torchtitan forms expert "
+            f"groups from sharded and tensor-parallel ranks only (dp_shard x tp = efsdp x ep); nearest is "
+            f"data_parallel_shard_degree {shard * need} (the dense parts sharded over {need}x more ranks: never more "
+            "memory, more traffic than the plan's).")
+    return out
 
 
 def _checkpointing(plan: Plan, notes: list[str]) -> str:
