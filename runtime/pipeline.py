@@ -59,6 +59,7 @@ from runtime.execute.stage import build_local_stages
 from runtime.execute.wire import group_rank
 from runtime.launch.failure import reports_failures
 from runtime.parallel.clip import clip_gradients
+from runtime.parallel.experts import ExpertsLayer, apply_experts, expert_parallel_refusal
 from runtime.parallel.parallelize import (
     ReplicaLayer,
     ShardingLayer,
@@ -194,6 +195,7 @@ class Pipeline:
         # self.plan stays the plan as given (as saved, and as recapture checks it); the stack runs it at precision.
         stack = at_precision(stack, bf16_parameters=bf16_gathered_parameters(plan))  # FSDP2's bf16 copies
         stack = apply_groups(stack)  # collective: replica and tied-copy groups, tensor-parallel and FSDP2 meshes
+        stack = apply_experts(stack, model)  # ep > 1 (collective): each stage's experts layers hold this member's slice
         stack = tie_parameters(stack)  # a weight two stages of this rank use: one Parameter
         stack = values_on_device(stack)
         stack = sync_tied_copies(stack)  # a tied weight's copies on other ranks: equal now, gradients summed
@@ -220,6 +222,9 @@ class Pipeline:
             raise AutopartitionError(refusal)
         self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
         check_shard_plan(plan)  # a shard mode the runtime cannot run: refused on every rank alike
+        refusal = expert_parallel_refusal(plan, engine=self.engine)
+        if refusal is not None:
+            raise AutopartitionError(refusal)
         if self.engine == "torch":
             refusal = torch_engine_refusal(plan, trace=self.trace)
         if refusal is not None:
@@ -396,6 +401,11 @@ class Pipeline:
         scales its gradients (all copies and replicas) by the same factor.  Call it
         on every rank, after step() and before the optimizer step.
         """
+        if self.plan.ep > 1:
+            raise AutopartitionError(
+                f"clip_grad_norm_ does not count expert-parallel gradients yet (the plan has ep {self.plan.ep}): "
+                "clip with ep 1, or train without clipping."
+            )
         return clip_gradients(
             self.plan, [(local.plan.index, local.module) for local in self._stages], replica=self.replica,
             # Shards count once: HSDP's other nodes hold copies of the first node's shards.
@@ -414,6 +424,7 @@ class Pipeline:
         own: dict[str, torch.Tensor] = {}
         for local in self._stages:
             own.update({k: plain_tensor(v) for k, v in local.module.state_dict().items()})
+        own = self.whole_experts(own)  # ep > 1: each expert slice gathered over the EP group
         state = {k: v for k, v in own.items() if k in self._state_keys}
         for name, aliases in self._aliases().items():
             for alias in aliases:
@@ -421,8 +432,23 @@ class Pipeline:
                     state.setdefault(alias, own[name])
         return state
 
+    def whole_experts(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``values`` (this rank's, original names) with each expert slice replaced by the whole tensor.
+
+        Without expert parallelism ``values`` as they are; with it a collective over this rank's EP
+        group (every member calls it with the same kinds of entries: parameters, or gradients).
+        """
+        layer = self._experts_layer()
+        return dict(values) if layer is None else layer.gather(values)
+
+    def _experts_layer(self) -> ExpertsLayer | None:
+        return next((layer for layer in self._stack.layers if isinstance(layer, ExpertsLayer)), None)
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load this stage's entries from a full (unpartitioned) state dict."""
+        experts = self._experts_layer()
+        if experts is not None:  # whole experts -> this member's slice
+            state = experts.local(state)
         aliases = self._aliases()
         missing: list[str] = []
         loads: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
@@ -481,7 +507,8 @@ class Pipeline:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every stage's state gathered on rank 0 (replica 0 of each stage), in the original names."""
-        state = self.state_dict() if self.replica == 0 or self._sharding.sharded is not None else {}  # gathers shards
+        gathers = self._sharding.sharded is not None or self.plan.ep > 1  # every replica takes part
+        state = self.state_dict() if self.replica == 0 or gathers else {}  # gathers shards
         local = {k: v.detach().cpu() for k, v in state.items()} if self.replica == 0 else {}
         gathered: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
         dist.gather_object(local, gathered if self.rank == 0 else None, dst=0)

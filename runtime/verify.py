@@ -688,12 +688,14 @@ def _train_rank(
     # A rank whose stages hold no parameter (a stage of shape ops only) has nothing to step.
     # pipe.optimizer: under shard "optimizer" its state is split over the replicas (ZeRO-1), as the plan says.
     opt = pipe.optimizer(torch.optim.SGD, lr=lr, momentum=0.9) if list(pipe.parameters()) else None
-    params = {n for n, _ in pipe.named_parameters()}
+    buffers = {n for m in pipe.modules for n, _ in m.named_buffers()}
 
     def snapshot() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        # plain_tensor: a fully sharded stage's DTensor gathered whole (every replica calls it, in one order).
+        # plain_tensor: a fully sharded stage's DTensor gathered whole (every replica calls it, in one order);
+        # whole_experts: an expert-parallel rank's expert slices gathered over its EP group (names as the model's).
         state = {n: plain_tensor(t).detach().clone() for m in pipe.modules for n, t in m.state_dict().items()}
-        return {n: t for n, t in state.items() if n in params}, {n: t for n, t in state.items() if n not in params}
+        state = pipe.whole_experts(state)
+        return {n: t for n, t in state.items() if n not in buffers}, {n: t for n, t in state.items() if n in buffers}
 
     record: dict[str, Any] = {"stage": pipe.stages[0], "stages": pipe.stages, "replica": plan.rank_layout()[rank][1],
                               "losses": [], "grads": [], "params": [], "buffers": []}
@@ -708,9 +710,9 @@ def _train_rank(
             loss = pipe.step(*_fresh((inputs, target)))
         if loss is not None:
             record["losses"].append(loss.item())
-        record["grads"].append(
+        record["grads"].append(pipe.whole_experts(
             {n: plain_tensor(q.grad).detach().clone() for n, q in pipe.named_parameters() if q.grad is not None}
-        )
+        ))
         if opt is not None:
             opt.step()
     p, b = snapshot()

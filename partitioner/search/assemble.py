@@ -130,6 +130,7 @@ def build_plan(
         precision=options.precision,
         optimizer=options.optimizer,
         gpus_per_node=options.gpus_per_node,
+        experts=captured.experts,  # ep stays 1 here; the runtime's expert parallelism reads the layers
     )
     return predict(_lower(assembled))
 

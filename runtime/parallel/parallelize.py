@@ -36,6 +36,7 @@ from runtime.execute.comm import Groups, make_groups
 from runtime.execute.runner import gradient_order
 from runtime.execute.stack import StackLayer, StageStack
 from runtime.execute.stage import LocalStage
+from runtime.parallel.experts import expert_parameters
 from runtime.parallel.replicate import (
     ReplicaReducer,
     broadcast_replicas,
@@ -271,20 +272,23 @@ class ReplicaLayer(StackLayer):
 
 def apply_replicas(stack: StageStack) -> StageStack:
     """What averages the replicas' gradients: FSDP2 ("full", already there), torch's engine (it replicates
-    itself), our reducer (W actions or several stages: no DDP hooks), else DDP around each runnable."""
+    itself), our reducer (W actions or several stages: no DDP hooks), else DDP around each runnable.
+    Expert-parallel parameters are left to :class:`~runtime.parallel.experts.ExpertsLayer`."""
     plan, groups = stack.plan, stack.replica_groups
     modules, reducer = stack.runnables, None
+    experts = expert_parameters(stack)  # expert parallelism's: reduced over their own groups (ExpertsLayer)
     if stack.engine == "torch" or stack.layer(ShardingLayer).sharded is not None:
         pass
     elif needs_explicit_reduce(plan):
-        broadcast_replicas(stack.held, groups)
+        broadcast_replicas(stack.held, groups, skip=experts)
         reducer = replica_reducer(
             {local.plan.index: local.module for local in stack.stages},
             gradient_order(plan.schedule_data().actions[stack.pipeline_rank]), groups,
-            bucket_cap_mb=plan.bucket_cap_mb, timeout=stack.timeout,
+            bucket_cap_mb=plan.bucket_cap_mb, timeout=stack.timeout, skip=experts,
         )
     else:
-        modules = tuple(wrap_replicas(m, groups, bucket_cap_mb=plan.bucket_cap_mb, device=stack.device)
+        modules = tuple(wrap_replicas(m, groups, bucket_cap_mb=plan.bucket_cap_mb, device=stack.device,
+                                      skip=experts)
                         for m in stack.runnables)
     ddp = {local.plan.index: m for local, m in stack.zipped(modules) if isinstance(m, DistributedDataParallel)}
     return stack.with_layer(ReplicaLayer(reducer, groups.stage, plan.dp, ddp=ddp), modules=modules)

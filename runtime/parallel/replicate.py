@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import cast
 
 import torch
@@ -76,11 +77,18 @@ def needs_explicit_reduce(plan: Plan) -> bool:
 
 
 def wrap_replicas(
-    module: torch.nn.Module, groups: Groups, *, bucket_cap_mb: float, device: torch.device
+    module: torch.nn.Module, groups: Groups, *, bucket_cap_mb: float, device: torch.device,
+    skip: AbstractSet[int] = frozenset(),
 ) -> torch.nn.Module:
-    """DDP over the stage group (identity when there is no group or nothing to train)."""
-    if groups.stage is None or not any(p.requires_grad for p in module.parameters()):
+    """DDP over the stage group (identity when there is no group or nothing to train).
+
+    ``skip``: ids of parameters DDP leaves alone (neither broadcast nor averaged: expert parallelism's).
+    """
+    if groups.stage is None or not any(p.requires_grad and id(p) not in skip for p in module.parameters()):
         return module
+    if skip:
+        ignored = [n for n, p in module.named_parameters() if id(p) in skip]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
     # Buffers are synced once at construction; re-broadcasting them every forward wastes time.
     # (torch >= 2.13 renamed the switch; it keeps the sync at construction either way.)
     no_buffer_sync = (
@@ -97,12 +105,13 @@ def wrap_replicas(
     )
 
 
-def broadcast_replicas(modules: Modules, groups: Groups) -> None:
-    """Every replica starts from the first replica's parameters and buffers (what DDP does at construction)."""
+def broadcast_replicas(modules: Modules, groups: Groups, *, skip: AbstractSet[int] = frozenset()) -> None:
+    """Every replica starts from the first replica's parameters and buffers (what DDP does at construction),
+    except the parameters in ``skip`` (ids: expert parallelism's, equal per expert-data-parallel group)."""
     if groups.stage is None:
         return
     with torch.no_grad():
-        for tensor in _unique((*(p for m in _listed(modules) for p in m.parameters()),
+        for tensor in _unique((*(p for m in _listed(modules) for p in m.parameters() if id(p) not in skip),
                                *(b for m in _listed(modules) for b in m.buffers()))):
             dist.broadcast(_local(tensor.data), src=groups.replicas[0], group=groups.stage)
 
@@ -153,13 +162,13 @@ class ReplicaReducer:
 
 def replica_reducer(
     modules: Mapping[int, torch.nn.Module], finish_order: Sequence[int], groups: Groups, *,
-    bucket_cap_mb: float, timeout: float,
+    bucket_cap_mb: float, timeout: float, skip: AbstractSet[int] = frozenset(),
 ) -> ReplicaReducer | None:
     """A reducer for this rank's stages (None without replicas).
 
     ``finish_order``: the stages in the order their gradients are complete in a
     step (:func:`runtime.execute.runner.gradient_order`); a parameter two stages share
-    goes with the later one.
+    goes with the later one.  ``skip``: ids of parameters averaged elsewhere (expert parallelism's).
     """
     if groups.stage is None:
         return None
@@ -167,7 +176,7 @@ def replica_reducer(
     claimed: set[int] = set()
     for stage in reversed(finish_order):
         for p in modules[stage].parameters():
-            if p.requires_grad and id(p) not in claimed:
+            if p.requires_grad and id(p) not in claimed and id(p) not in skip:
                 claimed.add(id(p))
                 owned.setdefault(stage, []).append(p)
     return ReplicaReducer(owned, groups.stage, dp=len(groups.replicas), bucket_cap_mb=bucket_cap_mb,
