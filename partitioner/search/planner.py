@@ -778,6 +778,8 @@ class _SizedGraphs:
             return captured, micro, _RenamedCosts(scaled, None)
         recaptured = capture(model, micro, method="export", call=captured.call)
         propagate_values(recaptured.graph_module, micro)
+        found = find_experts(model, recaptured)  # in this capture's node names, which the plan records
+        recaptured = dataclasses.replace(recaptured, experts=found.layers, expert_notes=found.notes)
         if graph_fingerprint(recaptured.graph_module) == graph_fingerprint(captured.graph_module):
             return recaptured, micro, _RenamedCosts(scaled, None)
         mapping = _map_blocks(captured.graph_module, recaptured.graph_module, scaled.blocks)
