@@ -160,7 +160,8 @@ class ExpertParallel(nn.Module):
     def _run(self, rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The model's own experts forward on the received rows, with this member's parameters."""
         template: nn.Module = self.__dict__["_template"]
-        values: dict[str, torch.Tensor] = {t: self.get_parameter(h) for t, h in self._names.items()}
+        # By attribute, not get_parameter: a split backward calls this module on plain-tensor aliases of them.
+        values: dict[str, torch.Tensor] = {t: _attr(self, h) for t, h in self._names.items()}
         values.update({n: b.to(rows.device) for n, b in template.named_buffers()})
         out = torch.func.functional_call(template, values, (rows, index, weights))
         assert isinstance(out, torch.Tensor)
@@ -363,13 +364,21 @@ def _wrapper(gm: fx.GraphModule, layer: ExpertLayer, model: nn.Module, groups: E
         wrapper.register_buffer(name, b)
     for name, c in holder.named_children():
         wrapper.add_module(name, c)
-    missing = [h for h in names.values() if h not in dict(wrapper.named_parameters())]
+    held = dict(wrapper.named_parameters())
+    missing = [h for h in names.values() if h not in held]
     if missing:
         raise AutopartitionError(
             f"The stage holds no {layer.module}.{missing[0]} (the experts module's own parameter names differ "
             "from the captured graph's). Plan it with ep 1."
         )
     return wrapper
+
+
+def _attr(module: nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    value = getattr(module.get_submodule(owner) if owner else module, leaf)
+    assert isinstance(value, torch.Tensor)
+    return value
 
 
 def _under(target: str, module: str) -> bool:
