@@ -1,0 +1,47 @@
+"""Spawned ranks of an expert-parallel plan: what each one holds, and its whole state dict (issue 32).
+
+:func:`holdings_worker` builds a :class:`runtime.Pipeline` on an ``ep > 1`` plan and writes
+``rank{R}.pt``: its parameters' names and shapes (this member's slice), ``pipe.state_dict()``
+(whole experts, gathered over the EP group), the state after ``load_state_dict`` of the model's
+own state following one training step, and the loss of ``eval_step``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from partitioner.modelfile import load_model_file
+from partitioner.plan import Plan
+from rank_workers import set_rank_env
+
+__all__ = ["holdings_worker"]
+
+
+def holdings_worker(rank: int, world: int, port: int, plan_dir: str, spec: str, out_dir: str) -> None:
+    from runtime.pipeline import Pipeline
+
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    model = model_file.build()
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    plan = Plan.load(plan_dir)
+    pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=60)
+    record: dict[str, object] = {"replica": pipe.dp_rank}
+    record["shapes"] = {n: tuple(p.shape) for n, p in pipe.named_parameters()}
+    record["state"] = pipe.state_dict()
+    inputs, target = model_file.example_inputs(plan.batch_size), model_file.example_target(plan.batch_size)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    pipe.step(inputs, target)
+    opt.step()
+    record["trained"] = pipe.state_dict()
+    pipe.load_state_dict(original)
+    record["reloaded"] = pipe.state_dict()
+    record["eval_loss"] = pipe.eval_step(inputs, target)
+    torch.save(record, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()

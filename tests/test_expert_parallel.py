@@ -1,0 +1,154 @@
+"""Expert parallelism in the runtime (issue 32): plans with ``ep > 1`` train as the unpartitioned model.
+
+Each stage group's ``dp`` replicas form EP groups of ``ep`` consecutive replicas; member ``j``
+holds experts ``[j*E/ep, (j+1)*E/ep)`` of every experts layer and tokens travel to their
+expert's member and back (:mod:`runtime.parallel.experts`).  ``verify`` trains 3 SGD steps on
+really spawned CPU ranks (gloo) and compares loss, every gradient and the parameters after
+each update (whole experts, gathered over the EP group) with the whole model in one process.
+Plans come from the planner at a fixed layout with ``ep`` set on them (the planner's own
+``--ep`` search is separate work); the experts layers are those the planner found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+MODELS = Path(__file__).parent / "models"
+sys.path.insert(0, str(MODELS))
+
+from planning_helpers import make_plan  # noqa: E402
+
+from partitioner.errors import AutopartitionError  # noqa: E402
+from partitioner.modelfile import load_model_file  # noqa: E402
+from partitioner.plan import Plan  # noqa: E402
+from partitioner.search.planner import compile  # noqa: E402
+from runtime.verify import free_port, verify  # noqa: E402
+
+USER_MOE = str(MODELS / "user_moe_routed.py")  # experts in a ModuleList ("list")
+USER_MOE_DEEP = str(MODELS / "user_moe_routed_deep.py")  # eight layers: stages of whole layers
+MIXTRAL = str(MODELS / "zoo_mixtral.py")  # Hugging Face Mixtral: experts stacked on dim 0 ("stacked")
+STEPS = 3
+TOLERANCE = 1e-5
+
+
+def _ep_plan(spec: str, directory: Path, *, ep: int, **shape: Any) -> Plan:
+    plan = make_plan(spec, directory, **shape)
+    assert plan.experts, "the planner found no experts layer"
+    plan = dataclasses.replace(plan, ep=ep)
+    plan.save(directory)
+    return plan
+
+
+def _verified(directory: Path, spec: str) -> None:
+    result = verify(directory, spec, steps=STEPS, tolerance=TOLERANCE)
+    assert result.ok, result.report()
+    assert len(result.per_step) == STEPS
+
+
+def test_the_planner_records_the_experts_layers(tmp_path: Path) -> None:
+    plan = make_plan(USER_MOE, tmp_path, pp=1, dp=2, microbatches=2, schedule="1f1b")
+    assert plan.ep == 1
+    assert [(layer.module, layer.layout, layer.experts) for layer in plan.experts] == [
+        (f"layers.{i}.moe", "list", 4) for i in range(3)]
+    assert Plan.load(tmp_path).experts == plan.experts
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_listed_experts_over_replicas_match_the_whole_model(tmp_path: Path, dp: int) -> None:
+    """dp 2: one EP group; dp 4: two, each expert's gradient also summed over its two copies."""
+    _ep_plan(USER_MOE, tmp_path, ep=2, pp=1, dp=dp, microbatches=2, schedule="1f1b")
+    _verified(tmp_path, USER_MOE)
+
+
+def test_each_member_holds_its_experts_and_gives_whole_state(tmp_path: Path) -> None:
+    import expert_workers
+    from rank_workers import spawn_and_wait
+
+    plan = _ep_plan(USER_MOE, tmp_path, ep=2, pp=1, dp=2, microbatches=2, schedule="1f1b")
+    out = tmp_path / "out"
+    out.mkdir()
+    codes = spawn_and_wait(expert_workers.holdings_worker, plan.gpus,
+                           (plan.gpus, free_port(), str(tmp_path), USER_MOE, str(out)), limit_s=120)
+    assert codes == [0, 0], codes
+    model_file = load_model_file(USER_MOE)
+    torch.manual_seed(0)
+    whole = model_file.build().state_dict()
+    records = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(plan.gpus)]
+    for member, record in enumerate(records):
+        held = {int(n.split(".")[4]) for n in record["shapes"] if ".moe.experts." in n}
+        assert held == {2 * member, 2 * member + 1}, sorted(record["shapes"])
+        assert record["shapes"]["layers.0.router.weight"] == (4, 16)  # dense: whole on every replica
+        for key in ("state", "reloaded"):
+            assert set(record[key]) == set(whole)
+            assert all(torch.equal(record[key][k], whole[k]) for k in whole), key
+        assert record["eval_loss"] is not None
+    # After a step both members give the same whole state: the experts each trained, gathered.
+    assert all(torch.equal(records[0]["trained"][k], records[1]["trained"][k]) for k in whole)
+    assert any(not torch.equal(records[0]["trained"][k], whole[k]) for k in whole if ".moe.experts.3." in k)
+
+
+def test_an_experts_layer_split_across_stages_is_refused() -> None:
+    from runtime.execute.stage import build_local_stages
+    from runtime.parallel.experts import ExpertGroups, _swap_layer
+
+    model_file = load_model_file(USER_MOE)
+    torch.manual_seed(0)
+    model = model_file.build()
+    plan = compile(model, model_file.example_inputs(8), gpus=1, pp=1, dp=1, microbatches=2, schedule="1f1b",
+                   device="h100")
+    local = build_local_stages(plan, model, (0,))[0]
+    # The layer as if its last node ran in the next stage: this stage runs all but one of its nodes.
+    layer = dataclasses.replace(plan.experts[0], nodes=(*plan.experts[0].nodes, "a_node_of_the_next_stage"))
+    groups = ExpertGroups(ep=None, ep_ranks=(0, 1), member=0, edp=None, edp_ranks=(0,))  # type: ignore[arg-type]
+    with pytest.raises(AutopartitionError, match="layers.0.moe is split across stages .* whole in one stage"):
+        _swap_layer(local.module, layer, model, groups, ep=2, stage=0)
+
+
+@pytest.mark.slow  # Hugging Face Mixtral: ~20 s
+def test_stacked_mixtral_experts_match_the_whole_model(tmp_path: Path) -> None:
+    plan = _ep_plan(MIXTRAL, tmp_path, ep=2, pp=1, dp=2, microbatches=2, schedule="1f1b")
+    assert {layer.layout for layer in plan.experts} == {"stacked"}
+    _verified(tmp_path, MIXTRAL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pipeline_and_expert_parallel(tmp_path: Path, schedule: str) -> None:
+    """pp 2 x dp 2, ep 2: each stage's replicas exchange tokens; zb-h1 splits the backward into B and W."""
+    _ep_plan(USER_MOE, tmp_path, ep=2, pp=2, dp=2, microbatches=2, schedule=schedule)
+    _verified(tmp_path, USER_MOE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_two_stages_per_rank_and_expert_parallel(tmp_path: Path, schedule: str) -> None:
+    model_file = load_model_file(USER_MOE_DEEP)
+    torch.manual_seed(0)
+    chunks = {"chunks": 2} if schedule == "interleaved-1f1b" else {}
+    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=4, pp=2, dp=2, microbatches=4,
+                   schedule=schedule, device="h100", **chunks)
+    assert plan.chunks == 2 and len(plan.stages) == 4
+    dataclasses.replace(plan, ep=2).save(tmp_path)
+    _verified(tmp_path, USER_MOE_DEEP)
+
+
+def test_refusals_name_what_to_change() -> None:
+    from types import SimpleNamespace
+
+    from runtime.parallel.experts import expert_parallel_refusal
+
+    def plan(**changes: Any) -> Any:
+        fields = {"ep": 2, "tp": 1, "stages": [SimpleNamespace(shard="none")], **changes}
+        return SimpleNamespace(**fields)
+
+    assert expert_parallel_refusal(plan(), engine="ours") is None
+    assert expert_parallel_refusal(plan(ep=1, tp=2), engine="torch") is None
+    assert "tensor parallelism (tp 2)" in str(expert_parallel_refusal(plan(tp=2), engine="ours"))
+    assert "'ours' engine" in str(expert_parallel_refusal(plan(), engine="torch"))
+    assert "shard full" in str(expert_parallel_refusal(plan(stages=[SimpleNamespace(shard="full")]), engine="ours"))
