@@ -12,24 +12,20 @@ Plans come from the planner at a fixed layout with ``ep`` set on them (the plann
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from planning_helpers import make_plan
+
+from partitioner.errors import AutopartitionError
+from partitioner.modelfile import load_model_file
+from partitioner.plan import Plan
+from partitioner.search.planner import compile
+from runtime.verify import free_port, verify
 
 MODELS = Path(__file__).parent / "models"
-sys.path.insert(0, str(MODELS))
-
-from planning_helpers import make_plan  # noqa: E402
-
-from partitioner.errors import AutopartitionError  # noqa: E402
-from partitioner.modelfile import load_model_file  # noqa: E402
-from partitioner.plan import Plan  # noqa: E402
-from partitioner.search.planner import compile  # noqa: E402
-from runtime.verify import free_port, verify  # noqa: E402
-
 USER_MOE = str(MODELS / "user_moe_routed.py")  # experts in a ModuleList ("list")
 USER_MOE_DEEP = str(MODELS / "user_moe_routed_deep.py")  # eight layers: stages of whole layers
 MIXTRAL = str(MODELS / "zoo_mixtral.py")  # Hugging Face Mixtral: experts stacked on dim 0 ("stacked")

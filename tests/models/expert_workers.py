@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_workers import set_rank_env
 
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from rank_workers import set_rank_env
 
 __all__ = ["holdings_worker"]
 
