@@ -6,8 +6,8 @@ shards stage groups (:mod:`~runtime.parallel.shard`: ZeRO-1, FSDP2 units), repli
 them (:mod:`~runtime.parallel.replicate`: process groups, DDP or our bucketed reducer,
 tied weights) and clips the whole model's gradients (:mod:`~runtime.parallel.clip`);
 :mod:`~runtime.parallel.parallelize` holds the stage stack's parallel steps
-(torchtitan's ``parallelize``: groups, ties, ``apply_tp``, ``apply_fsdp``, replicas).
-Expert parallelism will land here too.
+(torchtitan's ``parallelize``: groups, ties, ``apply_tp``, ``apply_fsdp``, replicas);
+:mod:`~runtime.parallel.experts` spreads each experts layer over its EP group (``ep > 1``).
 
 May import: ``state``, ``execute`` and the planner's graph, cost, plan and base;
 never ``engines`` or ``launch``.
