@@ -401,16 +401,13 @@ class Pipeline:
         scales its gradients (all copies and replicas) by the same factor.  Call it
         on every rank, after step() and before the optimizer step.
         """
-        if self.plan.ep > 1:
-            raise AutopartitionError(
-                f"clip_grad_norm_ does not count expert-parallel gradients yet (the plan has ep {self.plan.ep}): "
-                "clip with ep 1, or train without clipping."
-            )
+        experts = self._experts_layer()
         return clip_gradients(
             self.plan, [(local.plan.index, local.module) for local in self._stages], replica=self.replica,
             # Shards count once: HSDP's other nodes hold copies of the first node's shards.
             sharded=self._sharding.counts_shards_once(self.replica, self.pipeline_rank),
             max_norm=max_norm, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite,
+            experts=set() if experts is None else {id(p) for p in experts.parameters},
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:

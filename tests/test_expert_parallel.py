@@ -84,6 +84,8 @@ def test_each_member_holds_its_experts_and_gives_whole_state(tmp_path: Path) -> 
             assert set(record[key]) == set(whole)
             assert all(torch.equal(record[key][k], whole[k]) for k in whole), key
         assert record["eval_loss"] is not None
+        assert torch.allclose(record["clip_norm"], record["grad_norm"], rtol=1e-6), (record["clip_norm"],
+                                                                                    record["grad_norm"])
     # After a step both members give the same whole state: the experts each trained, gathered.
     assert all(torch.equal(records[0]["trained"][k], records[1]["trained"][k]) for k in whole)
     assert any(not torch.equal(records[0]["trained"][k], whole[k]) for k in whole if ".moe.experts.3." in k)

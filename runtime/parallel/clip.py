@@ -13,7 +13,8 @@ so replicas and tied copies stay equal.  A fully sharded stage's gradients are
 (and scales) its own shard, so the sum over ranks is still the whole stage once.
 Tensor-parallel stages (:mod:`runtime.parallel.tensorparallel`) likewise: a split
 parameter's shards count on every rank of the group, a replicated one (a norm)
-on the group's first rank only.
+on the group's first rank only.  Expert-parallel slices count on the first EP group's
+``ep`` replicas, each holding other experts.
 
 Example (one process; a pipeline passes its stages and a process group)::
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 import torch.distributed as dist
@@ -43,7 +45,8 @@ __all__ = ["clip_gradients", "local_gradients", "scale_gradients", "total_norm"]
 
 
 def local_gradients(
-    plan: Plan, stages: Sequence[tuple[int, nn.Module]], *, replica: int, sharded: bool = False
+    plan: Plan, stages: Sequence[tuple[int, nn.Module]], *, replica: int, sharded: bool = False,
+    experts: AbstractSet[int] = frozenset(),
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(gradients this rank counts in the whole model's norm, every gradient it holds).
 
@@ -51,6 +54,8 @@ def local_gradients(
     Counted: replica 0 only (``sharded``: every replica, its own shard); a tied
     parameter on the lowest stage holding it only; a parameter shared by two
     local stage modules once.  Sharded gradients come as their local tensors.
+    ``experts``: ids of expert-parallel parameters, whose slices count on the first EP group's
+    ``ep`` replicas (each holds different experts; :mod:`runtime.parallel.experts`).
     """
     owner = {alias: min(t.stages) for t in plan.tied for alias in t.aliases}
     counted: list[torch.Tensor] = []
@@ -63,7 +68,8 @@ def local_gradients(
             seen.add(id(param))
             grad = _local(param.grad)
             held.append(grad)
-            if (sharded or replica == 0) and owner.get(name, index) == index and _first_copy(param.grad):
+            first = replica < plan.ep if id(param) in experts else replica == 0
+            if (sharded or first) and owner.get(name, index) == index and _first_copy(param.grad):
                 counted.append(grad)
     return counted, held
 
@@ -112,9 +118,10 @@ def clip_gradients(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
     error_if_nonfinite: bool = False,
+    experts: AbstractSet[int] = frozenset(),
 ) -> torch.Tensor:
     """Clip every gradient of the pipelined model to a whole-model norm of ``max_norm``; returns that norm."""
-    counted, held = local_gradients(plan, stages, replica=replica, sharded=sharded)
+    counted, held = local_gradients(plan, stages, replica=replica, sharded=sharded, experts=experts)
     total = total_norm(counted, norm_type, device=device, group=group)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise AutopartitionError(

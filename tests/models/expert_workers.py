@@ -2,8 +2,9 @@
 
 :func:`holdings_worker` builds a :class:`runtime.Pipeline` on an ``ep > 1`` plan and writes
 ``rank{R}.pt``: its parameters' names and shapes (this member's slice), ``pipe.state_dict()``
-(whole experts, gathered over the EP group), the state after ``load_state_dict`` of the model's
-own state following one training step, and the loss of ``eval_step``.
+(whole experts, gathered over the EP group), the whole gradient norm and the one
+``clip_grad_norm_`` returns, the state after one training step and after ``load_state_dict`` of
+the model's own state, and the loss of ``eval_step``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def holdings_worker(rank: int, world: int, port: int, plan_dir: str, spec: str, 
     inputs, target = model_file.example_inputs(plan.batch_size), model_file.example_target(plan.batch_size)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     pipe.step(inputs, target)
+    # The whole model's gradient norm (one stage: every gradient, experts gathered whole) against clipping's.
+    grads = pipe.whole_experts({n: p.grad for n, p in pipe.named_parameters() if p.grad is not None})
+    record["grad_norm"] = torch.nn.utils.get_total_norm(list(grads.values()))
+    record["clip_norm"] = pipe.clip_grad_norm_(1e9)
     opt.step()
     record["trained"] = pipe.state_dict()
     pipe.load_state_dict(original)
