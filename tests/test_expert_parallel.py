@@ -84,6 +84,7 @@ def test_each_member_holds_its_experts_and_gives_whole_state(tmp_path: Path) -> 
             assert set(record[key]) == set(whole)
             assert all(torch.equal(record[key][k], whole[k]) for k in whole), key
         assert record["eval_loss"] is not None
+        assert "save_checkpoint does not handle expert parallelism yet" in record["checkpoint"]
         assert torch.allclose(record["clip_norm"], record["grad_norm"], rtol=1e-6), (record["clip_norm"],
                                                                                     record["grad_norm"])
     # After a step both members give the same whole state: the experts each trained, gathered.
@@ -116,10 +117,14 @@ def test_stacked_mixtral_experts_match_the_whole_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_pipeline_and_expert_parallel(tmp_path: Path, schedule: str) -> None:
-    """pp 2 x dp 2, ep 2: each stage's replicas exchange tokens; zb-h1 splits the backward into B and W."""
-    _ep_plan(USER_MOE, tmp_path, ep=2, pp=2, dp=2, microbatches=2, schedule=schedule)
+@pytest.mark.parametrize(("schedule", "recompute"), [("1f1b", "none"), ("zb-h1", "none"), ("1f1b", "full"),
+                                                     ("zb-h1", "full")])
+def test_pipeline_and_expert_parallel(tmp_path: Path, schedule: str, recompute: str) -> None:
+    """pp 2 x dp 2, ep 2: each stage's replicas exchange tokens; zb-h1 splits the backward into B and W;
+    recompute "full" runs the exchanges again in the backward."""
+    plan = _ep_plan(USER_MOE, tmp_path, ep=2, pp=2, dp=2, microbatches=2, schedule=schedule)
+    dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=recompute) for s in plan.stages)
+                        ).save(tmp_path)
     _verified(tmp_path, USER_MOE)
 
 

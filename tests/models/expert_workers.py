@@ -4,7 +4,7 @@
 ``rank{R}.pt``: its parameters' names and shapes (this member's slice), ``pipe.state_dict()``
 (whole experts, gathered over the EP group), the whole gradient norm and the one
 ``clip_grad_norm_`` returns, the state after one training step and after ``load_state_dict`` of
-the model's own state, and the loss of ``eval_step``.
+the model's own state, the loss of ``eval_step``, and why ``save_checkpoint`` refuses.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from rank_workers import set_rank_env
 
+from partitioner.errors import AutopartitionError
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
 
@@ -47,6 +48,10 @@ def holdings_worker(rank: int, world: int, port: int, plan_dir: str, spec: str, 
     pipe.load_state_dict(original)
     record["reloaded"] = pipe.state_dict()
     record["eval_loss"] = pipe.eval_step(inputs, target)
+    try:
+        pipe.save_checkpoint(Path(out_dir) / f"checkpoint{rank}")
+    except AutopartitionError as exc:
+        record["checkpoint"] = str(exc)
     torch.save(record, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
