@@ -92,9 +92,8 @@ class ExpertGroups:
 
 def make_expert_groups(plan: Plan, rank: int) -> ExpertGroups:
     """Every rank creates every EP and expert-data-parallel group, in one order (torch.distributed requires it)."""
-    pipeline_rank, replica = plan.rank_layout()[rank]
+    replica = plan.rank_layout()[rank][1]
     dp, ep = plan.dp, plan.ep
-    mine: ExpertGroups | None = None
     ep_group: tuple[dist.ProcessGroup, tuple[int, ...]] | None = None
     for p in range(plan.pp):
         for g in range(dp // ep):
@@ -111,9 +110,7 @@ def make_expert_groups(plan: Plan, rank: int) -> ExpertGroups:
                 if rank in ranks:
                     edp = (group, ranks)
     assert ep_group is not None  # every rank is in one EP group
-    mine = ExpertGroups(ep=ep_group[0], ep_ranks=ep_group[1], member=replica % ep, edp=edp[0], edp_ranks=edp[1])
-    del pipeline_rank
-    return mine
+    return ExpertGroups(ep=ep_group[0], ep_ranks=ep_group[1], member=replica % ep, edp=edp[0], edp_ranks=edp[1])
 
 
 class ExpertParallel(nn.Module):
