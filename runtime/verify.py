@@ -688,14 +688,15 @@ def _train_rank(
     # A rank whose stages hold no parameter (a stage of shape ops only) has nothing to step.
     # pipe.optimizer: under shard "optimizer" its state is split over the replicas (ZeRO-1), as the plan says.
     opt = pipe.optimizer(torch.optim.SGD, lr=lr, momentum=0.9) if list(pipe.parameters()) else None
-    buffers = {n for m in pipe.modules for n, _ in m.named_buffers()}
+    # whole_experts: an expert-parallel rank's expert slices gathered over its EP group, under the model's names
+    # (every member calls it, in one order); so its parameters are every expert's.
+    params = set(pipe.whole_experts({n: p.detach() for n, p in pipe.named_parameters()}))
 
     def snapshot() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        # plain_tensor: a fully sharded stage's DTensor gathered whole (every replica calls it, in one order);
-        # whole_experts: an expert-parallel rank's expert slices gathered over its EP group (names as the model's).
+        # plain_tensor: a fully sharded stage's DTensor gathered whole (every replica calls it, in one order).
         state = {n: plain_tensor(t).detach().clone() for m in pipe.modules for n, t in m.state_dict().items()}
         state = pipe.whole_experts(state)
-        return {n: t for n, t in state.items() if n not in buffers}, {n: t for n, t in state.items() if n in buffers}
+        return {n: t for n, t in state.items() if n in params}, {n: t for n, t in state.items() if n not in params}
 
     record: dict[str, Any] = {"stage": pipe.stages[0], "stages": pipe.stages, "replica": plan.rank_layout()[rank][1],
                               "losses": [], "grads": [], "params": [], "buffers": []}
