@@ -284,6 +284,10 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
         p = gpus // d
         if (options.pp is not None and p != options.pp) or (options.dp is not None and d != options.dp):
             continue
+        if d % scaled.ep:  # expert parallelism groups a stage group's replicas (cost/experts.py)
+            trials.append(Trial(p, d, options.microbatches, None, "skipped",
+                                f"expert parallelism {scaled.ep} does not divide {d} replicas"))
+            continue
         choices = options.microbatch_choices(d)
         single = options.schedules[0] if len(options.schedules) == 1 else None
         if not choices:

@@ -22,6 +22,7 @@ import torch
 
 from partitioner.cost.calibration import Calibration
 from partitioner.cost.devices import DEVICES, DeviceSpec, device_spec
+from partitioner.cost.experts import DEFAULT_IMBALANCE
 from partitioner.cost.precision import (
     OPTIMIZERS,
     Precision,
@@ -118,6 +119,8 @@ class PlanOptions:
     zero3_unit: str = "layer"
     tp: int = 1  # GPUs per tensor-parallel group: ``gpus`` counts groups while a degree is searched (search/planner.py)
     priced_only: bool = False  # layouts the runtime does not run are priced too (search/price.py)
+    ep: int = 1  # expert-parallel degree: each degree compile() tries is searched in turn (search/planner.py)
+    expert_imbalance: float = DEFAULT_IMBALANCE  # the busiest EP member's tokens over the mean (cost/experts.py)
 
     def shard_modes(self, schedule: str, dp: int) -> tuple[str, ...]:
         """The shard modes tried for stage groups of ``dp`` replicas under ``schedule``.

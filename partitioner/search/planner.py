@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -60,6 +61,7 @@ from torch.utils import _pytree as pytree
 
 from partitioner.agree import solved_on_rank0
 from partitioner.cost.calibration import Calibration, load_calibration
+from partitioner.cost.experts import DEFAULT_IMBALANCE, ep_choices
 from partitioner.cost.measured import Measured, measurement_key, recall, remember
 from partitioner.cost.nodecost import NodeCost, SplitOverhead
 from partitioner.cost.nodes import profile, time_loss
@@ -167,6 +169,8 @@ def compile(
     remeasure: bool = False,
     tp: int | str = 1,
     priced_only: bool = False,
+    ep: int | str = AUTO,
+    expert_imbalance: float = DEFAULT_IMBALANCE,
 ) -> Plan:
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
@@ -191,9 +195,14 @@ def compile(
     rest; :mod:`partitioner.graph.tensorparallel`).  ``priced_only``: plan and price a layout
     the runtime does not run (tensor parallelism over optimizer-sharded groups), as
     :func:`partitioner.search.price.price_layout` does for published layouts; such a plan is
-    a prediction, not something to run.
+    a prediction, not something to run.  ``ep``: the expert-parallel degree of a model
+    with experts (:mod:`partitioner.graph.experts`; ``"auto"``: searched, see
+    :func:`~partitioner.cost.experts.ep_choices`), its experts sharded over groups of ``ep``
+    replicas; ``expert_imbalance`` the busiest member's tokens over the mean
+    (:mod:`partitioner.cost.experts`).
     """
     say = status or (lambda _msg: None)
+    fixed_ep = _check_ep(ep, expert_imbalance)
     # A tuple, a dict of keywords or (args, kwargs): from here on, the flat tuple of its tensors.
     call, example_inputs = CallSpec.of(example_inputs)
     batch = batch_size_of(example_inputs)
@@ -212,7 +221,7 @@ def compile(
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
         refine_simulations=refine_simulations, priced_only=priced_only,
-        calibration=_calibration(calibration),
+        calibration=_calibration(calibration), expert_imbalance=expert_imbalance,
     )
 
     reference = options.reference_microbatches
@@ -242,6 +251,10 @@ def compile(
     costs = found.costs
     experts = find_experts(model, captured)  # after value propagation: it reads the shapes
     captured = dataclasses.replace(captured, experts=experts.layers, expert_notes=experts.notes)
+    for note in experts.notes:
+        say(note)
+    if fixed_ep is not None and fixed_ep > 1:
+        _check_fixed_ep(fixed_ep, captured, type(model).__name__)
     times = node_times(costs, spec, precision=options.precision, measure=measure)
     blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
     if not blocks:
@@ -267,7 +280,7 @@ def compile(
             + (f" (tp stays 1: {why})" if why else ""))
     sized = _SizedGraphs(model, example_inputs, captured, micro)
     if tp_degrees == [1]:
-        return _plan_layout(model, captured, micro, scaled, options, sized, say=say).finished()
+        return _plan_experts(model, captured, micro, scaled, options, sized, ep=fixed_ep, say=say).finished()
     # Tensor parallelism: the same search for gpus / tp groups per degree, on costs scaled per degree
     # (solve/tensorparallel.py); the fastest simulated plan wins.
     plans: list[tuple[Plan, _Layout]] = []
@@ -284,7 +297,7 @@ def compile(
             scaled_t = TensorParallelCosts(scaled, tp_layout, degree, settings)
         say(f"tensor parallel {degree}: searching {plural(settings.gpus, 'group')} of {plural(degree, 'GPU')}")
         try:
-            layout = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say)
+            layout = _plan_experts(model, captured, micro, scaled_t, settings, sized, ep=fixed_ep, say=say)
         except InfeasibleError as exc:
             failures.append((degree, exc))
             say(f"tensor parallel {degree}: nothing fits")
@@ -327,6 +340,73 @@ class _Layout(NamedTuple):
             stage_code=stage_codes(captured, self.plan),
             block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
         )
+
+
+def _check_ep(ep: int | str, imbalance: float) -> int | None:
+    """The fixed expert-parallel degree (None: ``"auto"``), or an error saying what to pass."""
+    if not imbalance >= 1.0:
+        raise AutopartitionError(f"--expert-imbalance must be at least 1 (the busiest member's tokens over the "
+                                 f"mean; 1 is a perfectly balanced router), got {imbalance!r}.")
+    if ep == AUTO:
+        return None
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise AutopartitionError(f"--ep must be a whole number of replicas or 'auto', got {ep!r}.")
+    return ep
+
+
+def _check_fixed_ep(ep: int, captured: CapturedModel, model: str) -> None:
+    """``--ep N`` > 1 needs experts, and N must divide every layer's."""
+    if not captured.experts:
+        why = " ".join(captured.expert_notes) or (
+            "no submodule is called as experts(tokens (N, H), top_k_index (N, k), top_k_weights (N, k)) -> (N, H) "
+            "with its experts stacked on dim 0 or held in a ModuleList (partitioner/graph/experts.py).")
+        raise AutopartitionError(f"--ep {ep}: {model} has no experts to shard: {why} Use --ep 1 (or auto).")
+    counts = sorted({layer.experts for layer in captured.experts})
+    if any(count % ep for count in counts):
+        fits = [e for e in range(1, min(counts) + 1) if all(c % e == 0 for c in counts)]
+        raise AutopartitionError(
+            f"--ep {ep} does not divide {model}'s {' / '.join(map(str, counts))} experts per layer; "
+            f"use one of {', '.join(map(str, fits))} (or auto).")
+
+
+def _plan_experts(
+    model: torch.nn.Module,
+    captured: CapturedModel,
+    micro: tuple[torch.Tensor, ...],
+    scaled: ScaledCosts,
+    options: PlanOptions,
+    sized: _SizedGraphs,
+    *,
+    ep: int | None,
+    say: Status,
+) -> _Layout:
+    """:func:`_plan_layout` for each expert-parallel degree to try (one without experts); the fastest wins."""
+    counts = {layer.experts for layer in captured.experts}
+    if not counts:
+        return _plan_layout(model, captured, micro, scaled, options, sized, say=say)
+    most = options.dp or (options.gpus // options.pp if options.pp else options.gpus)
+    degrees = ep_choices(math.gcd(*counts), most, fixed=ep, per_node=options.gpus_per_node)
+    if not degrees:
+        raise AutopartitionError(
+            f"--ep {ep} does not divide the {most} replicas a stage group can have on {options.gpus} "
+            f"{'tensor-parallel groups' if options.tp > 1 else 'GPUs'}; choose another --ep, --dp or --pp.")
+    layouts: list[_Layout] = []
+    failures: list[InfeasibleError] = []
+    for degree in degrees:
+        if len(degrees) > 1:
+            say(f"expert parallel {degree}: searching")
+        try:
+            layout = _plan_layout(model, captured, micro, scaled.with_ep(degree),
+                                  dataclasses.replace(options, ep=degree), sized, say=say)
+        except InfeasibleError as exc:
+            failures.append(exc)
+            continue
+        if len(degrees) > 1:
+            say(f"expert parallel {degree}: best step {format_seconds(layout.plan.predicted.step_s)}")
+        layouts.append(layout)
+    if not layouts:
+        raise failures[0]
+    return min(layouts, key=lambda layout: (layout.plan.predicted.step_s, layout.plan.ep))
 
 
 def _plan_layout(
@@ -778,6 +858,9 @@ class _SizedGraphs:
             return captured, micro, _RenamedCosts(scaled, None)
         recaptured = capture(model, micro, method="export", call=captured.call)
         propagate_values(recaptured.graph_module, micro)
+        if captured.experts:  # the plan names the experts' nodes in the graph its stages run
+            found = find_experts(model, recaptured)
+            recaptured = dataclasses.replace(recaptured, experts=found.layers, expert_notes=found.notes)
         if graph_fingerprint(recaptured.graph_module) == graph_fingerprint(captured.graph_module):
             return recaptured, micro, _RenamedCosts(scaled, None)
         mapping = _map_blocks(captured.graph_module, recaptured.graph_module, scaled.blocks)
@@ -824,6 +907,7 @@ class _RenamedCosts:
             block_senders=tuple(keep(g) for g in graph.block_senders),
             block_inputs=tuple(keep(g) for g in graph.block_inputs),
             layer_runs=tuple(keep(g) for g in graph.layer_runs),
+            expert_layers=tuple(layer._replace(nodes=keep(layer.nodes)) for layer in graph.expert_layers),
         )
 
 
