@@ -70,6 +70,7 @@ from partitioner.graph.meta import (
     Layer,
     StandIns,
     attribute,
+    fake_kernels,
     fake_like,
     has_meta,
     home_device,
@@ -136,7 +137,7 @@ def _count(gm: fx.GraphModule, inputs: tuple[Any, ...], *, progress: Progress | 
     state = FakeState(gm, mode, home)
     runner = _CountInterpreter(gm, device=home, progress=progress, state=state)
     runner.home = home
-    with mode, torch.enable_grad():
+    with fake_kernels(), mode, torch.enable_grad():
         runner.run(*(fake_like(x, home) if isinstance(x, torch.Tensor) else x for x in inputs))
     return runner.costs
 

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from partitioner.errors import CaptureError
 from partitioner.graph.ir import KIND_KEY, VALUE_KEY, ValueInfo, dtype_name
-from partitioner.graph.meta import FakeState, StandIns, fake_like, home_device
+from partitioner.graph.meta import FakeState, StandIns, fake_kernels, fake_like, home_device
 
 __all__ = ["propagate_values"]
 
@@ -49,9 +49,10 @@ def propagate_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, V
     propagator.state = FakeState(gm, mode, home)
     propagator.home = home
     try:
-        with mode:
-            fakes = [fake_like(x, home) if isinstance(x, torch.Tensor) else x for x in inputs]
-        propagator.propagate_dont_convert_inputs(*fakes)
+        with fake_kernels():
+            with mode:
+                fakes = [fake_like(x, home) if isinstance(x, torch.Tensor) else x for x in inputs]
+            propagator.propagate_dont_convert_inputs(*fakes)
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
         expected = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
