@@ -136,7 +136,7 @@ def build_plan(
         precision=options.precision,
         optimizer=options.optimizer,
         gpus_per_node=options.gpus_per_node,
-        ep=options.ep if solved.dp % options.ep == 0 else 1,
+        ep=solved.ep,
         experts=captured.experts,
     )
     return predict(_lower(assembled))
@@ -262,8 +262,8 @@ def _stages(
                 if reshard[s]:  # DDP: none of ZeRO-3's collectives or gathered units (or its host wait per action)
                     reshard[s], exposed_f[s], exposed_b[s] = False, -z.first_gather_s, -z.first_gather_s
     # Expert parallelism: each experts layer's all-to-alls and its busiest member's extra compute (formulate).
-    if options.ep > 1 and dp % options.ep == 0:
-        added_f, added_b = expert_seconds(graph, dp=dp, ep=options.ep, imbalance=options.expert_imbalance,
+    if solved.ep > 1:
+        added_f, added_b = expert_seconds(graph, dp=dp, ep=solved.ep, imbalance=options.expert_imbalance,
                                           precision=options.precision, spec=options.spec, gpus_per_node=per_node)
         for b, s in enumerate(partition.stage_of):
             exposed_f[s] += added_f[b]

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -61,7 +60,7 @@ from torch.utils import _pytree as pytree
 
 from partitioner.agree import solved_on_rank0
 from partitioner.cost.calibration import Calibration, load_calibration
-from partitioner.cost.experts import DEFAULT_IMBALANCE, ep_choices
+from partitioner.cost.experts import DEFAULT_IMBALANCE
 from partitioner.cost.measured import Measured, measurement_key, recall, remember
 from partitioner.cost.nodecost import NodeCost, SplitOverhead
 from partitioner.cost.nodes import profile, time_loss
@@ -255,6 +254,8 @@ def compile(
         say(note)
     if fixed_ep is not None and fixed_ep > 1:
         _check_fixed_ep(fixed_ep, captured, type(model).__name__)
+    options = dataclasses.replace(options, ep_fixed=fixed_ep,
+                                  expert_counts=tuple(layer.experts for layer in captured.experts))
     times = node_times(costs, spec, precision=options.precision, measure=measure)
     blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
     if not blocks:
@@ -280,7 +281,7 @@ def compile(
             + (f" (tp stays 1: {why})" if why else ""))
     sized = _SizedGraphs(model, example_inputs, captured, micro)
     if tp_degrees == [1]:
-        return _plan_experts(model, captured, micro, scaled, options, sized, ep=fixed_ep, say=say).finished()
+        return _plan_layout(model, captured, micro, scaled, options, sized, say=say).finished()
     # Tensor parallelism: the same search for gpus / tp groups per degree, on costs scaled per degree
     # (solve/tensorparallel.py); the fastest simulated plan wins.
     plans: list[tuple[Plan, _Layout]] = []
@@ -297,7 +298,7 @@ def compile(
             scaled_t = TensorParallelCosts(scaled, tp_layout, degree, settings)
         say(f"tensor parallel {degree}: searching {plural(settings.gpus, 'group')} of {plural(degree, 'GPU')}")
         try:
-            layout = _plan_experts(model, captured, micro, scaled_t, settings, sized, ep=fixed_ep, say=say)
+            layout = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say)
         except InfeasibleError as exc:
             failures.append((degree, exc))
             say(f"tensor parallel {degree}: nothing fits")
@@ -367,46 +368,6 @@ def _check_fixed_ep(ep: int, captured: CapturedModel, model: str) -> None:
         raise AutopartitionError(
             f"--ep {ep} does not divide {model}'s {' / '.join(map(str, counts))} experts per layer; "
             f"use one of {', '.join(map(str, fits))} (or auto).")
-
-
-def _plan_experts(
-    model: torch.nn.Module,
-    captured: CapturedModel,
-    micro: tuple[torch.Tensor, ...],
-    scaled: ScaledCosts,
-    options: PlanOptions,
-    sized: _SizedGraphs,
-    *,
-    ep: int | None,
-    say: Status,
-) -> _Layout:
-    """:func:`_plan_layout` for each expert-parallel degree to try (one without experts); the fastest wins."""
-    counts = {layer.experts for layer in captured.experts}
-    if not counts:
-        return _plan_layout(model, captured, micro, scaled, options, sized, say=say)
-    most = options.dp or (options.gpus // options.pp if options.pp else options.gpus)
-    degrees = ep_choices(math.gcd(*counts), most, fixed=ep, per_node=options.gpus_per_node)
-    if not degrees:
-        raise AutopartitionError(
-            f"--ep {ep} does not divide the {most} replicas a stage group can have on {options.gpus} "
-            f"{'tensor-parallel groups' if options.tp > 1 else 'GPUs'}; choose another --ep, --dp or --pp.")
-    layouts: list[_Layout] = []
-    failures: list[InfeasibleError] = []
-    for degree in degrees:
-        if len(degrees) > 1:
-            say(f"expert parallel {degree}: searching")
-        try:
-            layout = _plan_layout(model, captured, micro, scaled.with_ep(degree),
-                                  dataclasses.replace(options, ep=degree), sized, say=say)
-        except InfeasibleError as exc:
-            failures.append(exc)
-            continue
-        if len(degrees) > 1:
-            say(f"expert parallel {degree}: best step {format_seconds(layout.plan.predicted.step_s)}")
-        layouts.append(layout)
-    if not layouts:
-        raise failures[0]
-    return min(layouts, key=lambda layout: (layout.plan.predicted.step_s, layout.plan.ep))
 
 
 def _plan_layout(
