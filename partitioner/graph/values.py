@@ -59,12 +59,16 @@ def propagate_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, V
         reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
         expected = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         method = str(gm.meta.get("autopartition_capture", ""))
+        captured = [_captured_shape(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        given = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
         if len(inputs) != expected:
             advice = f"The graph takes {expected} input tensor(s) but got {len(inputs)}."
+        elif any(c is not None and c != g for c, g in zip(captured, given)):
+            advice = (f"The example inputs must have the shapes the model was captured with: {captured}, "
+                      f"got {given}.")
         else:
-            advice = ("That op could not run on fake tensors of the example inputs' shapes: make that line of the "
-                      "model traceable (an op with no fake-tensor kernel, or one that reads tensor values), or "
-                      "check that the inputs have the shapes the model was captured with.")
+            advice = ("That op cannot run on fake tensors (shapes without values): make that line of the model "
+                      "traceable (it may read a tensor's values, or the op may lack a fake-tensor kernel).")
         if method == "symbolic_trace":
             # Symbolic tracing can record a branch the real call does not take: export runs the call.
             advice += " If forward branches on its arguments, capture with --capture export."
@@ -94,6 +98,12 @@ class _Propagate(StandIns, FakeTensorProp):
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
         return super().run_node(n)
+
+
+def _captured_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The shape an input placeholder was captured at (export records it), or None."""
+    value = node.meta.get("val")
+    return tuple(int(d) for d in value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def _describe(node: fx.Node) -> str:
