@@ -67,8 +67,14 @@ from partitioner.cost.nodes import profile, time_loss
 from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION
 from partitioner.cost.splitcost import split_overhead
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
-from partitioner.errors import AutopartitionError, CaptureError, InfeasibleError, ScheduleError
-from partitioner.graph.capture import CallSpec, CapturedModel, CaptureMethod, capture
+from partitioner.errors import (
+    AutopartitionError,
+    CaptureError,
+    InfeasibleError,
+    PropagationError,
+    ScheduleError,
+)
+from partitioner.graph.capture import CallSpec, CapturedModel, CaptureMethod, capture, source_of
 from partitioner.graph.experts import find_experts
 from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, layer_of, module_path
 from partitioner.graph.tensorparallel import find_tensor_parallel
@@ -230,9 +236,15 @@ def compile(
         captured, micro = _capture(model, example_inputs, micro, call, options)
     except CaptureError as exc:  # the model may fail on its own inputs: then no capture advice applies
         failure = forward_failure(model, micro, call=call)
-        if failure is None:
-            raise
-        raise failure from exc
+        if failure is not None:
+            raise failure from exc
+        if isinstance(exc, PropagationError) and exc.where is None and exc.method in ("export", "symbolic_trace"):
+            say("finding the line of the model's code that failed")  # capturing records no source lines: again
+            route: CaptureMethod = "export" if exc.method == "export" else "symbolic_trace"
+            where = source_of(model, micro, exc.node, method=route, call=call)
+            if where is not None:
+                raise exc.at(where) from exc.__cause__
+        raise
     if batch_size_of(micro) != batch // reference:  # costed at one sample: every size scales from it
         options = dataclasses.replace(options, costed_size=batch_size_of(micro))
         reference = options.reference_microbatches
