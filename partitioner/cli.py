@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from partitioner.cost.devices import DEVICES
+from partitioner.cost.experts import DEFAULT_IMBALANCE
 from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
 from partitioner.defaults import SCHEDULES, SHARD_MODES, SHARD_SPANS
 from partitioner.errors import AutopartitionError
@@ -221,6 +222,14 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=_microbatches, default=_AUTO, metavar="auto|N",
                         help="GPUs per tensor-parallel group, inside a node: auto (searched with pp and dp over the "
                         "divisors of --gpus-per-node the model's heads and widths allow) or N (default auto)")
+    parser.add_argument("--ep", type=_microbatches, default=_AUTO, metavar="auto|N",
+                        help="expert-parallel degree of a model with experts: each stage group's replicas form groups "
+                        "of N consecutive replicas, each holding 1/N of every experts layer, tokens sent to their "
+                        "experts and back (all-to-all): auto (searched with pp, dp and tp) or N (default auto)")
+    parser.add_argument("--expert-imbalance", type=float, default=DEFAULT_IMBALANCE, metavar="F",
+                        help="with expert parallelism, the busiest member's routed tokens over the mean (1: a "
+                        f"perfectly balanced router; default {DEFAULT_IMBALANCE}, the capacity factor of GShard "
+                        "and Switch)")
     parser.add_argument("--gpus-per-node", type=_positive_int, metavar="K",
                         help="GPUs per node, a divisor of N: links between nodes are slower "
                         "(default: the largest divisor of N up to 8)")
@@ -391,6 +400,8 @@ def _plan(args: argparse.Namespace) -> int:
             shard=args.shard,
             shard_span=args.shard_span,
             tp=args.tp,
+            ep=args.ep,
+            expert_imbalance=args.expert_imbalance,
             calibration=args.calibration,
             loss_fn=model_file.loss_fn,
             target=model_file.example_target(batch) if model_file.example_target else None,

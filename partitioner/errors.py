@@ -16,6 +16,7 @@ __all__ = [
     "ModelFileError",
     "PlanFormatError",
     "PlanMismatchError",
+    "PropagationError",
     "ScheduleError",
 ]
 
@@ -30,6 +31,25 @@ class ModelFileError(AutopartitionError):
 
 class CaptureError(AutopartitionError):
     """The model cannot be turned into an fx graph."""
+
+
+class PropagationError(CaptureError):
+    """Running the captured graph on fake tensors failed at graph node ``node`` (captured by ``method``).
+
+    ``op`` describes the node (its op and module), ``reason`` what it raised; ``where`` is
+    the line of the model's code the node comes from, when known: the planner finds it
+    for graphs captured without source lines (:meth:`at`).
+    """
+
+    def __init__(self, op: str, reason: str, advice: str, *, node: str, method: str,
+                 where: str | None = None) -> None:
+        self.op, self.reason, self.advice, self.node, self.method, self.where = op, reason, advice, node, method, where
+        at = f", from {where}" if where else ""
+        super().__init__(f"Shape propagation failed on the captured graph at {op}{at}: {reason}. {advice}")
+
+    def at(self, where: str) -> PropagationError:
+        """The same error, naming the model's line ``where`` (``file:line in function(): `code```)."""
+        return PropagationError(self.op, self.reason, self.advice, node=self.node, method=self.method, where=where)
 
 
 class InfeasibleError(AutopartitionError):

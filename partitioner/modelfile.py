@@ -216,11 +216,14 @@ def forward_failure(model: nn.Module, inputs: tuple[torch.Tensor, ...], *, call:
     rejecting its own example inputs (a sequence longer than its position embedding): every
     capture method fails the same way, so the capture advice would mislead.  Called only
     once capturing has failed; the model's buffers (running statistics) are put back after.
-    A model built on ``meta`` runs on meta inputs (which check shapes, not index values).
+    A model built on ``meta`` (or given meta inputs) is not run: meta tensors hold no
+    values, so whatever reads one (``.item()``, a branch on a tensor, an op without a meta
+    kernel) fails there however good the inputs are; the capture error says more.
     """
     args, kwargs = call.rebuild(inputs)
-    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
-        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: torch.empty_like(x, device="meta"), (args, kwargs))
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        return None
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         with torch.no_grad():

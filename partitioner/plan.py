@@ -237,6 +237,7 @@ class Candidate:
     # How its stage groups' replicas hold their state (one of STAGE_SHARD; with --shard auto, a stage group that
     # fits whole stays "none"); None: not recorded (older plans).
     shard: str | None = dataclasses.field(default=None, metadata={ADDED_IN_VERSION: 3})
+    ep: int = dataclasses.field(default=1, metadata={ADDED_IN_VERSION: 3})  # expert-parallel degree it was priced at
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,3 +114,64 @@ def test_the_diagnosis_leaves_the_model_as_it_was() -> None:
         planner.compile(model, (torch.randn(4, 6),), gpus=1, device="h100", microbatches=1)
     assert "test_capture_errors.py" in str(caught.value) and "self.bias.narrow(0, 0, h.size(1))" in str(caught.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # running stats put back
+
+
+# ----------------------------------------------------------------- models built on meta (issue 32)
+# Meta tensors hold no values: an eager run of a meta model fails wherever it reads one, however good
+# its inputs are. So a meta model's capture failure is reported as the capture failure, never blamed on
+# the inputs.
+
+TESTS_PY = Path(__file__).resolve()
+
+
+def _blames_no_input(message: str) -> None:
+    assert "example inputs" not in message and "not a capture" not in message, message
+    assert "forward raised" not in message and "meta tensors" not in message, message
+
+
+def test_an_uncapturable_meta_model_reports_the_capture_failure() -> None:
+    with torch.device("meta"):
+        model = _DataDependent()
+    with pytest.raises(CaptureError) as caught:
+        planner.compile(model, (torch.randn(4, 4),), gpus=1, device="h100", microbatches=1)
+    message = str(caught.value)
+    assert message.startswith("Could not capture _DataDependent"), message
+    line = _line_of(TESTS_PY, "return h * 2 if h.sum() > 0 else h")
+    assert f"{TESTS_PY}:{line}" in message, message  # the model's line that stops capture
+    _blames_no_input(message)
+
+
+class _Histc(nn.Module):
+    """Counts tokens per expert with ``histc`` on integer ids (Hugging Face's MoE layers off the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).topk(2, dim=-1).indices
+        counts = torch.histc(chosen.int(), bins=4, min=0, max=3)  # the line propagation fails at
+        return x * counts.sum()
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_a_propagation_failure_on_meta_names_op_module_and_line(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op fake tensors cannot run (here: integer histc without the planner's own rule) fails value propagation
+    after capture: the error names the op, its module and the model's line (found by capturing again with source
+    lines), not the inputs."""
+    import contextlib
+
+    from partitioner.graph import values
+
+    monkeypatch.setattr(values, "fake_kernels", contextlib.nullcontext)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), _Histc())
+    with pytest.raises(CaptureError) as caught:
+        planner.compile(model, (torch.randn(4, 8),), gpus=1, device="h100", microbatches=1,
+                        capture_method=method)  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert message.startswith("Shape propagation failed on the captured graph at node histc"), message
+    assert "in 1 (_Histc)" in message and "histogram_cpu" in message, message
+    line = _line_of(TESTS_PY, "counts = torch.histc(chosen.int(), bins=4, min=0, max=3)")
+    assert f"from {TESTS_PY}:{line} in forward()" in message, message
+    _blames_no_input(message)

@@ -1,4 +1,5 @@
-"""The large-model example files: ``examples/llama.py``, ``examples/gpt3.py``, ``tools/bench_large.py``.
+"""The large-model example files: ``examples/llama.py``, ``examples/gpt3.py``, ``examples/deepseek_v3.py``,
+``tools/bench_large.py``.
 
 * Every large factory builds on the meta device in well under a second (nothing is
   allocated) with the published parameter count, checked against a closed-form count
@@ -26,6 +27,7 @@ from planning_helpers import make_plan, parameters_covered
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = str(ROOT / "examples" / "llama.py")
 GPT3 = str(ROOT / "examples" / "gpt3.py")
+DSV3 = str(ROOT / "examples" / "deepseek_v3.py")
 
 
 def llama_parameters(
@@ -45,6 +47,18 @@ def gpt_parameters(layers: int, d: int, vocab: int, context: int) -> int:
     return vocab * d + context * d + layers * per_layer + 2 * d
 
 
+def deepseek_parameters(layers: int, dense: int, hidden: int, ffn: int, expert_ffn: int, experts: int, shared: int,
+                        heads: int, q_rank: int, kv_rank: int, nope: int, rope: int, v: int, vocab: int) -> int:
+    """Untied embedding and head; per layer Multi-head Latent Attention (q down/norm/up, joint kv down with the
+    shared RoPE key, kv norm/up, output), two RMSNorms, and a dense SwiGLU FFN or a mixture of experts (routed
+    SwiGLU experts of width expert_ffn, a router weight per expert, shared experts); a final RMSNorm."""
+    attention = (hidden * q_rank + q_rank + q_rank * heads * (nope + rope) + hidden * (kv_rank + rope) + kv_rank
+                 + kv_rank * heads * (nope + v) + heads * v * hidden)
+    dense_layer = attention + 2 * hidden + 3 * hidden * ffn
+    moe_layer = attention + 2 * hidden + experts * 3 * hidden * expert_ffn + experts * hidden + shared * 3 * hidden * expert_ffn
+    return 2 * vocab * hidden + hidden + dense * dense_layer + (layers - dense) * moe_layer
+
+
 @pytest.mark.parametrize(
     ("spec", "expected", "published", "rounding"),
     [
@@ -58,6 +72,8 @@ def gpt_parameters(layers: int, d: int, vocab: int, context: int) -> int:
         ),
         (f"{GPT3}:gpt3_175b", gpt_parameters(96, 12288, 50257, 2048), 175e9, 0.003),
         (f"{GPT3}:gpt3_xl", gpt_parameters(24, 2048, 50257, 2048), 1.3e9, 0.02),  # "1.3B": 2 digits
+        (f"{DSV3}:deepseek_v3_671b",  # DeepSeek-V3 technical report: 671B total parameters
+         deepseek_parameters(61, 3, 7168, 18432, 2048, 256, 1, 128, 1536, 512, 128, 64, 128, 129280), 671e9, 0.001),
     ],
 )
 def test_large_factories_build_on_meta_with_published_sizes(
@@ -83,6 +99,8 @@ def test_large_factories_build_on_meta_with_published_sizes(
         (f"{LLAMA}:llama3_70b", 4096, 128256),
         (GPT3, 32, 512),
         (f"{GPT3}:gpt3_175b", 2048, 50257),
+        (DSV3, 32, 512),
+        (f"{DSV3}:deepseek_v3_671b", 4096, 129280),
     ],
 )
 def test_example_inputs_follow_the_factory(spec: str, seq: int, vocab: int) -> None:
@@ -107,11 +125,13 @@ def test_sequence_lengths_are_listed_per_factory() -> None:
         "llama3_405b": 4096,
     }
     assert gpt3.SEQ_LENS == {"build_model": 32, "gpt3_xl": 2048, "gpt3_175b": 2048}
-    assert all(callable(getattr(m, name)) for m in (llama, gpt3) for name in m.SEQ_LENS)
+    deepseek = example("deepseek_v3")
+    assert deepseek.SEQ_LENS == {"build_model": 32, "deepseek_v3_tiny": 32, "deepseek_v3_671b": 4096}
+    assert all(callable(getattr(m, name)) for m in (llama, gpt3, deepseek) for name in m.SEQ_LENS)
 
 
 def test_tiny_defaults_run_and_lose_like_a_language_model() -> None:
-    for spec, vocab in ((LLAMA, 512), (GPT3, 512)):
+    for spec, vocab in ((LLAMA, 512), (GPT3, 512), (DSV3, 512)):
         model_file = load_model_file(spec)
         model = model_file.build()
         assert all(not p.is_meta for p in model.parameters())
@@ -223,3 +243,45 @@ def test_gpt3_xl_plans_on_meta_in_seconds_with_bf16_mixed() -> None:
     limit = plan.cost_model.memory_limit
     assert limit is not None and max(s.predicted.memory_bytes for s in plan.stages) <= limit
     assert all(p.is_meta for p in model.parameters())  # planning allocated no weights
+
+
+def test_tiny_deepseek_v3_plans_on_meta() -> None:
+    """Issue 32: DeepSeek-V3 on meta counts tokens per expert with integer ``histc``, which torch's meta kernel refuses
+    on a fake CPU tensor; it plans now (about 5 s), and its experts are found."""
+    from _examples import example
+
+    from partitioner.graph.capture import capture
+    from partitioner.graph.experts import find_experts
+    from partitioner.graph.values import propagate_values
+    from partitioner.search.planner import compile
+
+    deepseek = example("deepseek_v3")
+    model = deepseek.build(deepseek.TINY, meta=True)
+    inputs = deepseek.example_inputs(4)
+    plan = compile(model, inputs, gpus=2, device="h100", microbatches=2, pp=2)
+    assert (plan.pp, len(plan.stages)) == (2, 2)
+    assert all(p.is_meta for p in model.parameters())  # planning allocated no weights
+    captured = capture(model, inputs[0][:2], method="export")
+    propagate_values(captured.graph_module, (inputs[0][:2],))
+    found = find_experts(model, captured)
+    assert [(e.module, e.experts, e.top_k) for e in found.layers] == [
+        ("model.layers.1.mlp.experts", 8, 2), ("model.layers.2.mlp.experts", 8, 2)]  # layer 0 is dense
+
+
+@pytest.mark.slow
+def test_deepseek_v3_671b_captures_on_meta() -> None:
+    """About 25 s: the 671B shape exports on meta at one sample, its values propagate and 58 layers of 256
+    experts (top 8) are found."""
+    from partitioner.graph.capture import capture
+    from partitioner.graph.experts import find_experts
+    from partitioner.graph.values import propagate_values
+
+    model_file = load_model_file(f"{DSV3}:deepseek_v3_671b")
+    model = model_file.build()
+    inputs = model_file.example_inputs(1)
+    start = time.perf_counter()
+    captured = capture(model, inputs, method="export")
+    propagate_values(captured.graph_module, inputs)
+    assert time.perf_counter() - start < 60.0
+    found = find_experts(model, captured)
+    assert len(found.layers) == 58 and {(e.experts, e.top_k, e.hidden) for e in found.layers} == {(256, 8, 7168)}

@@ -260,6 +260,40 @@ def test_time_loss_on_meta_model_uses_placeholder_outputs() -> None:
     assert forward_s > 0 and backward_s > 0
 
 
+# ----------------------------------------------------------------- ops without a fake kernel torch has
+
+
+class _CountsPerExpert(nn.Module):
+    """Counts tokens per expert with ``histc`` on integer ids, as Hugging Face MoE layers do off the CPU."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.experts = experts
+        self.router = nn.Linear(8, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).topk(2, dim=-1).indices.reshape(-1)
+        counts = torch.histc(chosen.int(), bins=self.experts, min=0, max=self.experts - 1)
+        return x * torch.cumsum(counts, dim=0, dtype=torch.int32)[-1]
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_histc_on_integer_ids_captures_and_counts_on_meta(method: str) -> None:
+    """Issue 32: torch's meta kernel refuses integer histc on a fake CPU tensor (DeepSeek-V3 on meta failed)."""
+    from torch._subclasses import fake_impls
+
+    with torch.device("meta"):
+        model = _CountsPerExpert()
+    inputs = (torch.randn(6, 8),)  # CPU inputs: the fakes claim the CPU
+    captured = _captured(model, inputs, method)
+    (histc,) = [n for n in captured.graph_module.graph.nodes if "histc" in str(n.target)]
+    assert histc.meta["autopartition_value"].shape == (4,) and histc.meta["autopartition_value"].dtype == "int32"
+    assert set(cost.profile(captured, inputs, measure=False)) >= {histc.name}
+    assert torch.ops.aten.histc.default not in fake_impls.op_implementations_dict  # in force for the run only
+    plan = partitioner.compile(model, inputs, gpus=1, microbatches=1, device="h100", capture_method=method)  # type: ignore[arg-type]
+    assert plan.pp == 1 and all(p.is_meta for p in model.parameters())
+
+
 # ----------------------------------------------------------------- helpers
 
 

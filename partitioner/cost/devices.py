@@ -213,6 +213,9 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100-500w": _gpu("h100-500w", 67e12 * H100_500W_PEAK_SHARE, 989e12 * H100_500W_PEAK_SHARE, 2.4e12, 96,
                       450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
     "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
+    # H100 SXM compute and memory with NVLink cut to 400 GB/s both ways (DeepSeek-V3's cluster, arXiv:2412.19437
+    # section 3.1: 8 per node, NVLink within, 400 Gb/s InfiniBand per GPU); Hopper's fitted efficiencies.
+    "h800": _gpu("h800", 67e12, 989e12, 3.35e12, 80, 200e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
     # Uncalibrated (no published run): the bare datasheet roofline, efficiency=() and calibrated_by=().
     "b200": _gpu("b200", 75e12, 2.25e15, 7.7e12, 180, 900e9, 50e9),  # NVLink 5, ConnectX-7 400 Gb/s
     "gb200": _gpu("gb200", 80e12, 2.5e15, 8e12, 186, 900e9, 50e9),  # NVL72's GPU, ConnectX-7 400 Gb/s

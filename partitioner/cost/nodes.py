@@ -70,6 +70,7 @@ from partitioner.graph.meta import (
     Layer,
     StandIns,
     attribute,
+    fake_kernels,
     fake_like,
     has_meta,
     home_device,
@@ -136,7 +137,7 @@ def _count(gm: fx.GraphModule, inputs: tuple[Any, ...], *, progress: Progress | 
     state = FakeState(gm, mode, home)
     runner = _CountInterpreter(gm, device=home, progress=progress, state=state)
     runner.home = home
-    with mode, torch.enable_grad():
+    with fake_kernels(), mode, torch.enable_grad():
         runner.run(*(fake_like(x, home) if isinstance(x, torch.Tensor) else x for x in inputs))
     return runner.costs
 
@@ -1032,6 +1033,29 @@ def _cpu_sdpa_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *a
     return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
 
 
+def _grouped_mm_flops(tokens: Any, weight: Any, *args: Any, **kwargs: Any) -> int:
+    """A grouped matmul, tokens ``(S, K)`` sorted by expert against ``(E, K, N)``: each row meets one expert."""
+    return 2 * int(tokens.shape[0]) * int(tokens.shape[-1]) * int(weight.shape[-1])
+
+
+def _grouped_mm_ops() -> dict[Any, Callable[..., int]]:
+    """Grouped-matmul ops of mixture-of-experts layers (torch's, and transformers' fallback when registered)."""
+    found: dict[Any, Callable[..., int]] = {}
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        found[torch.ops.aten._grouped_mm] = _grouped_mm_flops
+    try:  # registered when transformers' MoE integration is imported (by an HF MoE model)
+        found[torch.ops.transformers.grouped_mm_fallback] = _grouped_mm_flops
+        found[torch.ops.transformers.grouped_mm_fallback_backward] = _grouped_mm_backward_flops
+    except (AttributeError, RuntimeError):
+        pass
+    return found
+
+
+def _grouped_mm_backward_flops(tokens: Any, weight: Any, *args: Any, **kwargs: Any) -> int:
+    """Its backward: the input's gradient and the weights', one grouped matmul each."""
+    return 2 * _grouped_mm_flops(tokens, weight)
+
+
 # torch's registry covers the CUDA attention kernels but not the CPU flash kernel that
 # ``scaled_dot_product_attention`` picks for CPU (and CPU-device fake) tensors, so the
 # attention matmuls of a Hugging Face model would count as 0 FLOPs; same formulas.
@@ -1039,6 +1063,7 @@ _FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     **flop_registry,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+    **_grouped_mm_ops(),
 }
 
 
@@ -1058,6 +1083,8 @@ class _FlopCount(TorchDispatchMode):
         if func in _METADATA_OPS:
             return NotImplemented  # fake tensors ask for sizes and strides through dispatch: no FLOPs
         packet = func._overloadpacket
+        if packet not in _FLOP_FORMULAS and packet.__module__ != "torch._ops.aten" and "grouped_mm" in str(packet):
+            _FLOP_FORMULAS.update(_grouped_mm_ops())
         if (packet not in _FLOP_FORMULAS and not isinstance(func, torch._ops.HigherOrderOperator)
                 and func is not torch.ops.prim.device.default):
             with self:

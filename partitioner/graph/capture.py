@@ -39,6 +39,7 @@ import inspect
 import json
 import linecache
 import os
+import re
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -53,8 +54,8 @@ from partitioner.graph.ir import KIND_KEY, NodeKind
 if TYPE_CHECKING:
     from partitioner.graph.experts import ExpertLayer
 
-__all__ = ["CallSpec", "CaptureMethod", "CapturedModel", "buffers_written", "capture", "model_loss", "split_call",
-           "written_state_nodes"]
+__all__ = ["CallSpec", "CaptureMethod", "CapturedModel", "buffers_written", "capture", "model_loss", "node_source",
+           "source_of", "split_call", "written_state_nodes"]
 
 CaptureMethod = Literal["auto", "export", "symbolic_trace"]
 
@@ -409,22 +410,77 @@ def capture(
     )
 
 
+def source_of(model: torch.nn.Module, example_inputs: Any, node: str, *, method: CaptureMethod,
+              call: CallSpec | None = None) -> str | None:
+    """The line of the model's code that graph node ``node`` of a ``method`` capture comes from, or None.
+
+    Captures ``model`` again, as :func:`capture` did, recording source lines
+    (which capturing leaves out for speed): for error messages only.
+    """
+    if call is None:
+        call, flat = CallSpec.of(example_inputs)
+    else:
+        flat = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    args, kwargs = call.rebuild(flat)
+    try:
+        if method == "export":
+            gm = _export(model, args, kwargs, call, stack_traces=True)[0]
+        else:
+            gm = _trace(model, args, kwargs, stack_traces=True)[0]
+    except Exception:  # noqa: BLE001 - it captured before; without a second capture there is just no line
+        return None
+    found = next((n for n in gm.graph.nodes if n.name == node), None)
+    return None if found is None else node_source(found)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\n(?P<code>[^\n]*)')
+
+
+def node_source(node: fx.Node) -> str | None:
+    """``file:line in function(): `code``` of the innermost model frame in ``node``'s recorded stack trace.
+
+    Frames of torch, the standard library and autopartition are skipped; None without
+    a stack trace (capturing records none: see :func:`source_of`).
+    """
+    trace = node.meta.get("stack_trace")
+    if not isinstance(trace, str):
+        return None
+    best = None
+    for match in _FRAME.finditer(trace):
+        name = match["file"]
+        if _library(name):
+            continue
+        code = match["code"].strip() or linecache.getline(name, int(match["line"])).strip()
+        best = f"{name}:{match['line']} in {match['function']}()" + (f": `{code}`" if code else "")
+    return best
+
+
+def _library(filename: str) -> bool:
+    """Whether ``filename`` is torch's, the standard library's, autopartition's graph code or not a file."""
+    if filename.startswith((os.path.dirname(torch.__file__), os.path.dirname(__file__), "<")):
+        return True
+    packages = os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep
+    return filename.startswith(os.path.dirname(os.__file__)) and not any(p in filename for p in packages)
+
+
 # --------------------------------------------------------------------------- routes
 # Each route returns the graph, the output structure, and the placeholder of every flat
 # input (in flat order); placeholders not among them hold baked constants and are removed.
 
 
 def _export(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], call: CallSpec
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], call: CallSpec, *,
+    stack_traces: bool = False,
 ) -> tuple[fx.GraphModule, pytree.TreeSpec, list[fx.Node]]:
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         # A model built on meta is exported on meta inputs: CPU inputs meeting meta weights in one op
         # fail export's device check.  Device literals this bakes in are read as the run's device later.
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: torch.empty_like(x, device="meta"),
                                             (args, kwargs))
-    # No source stack trace per node (nothing here reads node.meta["stack_trace"]): a fifth of export's time.
+    # No source stack trace per node (only error messages read node.meta["stack_trace"]: source_of captures
+    # again with them): a fifth of export's time.
     emit = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:
         exported = torch.export.export(model, args, kwargs, strict=False)
     finally:
@@ -453,7 +509,7 @@ def _export(
 
 
 def _trace(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, stack_traces: bool = False,
 ) -> tuple[fx.GraphModule, pytree.TreeSpec, list[fx.Node]]:
     signature = inspect.signature(model.forward)
     try:
@@ -480,7 +536,9 @@ def _trace(
         else:
             concrete[name] = value
     before = [(name, b, b._version, None if b.is_meta else b.detach().clone()) for name, b in model.named_buffers()]
-    traced = _LayerTracer().trace(model, concrete_args=concrete or None)
+    tracer = _LayerTracer()
+    tracer.record_stack_traces = stack_traces
+    traced = tracer.trace(model, concrete_args=concrete or None)
     written = [name for name, b, version, _ in before if b._version != version]
     if written:
         # fx records an op only when a traced value flows into it: ``self.calls.add_(1)`` and ``self.ema.mul_(0.9)``
@@ -821,13 +879,10 @@ def _describe_failure(exc: BaseException) -> str:
 
 def _user_frame(exc: BaseException) -> str | None:
     """The innermost traceback frame outside torch and the standard library."""
-    torch_dir = os.path.dirname(torch.__file__)
-    stdlib_dir = os.path.dirname(os.__file__)
-    here = os.path.dirname(__file__)
     best: str | None = None
     for frame in traceback.extract_tb(exc.__traceback__):
         name = frame.filename
-        if name.startswith((torch_dir, stdlib_dir, here, "<")):
+        if _library(name):
             continue
         line = (frame.line or linecache.getline(name, frame.lineno or 0)).strip()
         best = f"{name}:{frame.lineno} in {frame.name}(): `{line}`"

@@ -23,13 +23,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
@@ -40,6 +42,7 @@ __all__ = [
     "Layer",
     "StandIns",
     "attribute",
+    "fake_kernels",
     "fake_like",
     "has_meta",
     "home_device",
@@ -72,6 +75,45 @@ def fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(made, requires_grad=tensor.requires_grad)
     return made
+
+
+@contextlib.contextmanager
+def fake_kernels() -> Iterator[None]:
+    """Fake-tensor rules torch lacks that the planner's fake runs need, in force for the ``with`` block only.
+
+    ``torch.histc`` on integer input: a graph exported on meta takes a model's
+    non-CPU branch (Hugging Face MoE layers count tokens per expert with
+    ``histc(expert_ids.int(), ...)``, as CUDA requires), and torch's meta kernel
+    refuses integers on a fake *CPU* tensor, the device the planner's fakes claim
+    for CPU example inputs.  The result is ``bins`` counts of the input's dtype, as
+    CUDA gives.  Floating-point input keeps torch's own rule.
+
+    >>> with fake_kernels(), FakeTensorMode() as mode:
+    ...     counts = torch.histc(mode.from_tensor(torch.tensor([0, 3, 3], dtype=torch.int32)), bins=4, min=0, max=3)
+    >>> counts.shape, counts.dtype
+    (torch.Size([4]), torch.int32)
+    """
+    added = [op for op in _FAKE_KERNELS if op not in fake_impls.op_implementations_dict]
+    for op in added:  # a rule already there (torch's own, or an outer block's) stays
+        fake_impls.op_implementations_dict[op] = _FAKE_KERNELS[op]
+    try:
+        yield
+    finally:
+        for op in added:
+            fake_impls.op_implementations_dict.pop(op, None)
+
+
+def _histc(mode: FakeTensorMode, func: Any, input: torch.Tensor, bins: int = 100, min: Any = 0,
+           max: Any = 0) -> Any:
+    if input.is_floating_point():
+        return NotImplemented  # torch's meta kernel
+    torch._check(bins > 0, lambda: f"histc(): bins must be > 0, but got {bins}")
+    torch._check(max >= min, lambda: "histc(): max must be larger than min")
+    with mode:
+        return torch.empty(bins, dtype=input.dtype, device=input.device)
+
+
+_FAKE_KERNELS: dict[Any, Callable[..., Any]] = {torch.ops.aten.histc.default: _histc}
 
 
 def home_device(gm: fx.GraphModule, inputs: Iterable[Any]) -> torch.device:

@@ -259,7 +259,7 @@ def _candidates(plan: Plan) -> str:
     rows = []
     for c in ranked:
         chosen = is_chosen(c, plan)
-        shape = f"{c.pp} x {c.dp}"
+        shape = f"{c.pp} x {c.dp}" + (f" (ep {c.ep})" if getattr(c, "ep", 1) > 1 else "")
         chunks = getattr(c, "chunks", None)
         rows.append((
             f"**{shape}**" if chosen else shape,

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ __all__ = [
     "WIDTH",
     "assumptions",
     "crossing_links",
+    "experts_summary",
     "format_bytes",
     "format_plan",
     "format_seconds",
@@ -264,7 +266,34 @@ def assumptions(plan: Plan) -> list[tuple[str, str]]:
         ("MFU", peak),
         ("device", device_summary(plan)),
         *([("tensor parallel", tensor_parallel_summary(plan))] if plan.tp > 1 else []),
+        *([("experts", experts_summary(plan))] if plan.experts else []),
     ]
+
+
+def experts_summary(plan: Plan) -> str:
+    """The experts' line of the assumptions: the layers, and how expert parallelism holds and feeds them.
+
+    >>> import dataclasses
+    >>> from partitioner.graph.experts import ExpertLayer
+    >>> from partitioner.plan import example_plan
+    >>> layer = ExpertLayer("moe", "Experts", 8, 2, 64, 256, "stacked", ("moe.w",), ("n",), "t", "i", "w", "n")
+    >>> p = dataclasses.replace(example_plan(), experts=(layer,) * 2)
+    >>> experts_summary(p).split(";")[0]
+    '2 experts layers (8 experts, top-2)'
+    """
+    counts = sorted({layer.experts for layer in plan.experts})
+    tops = sorted({layer.top_k for layer in plan.experts})
+    head = (f"{plural(len(plan.experts), 'experts layer')} ({'/'.join(map(str, counts))} experts, "
+            f"top-{'/'.join(map(str, tops))})")
+    if plan.ep == 1:
+        return f"{head}; every replica holds every expert (ep 1: no all-to-all)"
+    per_node = (plan.gpus_per_node or plan.gpus) // plan.tp
+    where = "inside a node (NVLink)" if per_node % plan.ep == 0 else \
+        f"across {plan.ep // math.gcd(plan.ep, per_node)} nodes (each GPU's network port)"
+    return (f"{head}; ep {plan.ep}: each group of {plan.ep} consecutive replicas holds {counts[0] // plan.ep} of each "
+            f"layer's experts per GPU, its weights, gradients and optimizer state; tokens dispatched and combined "
+            f"by four all-to-alls per layer and micro-batch {where}, not overlapped, the busiest member at "
+            "--expert-imbalance times the mean; expert gradients all-reduced over dp / ep replicas")
 
 
 def device_summary(plan: Plan) -> str:
@@ -430,6 +459,7 @@ def _candidates(plan: Plan) -> list[str]:
             shapes.add((c.pp, c.dp))
     shown = shown[:SHOWN_CANDIDATES]
     sharded = any(getattr(c, "shard", None) not in (None, "none") for c in plan.candidates)
+    experts = any(getattr(c, "ep", 1) > 1 for c in plan.candidates)
     rows = []
     for c in shown:
         rows.append([
@@ -445,13 +475,18 @@ def _candidates(plan: Plan) -> list[str]:
         ])
         if sharded:
             rows[-1].insert(5, getattr(c, "shard", None) or "-")
+        if experts:
+            rows[-1].insert(3, str(getattr(c, "ep", 1)))
     headers = ["", "pp", "dp", "M", "sched", "recomp", "closed form", "simulated", "why not chosen"]
     right = {1, 2, 3, 6, 7}
     if sharded:
         headers.insert(5, "shard")
         right = {1, 2, 3, 7, 8}
+    if experts:  # the expert-parallel degree, after dp
+        headers.insert(3, "ep")
+        right = {i + (i >= 3) for i in right} | {3}
     body = _render(headers, rows, right, shrink=len(headers) - 1, indent=2, keep_head=True)
-    what = " x shard" if sharded else ""
+    what = (" x ep" if experts else "") + (" x shard" if sharded else "")
     title = (f"candidates: pp x dp x M x schedule{what} (* = chosen; simulated: the best, and the best of each "
              "schedule)")
     lines = _wrap(title) + ["  " + line for line in body]

@@ -56,7 +56,13 @@ from partitioner.schedule.lower import compute_order, lower, validate
 from partitioner.schedule.simulate import simulate
 from partitioner.search.layouts import Solved
 from partitioner.search.options import PlanOptions, batch_size_of
-from partitioner.solve.formulate import GraphCosts, layer_runs, mode_parts, zero3_costs
+from partitioner.solve.formulate import (
+    GraphCosts,
+    expert_seconds,
+    layer_runs,
+    mode_parts,
+    zero3_costs,
+)
 from partitioner.solve.problem import (
     StageRecompute,
     allreduce_latencies,
@@ -130,7 +136,8 @@ def build_plan(
         precision=options.precision,
         optimizer=options.optimizer,
         gpus_per_node=options.gpus_per_node,
-        experts=captured.experts,  # ep stays 1 here; the runtime's expert parallelism reads the layers
+        ep=solved.ep,
+        experts=captured.experts,
     )
     return predict(_lower(assembled))
 
@@ -254,6 +261,13 @@ def _stages(
                 shard[s], memory[s], allreduce[s], latency[s] = "none", kept[s], reduce[s], wait[s]
                 if reshard[s]:  # DDP: none of ZeRO-3's collectives or gathered units (or its host wait per action)
                     reshard[s], exposed_f[s], exposed_b[s] = False, -z.first_gather_s, -z.first_gather_s
+    # Expert parallelism: each experts layer's all-to-alls and its busiest member's extra compute (formulate).
+    if solved.ep > 1:
+        added_f, added_b = expert_seconds(graph, dp=dp, ep=solved.ep, imbalance=options.expert_imbalance,
+                                          precision=options.precision, spec=options.spec, gpus_per_node=per_node)
+        for b, s in enumerate(partition.stage_of):
+            exposed_f[s] += added_f[b]
+            exposed_b[s] += added_b[b]
     layout = stage_layout(solved.pp, dp)
     # W per stage, and the host seconds a split backward adds to it (problem.split_backward).
     block_forward = [sum(graph.node_forward_s[n] for n in members) / dp for members in graph.blocks]

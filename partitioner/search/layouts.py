@@ -131,6 +131,7 @@ class Solved:
     # stays DDP (search.assemble), as a stage keeps its activations where they fit.
     whole: PartitionProblem | None = None
     gathered: float = 0.0  # ZeRO-3: the gathered units' bytes on every rank, beyond its problem's (formulate)
+    ep: int = 1  # expert parallelism: groups of ep replicas share the experts (its problem is priced for it)
 
     @property
     def stages(self) -> int:
@@ -138,13 +139,13 @@ class Solved:
 
 
 
-# A combination: (pp, dp, micro-batches, schedule, stages per rank, shard mode).
-CombinationKey = tuple[int, int, int | None, str | None, int, str]
+# A combination: (pp, dp, micro-batches, schedule, stages per rank, shard mode, expert-parallel degree).
+CombinationKey = tuple[int, int, int | None, str | None, int, str, int]
 
 
 
 def combination_key(solved: Solved) -> CombinationKey:
-    return (solved.pp, solved.dp, solved.microbatches, solved.schedule, solved.chunks, solved.shard)
+    return (solved.pp, solved.dp, solved.microbatches, solved.schedule, solved.chunks, solved.shard, solved.ep)
 
 
 
@@ -205,10 +206,11 @@ class Trial:
     shard: str = "none"  # the stage groups' shard mode its problem is priced for
     whole: PartitionProblem | None = None  # sharded: the DDP problem its stages fall back to where they fit
     gathered: float = 0.0  # ZeRO-3: the gathered units' bytes on every rank, beyond its problem's (formulate)
+    ep: int = 1  # expert-parallel degree its problem is priced for
 
     @property
     def key(self) -> CombinationKey:
-        return (self.pp, self.dp, self.microbatches, self.schedule, self.chunks, self.shard)
+        return (self.pp, self.dp, self.microbatches, self.schedule, self.chunks, self.shard, self.ep)
 
     @property
     def stages(self) -> int:
@@ -218,7 +220,7 @@ class Trial:
         assert self.problem is not None and self.partition is not None
         assert self.microbatches is not None and self.schedule is not None
         return Solved(self.pp, self.dp, self.problem, self.partition, self.microbatches, self.schedule, self.chunks,
-                      self.shard, self.whole, self.gathered)
+                      self.shard, self.whole, self.gathered, self.ep)
 
     def simulated(self, draft: Plan) -> None:
         """Record the simulation of its draft plan."""
@@ -280,56 +282,70 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
     tied, written, ends = _shared_state(scaled)
     trials: list[Trial] = []
     pending: list[Trial] = []
+    shapes_tried: list[tuple[int, int, int]] = []
     for d in sorted(k for k in range(1, gpus + 1) if gpus % k == 0):
         p = gpus // d
         if (options.pp is not None and p != options.pp) or (options.dp is not None and d != options.dp):
             continue
+        degrees = options.ep_choices(d)
+        if not degrees:  # a fixed --ep that does not divide these replicas
+            trials.append(Trial(p, d, options.microbatches, None, "skipped",
+                                f"--ep {options.ep_fixed} does not divide {d} replicas", ep=options.ep_fixed or 1))
+        shapes_tried += [(p, d, e) for e in degrees]
+    for p, d, e in shapes_tried:
+        # Expert parallelism (cost/experts.py): each degree prices the same shape's state and time its own way.
+        sc = scaled.with_ep(e)
         choices = options.microbatch_choices(d)
         single = options.schedules[0] if len(options.schedules) == 1 else None
+        shown = e == options.ep_choices(d)[0]  # a reason that holds whatever the degree: one row
         if not choices:
+            if not shown:
+                continue
             split = f"{d} replicas" + (f" x {options.microbatches} micro-batches" if options.microbatches else "")
-            trials.append(Trial(p, d, options.microbatches, single, "skipped", f"batch {batch} does not split into {split}"))
+            trials.append(Trial(p, d, options.microbatches, single, "skipped", f"batch {batch} does not split into {split}", ep=e))
             continue
         if p > blocks:
+            if not shown:
+                continue
             pinned = pinned_state(scaled.captured.graph_module)  # why so few, where a written buffer holds nodes together
             trials.append(Trial(p, d, options.microbatches, single, "skipped",
-                                f"only {blocks} blocks to place" + (f" ({pinned})" if pinned else "")))
+                                f"only {blocks} blocks to place" + (f" ({pinned})" if pinned else ""), ep=e))
             continue
         shapes = options.schedule_variants(p, blocks)
         # Each shard mode's state bound: a mode whose weights, gradients and optimizer state alone cannot
         # fit takes no part; the shape is infeasible when none fits.
         modes = list(dict.fromkeys(mode for k, _ in shapes for mode in _policies(options, k, d))) or ["none"]
-        whole = _state_bound(scaled.problem(d, choices[0]), p)
+        whole = _state_bound(sc.problem(d, choices[0]), p)
         # Sharding only shrinks the state (cost/precision.py): where DDP's fits, every mode's does.
         # ZeRO-3's gathered units come off its problem's limit (formulate): its state must fit in the rest.
         room = {mode: limit for mode in modes}
         for mode in modes:
             if reshards(mode) and limit is not None:
-                room[mode] = limit - zero3_costs(scaled.at(choices[0]), dp=d, spec=options.spec,
+                room[mode] = limit - zero3_costs(sc.at(choices[0]), dp=d, spec=options.spec,
                                                  precision=options.precision, gpus_per_node=options.gpus_per_node,
                                                  unit=options.zero3_unit, span=mode_parts(mode)[2]).transient_bytes
         state = {mode: whole if mode == "none" or (room_of := room[mode]) is None or whole <= room_of else
-                 _state_bound(scaled.problem(d, choices[0], mode), p) for mode in modes}
+                 _state_bound(sc.problem(d, choices[0], mode), p) for mode in modes}
         fitting = [mode for mode in modes if (room_of := room[mode]) is None or state[mode] <= room_of]
         if not fitting:
             least = min(modes, key=lambda mode: state[mode])
             trials.append(Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state[least],
-                                shard=least))
+                                shard=least, ep=e))
             continue
-        trials += [Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state[mode], shard=mode)
+        trials += [Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state[mode], shard=mode, ep=e)
                    for mode in modes if mode not in fitting]  # one row each: what that mode's state needs
         variants = []
         for k, v in shapes:
             if p * v > blocks:  # whatever the micro-batches: one row for the shape
                 trials.append(Trial(p, d, options.microbatches, k, "skipped", f"only {blocks} blocks for {p} x {v} stages",
-                                    chunks=v))
+                                    chunks=v, ep=e))
             elif written and p * v > 1:
-                trials.append(Trial(p, d, options.microbatches, k, "skipped", _written_buffer_reason(written), chunks=v))
+                trials.append(Trial(p, d, options.microbatches, k, "skipped", _written_buffer_reason(written), chunks=v, ep=e))
             else:
                 variants.append((k, v))
         z3: dict[tuple[int, str], Zero3Costs] = {}  # per micro-batch count and ZeRO-3 mode
         for m in choices:
-            problem = scaled.problem(d, m)  # DDP's: the bound (compute alone) is every mode's
+            problem = sc.problem(d, m)  # DDP's: the bound (compute alone) is every mode's
             for mode in fitting:
                 for k, v in variants:
                     if mode not in _policies(options, k, d):
@@ -337,22 +353,22 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                     on_one_rank = _tied_on_one_rank(tied, k, p, v, ends) if mode in FULL_MODES else []
                     if on_one_rank:
                         trials.append(Trial(p, d, m, k, "skipped", _tied_in_one_rank_reason(on_one_rank, k),
-                                            chunks=v, shard=mode))
+                                            chunks=v, shard=mode, ep=e))
                         continue
                     why = _cannot_run(k, p, m, v, blocks)
                     if why:
-                        trials.append(Trial(p, d, m, k, "skipped", why, chunks=v, shard=mode))
+                        trials.append(Trial(p, d, m, k, "skipped", why, chunks=v, shard=mode, ep=e))
                         continue
                     bound = _time_bound(problem, p, m, schedule=k, chunks=v)
                     if reshards(mode):  # its collectives' least exposure: the bound loses sooner (formulate)
                         z = z3.get((m, mode)) or z3.setdefault((m, mode), zero3_costs(
-                            scaled.at(m), dp=d, spec=options.spec, precision=options.precision,
+                            sc.at(m), dp=d, spec=options.spec, precision=options.precision,
                             gpus_per_node=options.gpus_per_node, unit=options.zero3_unit, span=mode_parts(mode)[2]))
                         bound = _time_bound(problem, p, m, schedule=k, chunks=v, added=sum(z.forward_s)
                                             + sum(z.backward_s) + 2 * p * v * z.first_gather_s)
                     # A sharded trial's problem is formulated when it is screened (most are not needed).
                     own = schedule_problem(problem, k, p, v) if mode == "none" else None
-                    pending.append(Trial(p, d, m, k, bound=bound, problem=own, chunks=v, shard=mode))
+                    pending.append(Trial(p, d, m, k, bound=bound, problem=own, chunks=v, shard=mode, ep=e))
     trials += pending
     if not trials:
         raise AutopartitionError(
@@ -454,7 +470,7 @@ def _needs_shard(t: Trial, by_key: dict[CombinationKey, Trial]) -> bool:
     # of collectives every micro-batch, so it is worth solving only where that twin needs more memory.
     twins = {ZERO3: ("none", "full"), HSDP: ("none",), HSDP_ZERO3: ("none", HSDP)}
     for other in twins.get(t.shard, ("none",)):
-        twin = by_key.get((t.pp, t.dp, t.microbatches, t.schedule, t.chunks, other))
+        twin = by_key.get((t.pp, t.dp, t.microbatches, t.schedule, t.chunks, other, t.ep))
         if twin is not None and twin.status == "pruned":
             return False  # the same bound: pruned alike, one row says so
         if twin is not None and twin.partition is not None and not any(_recompute_of(twin)):
@@ -482,10 +498,11 @@ def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, 
             continue
         if t.problem is None:
             assert t.microbatches is not None and t.schedule is not None
-            t.problem = schedule_problem(scaled.problem(t.dp, t.microbatches, t.shard), t.schedule, t.pp, t.chunks)
+            sc = scaled.with_ep(t.ep)
+            t.problem = schedule_problem(sc.problem(t.dp, t.microbatches, t.shard), t.schedule, t.pp, t.chunks)
             # --shard auto, one stage per rank (several share its memory: one mode for them all).
             if options.shard == "auto" and t.chunks == 1:
-                t.whole = schedule_problem(scaled.problem(t.dp, t.microbatches), t.schedule, t.pp, t.chunks)
+                t.whole = schedule_problem(sc.problem(t.dp, t.microbatches), t.schedule, t.pp, t.chunks)
             if reshards(t.shard):
                 o = options
                 t.gathered = zero3_costs(scaled.at(t.microbatches), dp=t.dp, spec=o.spec, precision=o.precision,
@@ -675,7 +692,7 @@ def candidate_rows(trials: list[Trial], chosen: Trial, options: PlanOptions) -> 
     rows = []
     order: dict[str | None, int] = {k: i for i, k in enumerate(SCHEDULES)}
     modes: dict[str, int] = {mode: i for i, mode in enumerate(SEARCH_SHARD_MODES)}
-    for t in sorted(trials, key=lambda t: (t.dp, t.microbatches or 0, order.get(t.schedule, -1), t.chunks,
+    for t in sorted(trials, key=lambda t: (t.dp, t.ep, t.microbatches or 0, order.get(t.schedule, -1), t.chunks,
                                            modes.get(t.shard, -1))):
         recomputed = sum(1 for r in _recompute_of(t) if r) if t.partition is not None else None
         fields: dict[str, Any] = {
@@ -684,7 +701,7 @@ def candidate_rows(trials: list[Trial], chosen: Trial, options: PlanOptions) -> 
             "microbatches": t.microbatches, "schedule": t.schedule, "recomputed_stages": recomputed,
             "memory_bytes": t.memory,
             "bubble_fraction": t.bubble if t.simulated_bubble is None else t.simulated_bubble,
-            "chunks": t.chunks, "shard": t.shard,
+            "chunks": t.chunks, "shard": t.shard, "ep": t.ep,
         }
         rows.append(Candidate(**{k: v for k, v in fields.items() if k in _CANDIDATE_FIELDS}))
     return tuple(rows)

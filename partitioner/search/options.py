@@ -15,6 +15,7 @@ pipeline width.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 
 from partitioner.cost.calibration import Calibration
 from partitioner.cost.devices import DEVICES, DeviceSpec, device_spec
+from partitioner.cost.experts import DEFAULT_IMBALANCE, ep_choices
 from partitioner.cost.precision import (
     OPTIMIZERS,
     Precision,
@@ -118,6 +120,15 @@ class PlanOptions:
     zero3_unit: str = "layer"
     tp: int = 1  # GPUs per tensor-parallel group: ``gpus`` counts groups while a degree is searched (search/planner.py)
     priced_only: bool = False  # layouts the runtime does not run are priced too (search/price.py)
+    ep_fixed: int | None = None  # expert-parallel degree given (--ep N); None: searched (cost/experts.py)
+    expert_counts: tuple[int, ...] = ()  # experts per layer of the model's experts layers (graph/experts.py)
+    expert_imbalance: float = DEFAULT_IMBALANCE  # the busiest EP member's tokens over the mean (cost/experts.py)
+
+    def ep_choices(self, dp: int) -> tuple[int, ...]:
+        """Expert-parallel degrees to try for ``dp`` replicas: 1 for a model without experts."""
+        if not self.expert_counts:
+            return (1,) if self.ep_fixed in (None, 1) else ()
+        return ep_choices(math.gcd(*self.expert_counts), dp, fixed=self.ep_fixed, per_node=self.gpus_per_node)
 
     def shard_modes(self, schedule: str, dp: int) -> tuple[str, ...]:
         """The shard modes tried for stage groups of ``dp`` replicas under ``schedule``.

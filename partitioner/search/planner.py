@@ -60,14 +60,21 @@ from torch.utils import _pytree as pytree
 
 from partitioner.agree import solved_on_rank0
 from partitioner.cost.calibration import Calibration, load_calibration
+from partitioner.cost.experts import DEFAULT_IMBALANCE
 from partitioner.cost.measured import Measured, measurement_key, recall, remember
 from partitioner.cost.nodecost import NodeCost, SplitOverhead
 from partitioner.cost.nodes import profile, time_loss
 from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION
 from partitioner.cost.splitcost import split_overhead
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
-from partitioner.errors import AutopartitionError, CaptureError, InfeasibleError, ScheduleError
-from partitioner.graph.capture import CallSpec, CapturedModel, CaptureMethod, capture
+from partitioner.errors import (
+    AutopartitionError,
+    CaptureError,
+    InfeasibleError,
+    PropagationError,
+    ScheduleError,
+)
+from partitioner.graph.capture import CallSpec, CapturedModel, CaptureMethod, capture, source_of
 from partitioner.graph.experts import find_experts
 from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, layer_of, module_path
 from partitioner.graph.tensorparallel import find_tensor_parallel
@@ -167,6 +174,8 @@ def compile(
     remeasure: bool = False,
     tp: int | str = 1,
     priced_only: bool = False,
+    ep: int | str = AUTO,
+    expert_imbalance: float = DEFAULT_IMBALANCE,
 ) -> Plan:
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
@@ -191,9 +200,14 @@ def compile(
     rest; :mod:`partitioner.graph.tensorparallel`).  ``priced_only``: plan and price a layout
     the runtime does not run (tensor parallelism over optimizer-sharded groups), as
     :func:`partitioner.search.price.price_layout` does for published layouts; such a plan is
-    a prediction, not something to run.
+    a prediction, not something to run.  ``ep``: the expert-parallel degree of a model
+    with experts (:mod:`partitioner.graph.experts`; ``"auto"``: searched, see
+    :func:`~partitioner.cost.experts.ep_choices`), its experts sharded over groups of ``ep``
+    replicas; ``expert_imbalance`` the busiest member's tokens over the mean
+    (:mod:`partitioner.cost.experts`).
     """
     say = status or (lambda _msg: None)
+    fixed_ep = _check_ep(ep, expert_imbalance)
     # A tuple, a dict of keywords or (args, kwargs): from here on, the flat tuple of its tensors.
     call, example_inputs = CallSpec.of(example_inputs)
     batch = batch_size_of(example_inputs)
@@ -212,7 +226,7 @@ def compile(
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
         refine_simulations=refine_simulations, priced_only=priced_only,
-        calibration=_calibration(calibration),
+        calibration=_calibration(calibration), expert_imbalance=expert_imbalance,
     )
 
     reference = options.reference_microbatches
@@ -222,9 +236,15 @@ def compile(
         captured, micro = _capture(model, example_inputs, micro, call, options)
     except CaptureError as exc:  # the model may fail on its own inputs: then no capture advice applies
         failure = forward_failure(model, micro, call=call)
-        if failure is None:
-            raise
-        raise failure from exc
+        if failure is not None:
+            raise failure from exc
+        if isinstance(exc, PropagationError) and exc.where is None and exc.method in ("export", "symbolic_trace"):
+            say("finding the line of the model's code that failed")  # capturing records no source lines: again
+            route: CaptureMethod = "export" if exc.method == "export" else "symbolic_trace"
+            where = source_of(model, micro, exc.node, method=route, call=call)
+            if where is not None:
+                raise exc.at(where) from exc.__cause__
+        raise
     if batch_size_of(micro) != batch // reference:  # costed at one sample: every size scales from it
         options = dataclasses.replace(options, costed_size=batch_size_of(micro))
         reference = options.reference_microbatches
@@ -242,6 +262,12 @@ def compile(
     costs = found.costs
     experts = find_experts(model, captured)  # after value propagation: it reads the shapes
     captured = dataclasses.replace(captured, experts=experts.layers, expert_notes=experts.notes)
+    for note in experts.notes:
+        say(note)
+    if fixed_ep is not None and fixed_ep > 1:
+        _check_fixed_ep(fixed_ep, captured, type(model).__name__)
+    options = dataclasses.replace(options, ep_fixed=fixed_ep,
+                                  expert_counts=tuple(layer.experts for layer in captured.experts))
     times = node_times(costs, spec, precision=options.precision, measure=measure)
     blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
     if not blocks:
@@ -327,6 +353,33 @@ class _Layout(NamedTuple):
             stage_code=stage_codes(captured, self.plan),
             block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
         )
+
+
+def _check_ep(ep: int | str, imbalance: float) -> int | None:
+    """The fixed expert-parallel degree (None: ``"auto"``), or an error saying what to pass."""
+    if not imbalance >= 1.0:
+        raise AutopartitionError(f"--expert-imbalance must be at least 1 (the busiest member's tokens over the "
+                                 f"mean; 1 is a perfectly balanced router), got {imbalance!r}.")
+    if ep == AUTO:
+        return None
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise AutopartitionError(f"--ep must be a whole number of replicas or 'auto', got {ep!r}.")
+    return ep
+
+
+def _check_fixed_ep(ep: int, captured: CapturedModel, model: str) -> None:
+    """``--ep N`` > 1 needs experts, and N must divide every layer's."""
+    if not captured.experts:
+        why = " ".join(captured.expert_notes) or (
+            "no submodule is called as experts(tokens (N, H), top_k_index (N, k), top_k_weights (N, k)) -> (N, H) "
+            "with its experts stacked on dim 0 or held in a ModuleList (partitioner/graph/experts.py).")
+        raise AutopartitionError(f"--ep {ep}: {model} has no experts to shard: {why} Use --ep 1 (or auto).")
+    counts = sorted({layer.experts for layer in captured.experts})
+    if any(count % ep for count in counts):
+        fits = [e for e in range(1, min(counts) + 1) if all(c % e == 0 for c in counts)]
+        raise AutopartitionError(
+            f"--ep {ep} does not divide {model}'s {' / '.join(map(str, counts))} experts per layer; "
+            f"use one of {', '.join(map(str, fits))} (or auto).")
 
 
 def _plan_layout(
@@ -778,8 +831,9 @@ class _SizedGraphs:
             return captured, micro, _RenamedCosts(scaled, None)
         recaptured = capture(model, micro, method="export", call=captured.call)
         propagate_values(recaptured.graph_module, micro)
-        found = find_experts(model, recaptured)  # in this capture's node names, which the plan records
-        recaptured = dataclasses.replace(recaptured, experts=found.layers, expert_notes=found.notes)
+        if captured.experts:  # the plan names the experts' nodes in the graph its stages run
+            found = find_experts(model, recaptured)
+            recaptured = dataclasses.replace(recaptured, experts=found.layers, expert_notes=found.notes)
         if graph_fingerprint(recaptured.graph_module) == graph_fingerprint(captured.graph_module):
             return recaptured, micro, _RenamedCosts(scaled, None)
         mapping = _map_blocks(captured.graph_module, recaptured.graph_module, scaled.blocks)
@@ -826,6 +880,7 @@ class _RenamedCosts:
             block_senders=tuple(keep(g) for g in graph.block_senders),
             block_inputs=tuple(keep(g) for g in graph.block_inputs),
             layer_runs=tuple(keep(g) for g in graph.layer_runs),
+            expert_layers=tuple(layer._replace(nodes=keep(layer.nodes)) for layer in graph.expert_layers),
         )
 
 

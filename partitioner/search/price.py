@@ -58,10 +58,13 @@ class Layout:
     source: str = ""
     shard_span: str = "auto"  # "full" over every replica ("world") or one node's (HSDP, "node"); auto: weighed
     zero3_unit: str = "layer"  # ZeRO-3's unit of gathering: FSDP2's layer, or DeepSpeed's module
+    ep: int = 1  # expert parallelism: groups of ep replicas share each layer's experts (cost/experts.py)
 
     def __post_init__(self) -> None:
         if self.tp * self.pp * self.dp != self.gpus:
             raise ValueError(f"{self.name}: tp x pp x dp = {self.tp} x {self.pp} x {self.dp} is not {self.gpus} GPUs")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"{self.name}: ep {self.ep} must divide dp {self.dp}")
 
     def describe(self) -> str:
         chunks = f" ({self.chunks} stages per rank)" if self.chunks and self.chunks > 1 else ""
@@ -69,7 +72,8 @@ class Layout:
                  "zero3": " (ZeRO-3)"}[self.shard]
         if self.shard == "full" and self.shard_span != "auto":
             shard = {"world": " (fully sharded over all)", "node": " (fully sharded per node: HSDP)"}[self.shard_span]
-        return (f"TP{self.tp} x PP{self.pp}{chunks} x DP{self.dp}{shard}, {self.microbatches} micro-batches, "
+        experts = f" (EP{self.ep})" if self.ep > 1 else ""
+        return (f"TP{self.tp} x PP{self.pp}{chunks} x DP{self.dp}{experts}{shard}, {self.microbatches} micro-batches, "
                 f"{self.schedule}, recompute {self.recompute}")
 
 
@@ -147,7 +151,7 @@ def price_layout(
     fixed: dict[str, Any] = dict(
         gpus=layout.gpus, tp=layout.tp, pp=layout.pp, dp=layout.dp, microbatches=layout.microbatches,
         schedule=layout.schedule, chunks=layout.chunks, shard=layout.shard, shard_span=layout.shard_span,
-        zero3_unit=layout.zero3_unit, recompute=layout.recompute, priced_only=True, **common)
+        zero3_unit=layout.zero3_unit, recompute=layout.recompute, priced_only=True, ep=layout.ep, **common)
     if leaves_no_choice(layout):  # one plan whatever the limit: planned once, compared with the limit
         plan = compile(model, example_inputs, memory_per_gpu=UNLIMITED_MEMORY, **fixed)
         limit = memory_per_gpu if memory_per_gpu is not None else _device_limit(fixed.get("device", "auto"))

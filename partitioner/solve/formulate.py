@@ -60,6 +60,7 @@ from partitioner.cost.comm import (
     zero3_microbatch_seconds,
 )
 from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.experts import DEFAULT_IMBALANCE, expert_layer_seconds
 from partitioner.cost.nodecost import NodeCost, predicted_times
 from partitioner.cost.precision import (
     activation_scale,
@@ -97,10 +98,12 @@ __all__ = [
     "WEIGHT_SHARE",
     "ZERO3",
     "ZERO3_UNITS",
+    "ExpertBlock",
     "GraphCosts",
     "Zero3Costs",
     "allreduce_seconds",
     "at_precision",
+    "expert_seconds",
     "formulate",
     "graph_costs",
     "layer_runs",
@@ -123,6 +126,16 @@ HSDP_ZERO3 = "hsdp-zero3"
 ZERO3_UNITS = ("layer", "module")  # one ZeRO-3 gather: FSDP2's layer (prefetched), DeepSpeed's module (in its hook)
 FULL_MODES = ("full", ZERO3, HSDP, HSDP_ZERO3)
 SEARCH_SHARD_MODES = ("none", "optimizer", *FULL_MODES)
+
+
+class ExpertBlock(typing.NamedTuple):
+    """One experts layer as the solver prices it: the block reading its output carries its all-to-alls."""
+
+    block: int
+    tokens: float  # tokens routed per micro-batch at dp = 1 (the layer's N)
+    top_k: int
+    hidden: int
+    nodes: tuple[str, ...]  # its compute nodes: their time is the busiest member's under expert parallelism
 
 
 def mode_parts(mode: str) -> tuple[str, bool, str]:
@@ -178,6 +191,10 @@ class GraphCosts:
     split_forward: float = 0.0  # the part of the split's cost spent in F
     split_weight: float = 0.0  # and in W (the rest in B)
     action_s: float = 0.0  # host seconds the runtime adds per compute action (a calibration's; partitioner.cost.calibration)
+    # Mixture of experts (graph/experts.py): the experts' canonical parameter names, and per experts layer
+    # (the block reading its output, tokens per micro-batch at dp = 1, top-k, hidden, its nodes).
+    expert_parameters: frozenset[str] = frozenset()
+    expert_layers: tuple[ExpertBlock, ...] = ()
     # Sums over a tuple of names (a block, a layer run, a block's inputs), kept by the tuple's identity: every
     # (dp, M) problem formulated from these costs asks for the same ones (not copied by dataclasses.replace).
     _sums: dict[tuple[Any, ...], tuple[Any, Any]] = dataclasses.field(
@@ -391,6 +408,11 @@ def graph_costs(
         split_forward=split_forward,
         split_weight=split_weight,
         action_s=action_s,
+        expert_parameters=frozenset(p for layer in captured.experts for p in layer.parameters),
+        expert_layers=tuple(
+            ExpertBlock(block_of[layer.output], float(layer.tokens_per_batch), layer.top_k, layer.hidden,
+                        tuple(n for n in layer.nodes if n in block_of))
+            for layer in captured.experts if layer.output in block_of),
     )
 
 
@@ -437,6 +459,8 @@ def formulate(
     recompute: str = "none",
     shard: str = "none",
     zero3_unit: str = "layer",
+    ep: int = 1,
+    expert_imbalance: float = DEFAULT_IMBALANCE,
 ) -> PartitionProblem:
     """The solver's problem for ``dp`` replicas per stage (any number of stages).
 
@@ -460,8 +484,14 @@ def formulate(
     (``gpus_per_node`` of them, where the group spans whole nodes), the shards'
     gradients all-reduced across the nodes (:func:`mode_parts`).  A group's
     collectives that cross nodes run on :func:`~partitioner.cost.comm.ring_link`.
+    ``ep`` > 1 (expert parallelism, :mod:`partitioner.cost.experts`): the experts'
+    state is divided by ``ep`` and its gradients reduced over ``dp / ep`` replicas
+    (sharded, in the mode's way, over those); each experts layer's block carries its
+    four all-to-alls and ``expert_imbalance`` times its experts' compute.
     """
     check_precision(precision)
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep {ep} must divide dp {dp}")
     base, reshard, span = mode_parts(shard)
     sharded = base != "none" and dp > 1
     zero3 = reshard and dp > 1
@@ -480,28 +510,40 @@ def formulate(
     static, allreduce, allreduce_slow = [0.0] * n, [0.0] * n, [0.0] * n
     shared: list[tuple[float, float, tuple[int, ...]]] = []
     shared_slow: list[float] = []
+    experts = graph.expert_parameters if ep > 1 else frozenset()
+    # The expert-data-parallel group: dp / ep replicas, ep apart, so ep times fewer of them on a node.
+    edp = dp // ep
+    edp_ring = ring_link(spec, crosses=True, members_per_node=max(1, members_per_node(dp, gpus_per_node) // ep))
     for p, blocks in readers.items():
-        nbytes = graph.parameter_bytes[p]
-        elements = graph.parameter_elements.get(p, nbytes / 4)
+        nbytes: float = graph.parameter_bytes[p]
+        elements: float = graph.parameter_elements.get(p, nbytes / 4)
+        group, group_shards, group_ring, group_hsdp = dp, shards, ring, hsdp
+        if p in experts:  # this member's E / ep experts, reduced over the expert-data-parallel group
+            nbytes, elements = nbytes / ep, elements / ep
+            group, group_ring = edp, edp_ring
+            group_shards = max(1, min(shards, edp))
+            group_hsdp = hsdp and group_shards < edp
         held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=nbytes)
         grads = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
         if zero3:  # everything sharded; its collectives are per micro-batch (zero3_costs, below)
-            held = shard_state_bytes(precision, optimizer_states, "full", shards, elements=elements, model_bytes=nbytes)
+            held = shard_state_bytes(precision, optimizer_states, "full", group_shards, elements=elements,
+                                     model_bytes=nbytes)
             fast = slow = 0.0
-        elif sharded:
-            held = shard_state_bytes(precision, optimizer_states, base, shards, elements=elements, model_bytes=nbytes)
+        elif sharded and group > 1:
+            held = shard_state_bytes(precision, optimizer_states, base, group_shards, elements=elements,
+                                     model_bytes=nbytes)
             if base == "full":
                 held += gathered_bytes(precision, elements=elements, model_bytes=nbytes)
             once = functools.partial(
                 shard_step_seconds, base, gradient_bytes=grads,
                 weight_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes),
                 gathered_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True))
-            fast = once(dp, intra)
+            fast = once(group, intra)
             # HSDP: gathered and reduce-scattered inside the node, the shard's gradients all-reduced across nodes.
-            slow = once(shards, intra) + inter.allreduce_seconds(grads / shards, dp // shards) if hsdp \
-                else once(dp, ring)
+            slow = once(group_shards, intra) + inter.allreduce_seconds(grads / group_shards, group // group_shards) \
+                if group_hsdp else once(group, group_ring)
         else:
-            fast, slow = (_allreduce(grads, dp, on, bucket_cap_mb) for on in (intra, ring))
+            fast, slow = (_allreduce(grads, group, on, bucket_cap_mb) for on in (intra, group_ring))
         if len(blocks) == 1:
             static[blocks[0]] += held
             allreduce[blocks[0]] += fast
@@ -538,6 +580,10 @@ def formulate(
         "action_s": graph.action_s,
     }
     times = [scale * x for x in sums.time]
+    if ep > 1:
+        added = expert_seconds(graph, dp=dp, ep=ep, imbalance=expert_imbalance, precision=precision, spec=spec,
+                               gpus_per_node=gpus_per_node)
+        times = [t + f + b for t, f, b in zip(times, *added, strict=True)]
     if zero3:
         z = zero3_costs(graph, dp=dp, spec=spec, precision=precision, gpus_per_node=gpus_per_node, span=span,
                         unit=zero3_unit)
@@ -561,6 +607,30 @@ def formulate(
 
 
 _PROBLEM_FIELDS = frozenset(f.name for f in dataclasses.fields(PartitionProblem))
+
+
+def expert_seconds(graph: GraphCosts, *, dp: int, ep: int, imbalance: float, precision: str, spec: DeviceSpec,
+                   gpus_per_node: int | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per block, the (forward, backward) seconds expert parallelism adds per micro-batch on one GPU.
+
+    Each experts layer's block carries its all-to-alls (:func:`~partitioner.cost.experts.expert_layer_seconds`)
+    and its busiest member's extra compute, ``imbalance - 1`` times its experts' own.  Nothing for ``ep`` 1.
+    """
+    forward, backward = [0.0] * len(graph.blocks), [0.0] * len(graph.blocks)
+    if ep <= 1:
+        return tuple(forward), tuple(backward)
+    element = 4 * activation_scale(precision, "float32")  # the routed rows travel in the compute dtype
+    local = members_per_node(ep, gpus_per_node)  # ep consecutive replicas, aligned at multiples of ep
+    scale = 1.0 / dp
+    for layer in graph.expert_layers:
+        sent_f, sent_b = expert_layer_seconds(
+            layer.tokens * scale, top_k=layer.top_k, hidden=layer.hidden, element_bytes=element, ep=ep,
+            members_per_node=local, intra=link(spec), inter=link(spec, inter_node=True))
+        own_f = sum(graph.node_forward_s.get(n, 0.0) for n in layer.nodes)
+        own = sum(graph.node_time_s.get(n, 0.0) for n in layer.nodes)
+        forward[layer.block] += sent_f + (imbalance - 1.0) * scale * own_f
+        backward[layer.block] += sent_b + (imbalance - 1.0) * scale * (own - own_f)
+    return tuple(forward), tuple(backward)
 
 
 def _allreduce(gradient_bytes: float, replicas: int, on: Link, bucket_cap_mb: float) -> float:

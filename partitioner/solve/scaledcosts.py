@@ -10,11 +10,13 @@ per (dp, M).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
 from partitioner.cost.calibration import Calibration
 from partitioner.cost.devices import DeviceSpec
+from partitioner.cost.experts import DEFAULT_IMBALANCE
 from partitioner.cost.nodecost import NodeCost, SplitOverhead
 from partitioner.solve.formulate import GraphCosts, formulate, graph_costs, node_times
 from partitioner.solve.problem import PartitionProblem
@@ -71,7 +73,8 @@ class ScaledCosts:
         self.split = split or SplitOverhead(0.0, 0.0)  # what a split backward adds per parameter-reading node
         self.calibration = calibration or Calibration()  # node times x scale, + action_s per compute action
         self._graphs: dict[int, GraphCosts] = {}
-        self._problems: dict[tuple[int, int, str], PartitionProblem] = {}  # once per (dp, M, shard)
+        self._problems: dict[tuple[int, int, str, int], PartitionProblem] = {}  # once per (dp, M, shard, ep)
+        self.ep = 1  # expert-parallel degree the problems are priced for (:meth:`with_ep`)
 
     def at(self, microbatches: int) -> GraphCosts:
         """Costs of one micro-batch when the mini-batch is split into ``microbatches`` (at dp = 1)."""
@@ -92,28 +95,40 @@ class ScaledCosts:
                     graph,
                     node_output_bytes={k: round(v * factor) for k, v in graph.node_output_bytes.items()},
                     block_sends=tuple(round(b * factor) for b in graph.block_sends),
+                    expert_layers=tuple(layer._replace(tokens=layer.tokens * factor) for layer in graph.expert_layers),
                 )
             self._graphs[microbatches] = graph
         return self._graphs[microbatches]
+
+    def with_ep(self, ep: int) -> ScaledCosts:
+        """These costs priced for expert parallelism ``ep`` (the graphs and problems kept are shared)."""
+        if ep == self.ep:
+            return self
+        view = copy.copy(self)
+        view.ep = ep
+        return view
 
     def problem(self, dp: int, microbatches: int, shard: str = "none", **changes: Any) -> PartitionProblem:
         """The solver's problem for ``dp`` replicas and ``microbatches``, with the options' settings.
 
         ``changes`` override formulate's keywords (``precision``, ``recompute``, ``memory_limit``...).
-        ``shard``: how the stage groups' replicas hold their state (``formulate``'s).
+        ``shard``: how the stage groups' replicas hold their state (``formulate``'s).  Priced for
+        expert parallelism :attr:`ep` where it divides ``dp`` (else without: such a trial is skipped).
         """
-        if not changes and (dp, microbatches, shard) in self._problems:
-            return self._problems[dp, microbatches, shard]
+        ep = self.ep if dp % self.ep == 0 else 1
+        if not changes and (dp, microbatches, shard, ep) in self._problems:
+            return self._problems[dp, microbatches, shard, ep]
         o = self.options
         kwargs: dict[str, Any] = {
             "spec": o.spec, "memory_limit": o.memory_limit, "precision": o.precision,
             "optimizer_states": o.optimizer_states, "bucket_cap_mb": o.bucket_cap_mb,
             "gpus_per_node": o.gpus_per_node, "recompute": o.recompute, "shard": shard,
-            "zero3_unit": getattr(o, "zero3_unit", "layer"), **changes,
+            "zero3_unit": getattr(o, "zero3_unit", "layer"), "ep": ep,
+            "expert_imbalance": getattr(o, "expert_imbalance", DEFAULT_IMBALANCE), **changes,
         }
         problem = formulate(self.at(microbatches), dp=dp, **kwargs)
         if not changes:
-            self._problems[dp, microbatches, shard] = problem
+            self._problems[dp, microbatches, shard, ep] = problem
         return problem
 
 

@@ -49,7 +49,14 @@ from torch.utils import _pytree as pytree
 from partitioner.cost.precision import check_precision
 from partitioner.errors import AutopartitionError
 from partitioner.graph.ir import dtype_name
-from partitioner.graph.meta import FakeState, StandIns, attribute, fake_like, home_device
+from partitioner.graph.meta import (
+    FakeState,
+    StandIns,
+    attribute,
+    fake_kernels,
+    fake_like,
+    home_device,
+)
 from partitioner.plan import Boundary, Plan
 
 __all__ = [
@@ -165,7 +172,7 @@ def boundary_dtypes(
     run.state = state
     run.home = home
     try:
-        with mode, forward_context(precision, home.type):
+        with fake_kernels(), mode, forward_context(precision, home.type):
             fakes = [fake_like(x, home) if isinstance(x, torch.Tensor) else x for x in inputs]
             if precision == "bf16":
                 fakes = [_to_bf16(x) for x in fakes]

@@ -52,7 +52,8 @@ COUNTS: dict[str, str] = {
 # GPU generation of each device a run names (efficiencies are fitted per generation).
 GENERATIONS: dict[str, str] = {
     "a100": "ampere", "a100-40gb": "ampere", "a100-opa": "ampere",
-    "h100": "hopper", "h100-500w": "hopper", "h200": "hopper",
+    "h100": "hopper", "h100-500w": "hopper", "h200": "hopper", "h800": "hopper",
+    "b200": "blackwell", "gb200": "blackwell", "b300": "blackwell",
 }
 
 
