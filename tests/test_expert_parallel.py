@@ -5,8 +5,7 @@ holds experts ``[j*E/ep, (j+1)*E/ep)`` of every experts layer and tokens travel 
 expert's member and back (:mod:`runtime.parallel.experts`).  ``verify`` trains 3 SGD steps on
 really spawned CPU ranks (gloo) and compares loss, every gradient and the parameters after
 each update (whole experts, gathered over the EP group) with the whole model in one process.
-Plans come from the planner at a fixed layout with ``ep`` set on them (the planner's own
-``--ep`` search is separate work); the experts layers are those the planner found.
+Plans come from the planner at a fixed layout and ``ep``, with the experts layers it found.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from planning_helpers import make_plan
 
 from partitioner.errors import AutopartitionError
 from partitioner.modelfile import load_model_file
@@ -33,10 +31,15 @@ STEPS = 3
 TOLERANCE = 1e-5
 
 
-def _ep_plan(spec: str, directory: Path, *, ep: int, **shape: Any) -> Plan:
-    plan = make_plan(spec, directory, **shape)
-    assert plan.experts, "the planner found no experts layer"
-    plan = dataclasses.replace(plan, ep=ep)
+def _ep_plan(spec: str, directory: Path, *, ep: int, pp: int, dp: int, schedule: str, microbatches: int = 2,
+             chunks: int | None = None) -> Plan:
+    """The planner's plan at this layout with expert-parallel degree ``ep`` (predicted h100 costs), saved."""
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    shape: dict[str, Any] = {} if chunks is None else {"chunks": chunks}
+    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=pp * dp, pp=pp, dp=dp, ep=ep,
+                   microbatches=microbatches, schedule=schedule, device="h100", **shape)
+    assert (plan.pp, plan.dp, plan.ep) == (pp, dp, ep) and plan.experts, "the planner found no experts layer"
     plan.save(directory)
     return plan
 
@@ -48,8 +51,7 @@ def _verified(directory: Path, spec: str) -> None:
 
 
 def test_the_planner_records_the_experts_layers(tmp_path: Path) -> None:
-    plan = make_plan(USER_MOE, tmp_path, pp=1, dp=2, microbatches=2, schedule="1f1b")
-    assert plan.ep == 1
+    plan = _ep_plan(USER_MOE, tmp_path, ep=1, pp=1, dp=2, schedule="1f1b")
     assert [(layer.module, layer.layout, layer.experts) for layer in plan.experts] == [
         (f"layers.{i}.moe", "list", 4) for i in range(3)]
     assert Plan.load(tmp_path).experts == plan.experts
@@ -131,13 +133,9 @@ def test_pipeline_and_expert_parallel(tmp_path: Path, schedule: str, recompute: 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
 def test_two_stages_per_rank_and_expert_parallel(tmp_path: Path, schedule: str) -> None:
-    model_file = load_model_file(USER_MOE_DEEP)
-    torch.manual_seed(0)
-    chunks = {"chunks": 2} if schedule == "interleaved-1f1b" else {}
-    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=4, pp=2, dp=2, microbatches=4,
-                   schedule=schedule, device="h100", **chunks)
+    plan = _ep_plan(USER_MOE_DEEP, tmp_path, ep=2, pp=2, dp=2, microbatches=4, schedule=schedule,
+                    chunks=2 if schedule == "interleaved-1f1b" else None)
     assert plan.chunks == 2 and len(plan.stages) == 4
-    dataclasses.replace(plan, ep=2).save(tmp_path)
     _verified(tmp_path, USER_MOE_DEEP)
 
 
