@@ -269,7 +269,8 @@ def compile(
     options = dataclasses.replace(options, ep_fixed=fixed_ep,
                                   expert_counts=tuple(layer.experts for layer in captured.experts))
     times = node_times(costs, spec, precision=options.precision, measure=measure)
-    blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
+    blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()},
+                     whole=[layer.nodes for layer in captured.experts])  # an experts layer is one exchange
     if not blocks:
         raise AutopartitionError(f"{type(model).__name__} has no compute to partition.")
     scaled = ScaledCosts(captured, blocks, costs, options, loss_s=found.loss_s,
