@@ -129,6 +129,8 @@ class StagePrediction:
     # FLOPs at the peak of each op's dtype: the stage's compute bound (partitioner.schedule.bounds).
     flops: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
     peak_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
+    # Of parameter_bytes, the experts' (whole, every expert): each GPU holds 1 / plan.ep of them (graph/experts.py).
+    expert_parameter_bytes: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)

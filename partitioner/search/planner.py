@@ -310,8 +310,13 @@ def compile(
             assert tp_layout is not None
             scaled_t = TensorParallelCosts(scaled, tp_layout, degree, settings)
         say(f"tensor parallel {degree}: searching {plural(settings.gpus, 'group')} of {plural(degree, 'GPU')}")
+        beat = min((p.predicted.step_s for p, _ in plans), default=None)
         try:
-            layout = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say)
+            layout = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say, beat=beat)
+        except _NotBetter as slower:
+            say(f"tensor parallel {degree}: its best closed form, {format_seconds(slower.closed_s)}, loses by more "
+                f"than {TP_SIMULATION_MARGIN:.0%} to the best plan so far: not simulated")
+            continue
         except InfeasibleError as exc:
             failures.append((degree, exc))
             say(f"tensor parallel {degree}: nothing fits")
@@ -383,6 +388,19 @@ def _check_fixed_ep(ep: int, captured: CapturedModel, model: str) -> None:
             f"use one of {', '.join(map(str, fits))} (or auto).")
 
 
+# Another tensor-parallel degree is simulated only when its best closed form comes within this share of the best
+# plan found so far: the closed form and the simulation of one plan differ by a few percent (candidate tables).
+TP_SIMULATION_MARGIN = 0.10
+
+
+class _NotBetter(Exception):
+    """A degree whose best closed-form step loses to the best plan so far by more than the margin."""
+
+    def __init__(self, closed_s: float) -> None:
+        super().__init__(closed_s)
+        self.closed_s = closed_s
+
+
 def _plan_layout(
     model: torch.nn.Module,
     captured: CapturedModel,
@@ -392,12 +410,16 @@ def _plan_layout(
     sized: _SizedGraphs,
     *,
     say: Status,
+    beat: float | None = None,
 ) -> _Layout:
     """Search every pp x dp x M x schedule for ``options.gpus`` devices, simulate the best, build the winner
     (:meth:`_Layout.finished` writes its stage code)."""
     trials, solved = search(scaled, options, say=say)
     if not solved:
         raise infeasible_error(scaled, options, trials)
+    closed = min(c.partition.objective for c in solved)
+    if beat is not None and closed > beat * (1 + TP_SIMULATION_MARGIN):
+        raise _NotBetter(closed)
     # The closed form ranks every combination; the best few are simulated and the simulation decides.
     by_key = {t.key: t for t in trials}
     refined: dict[CombinationKey, Refinement] = {}
