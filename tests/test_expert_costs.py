@@ -140,3 +140,12 @@ def test_no_stage_boundary_falls_inside_an_experts_layer(schedule: str):
     for layer in plan.experts:
         holders = {s.index for s in plan.stages if set(layer.nodes) & set(s.nodes)}
         assert len(holders) == 1, (layer.module, holders)
+
+
+def test_layouts_the_runtime_does_not_run_with_experts_are_refused_or_not_searched():
+    model, inputs = _mixtral()
+    with pytest.raises(AutopartitionError, match="--ep 2 with --shard full: the runtime runs expert parallelism"):
+        partitioner.compile(model, inputs, gpus=4, device="h100", ep=2, tp=1, shard="full")
+    searched = partitioner.compile(model, inputs, gpus=4, device="h100", ep="auto", tp=1, shard="auto",
+                                   memory_per_gpu=1e12)
+    assert all(c.shard in (None, "none") for c in searched.candidates if c.ep > 1)

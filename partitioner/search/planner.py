@@ -213,6 +213,11 @@ def compile(
     batch = batch_size_of(example_inputs)
     spec, measure, local = resolve_device(device)
     fixed_tp = check_tp(tp, gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, dp=dp)
+    if fixed_ep is not None and fixed_ep > 1 and not priced_only and (fixed_tp > 1 or shard not in ("auto", "none")):
+        raise AutopartitionError(
+            f"--ep {fixed_ep} with {f'--tp {fixed_tp}' if fixed_tp > 1 else f'--shard {shard}'}: the runtime runs "
+            "expert parallelism over replicated (DDP) stage groups of one GPU per replica, not yet with tensor "
+            "parallelism or sharded state; plan with --tp 1 --shard none (or auto), or --ep 1.")
     if fixed_tp > 1 and shard == "optimizer" and not priced_only and (dp or (gpus // fixed_tp // pp if pp else 1)) > 1:
         raise AutopartitionError(
             f"--tp {fixed_tp} with --shard optimizer: the runtime runs tensor parallelism with replicated or fully "
