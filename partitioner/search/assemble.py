@@ -136,6 +136,7 @@ def build_plan(
         precision=options.precision,
         optimizer=options.optimizer,
         gpus_per_node=options.gpus_per_node,
+        gpus_per_host=options.gpus_per_host,
         ep=solved.ep,
         experts=captured.experts,
     )

@@ -120,6 +120,7 @@ class PlanOptions:
     zero3_unit: str = "layer"
     tp: int = 1  # GPUs per tensor-parallel group: ``gpus`` counts groups while a degree is searched (search/planner.py)
     priced_only: bool = False  # layouts the runtime does not run are priced too (search/price.py)
+    gpus_per_host: int | None = None  # an NVLink domain of gpus_per_node over hosts of this many (--nvlink-domain)
     ep_fixed: int | None = None  # expert-parallel degree given (--ep N); None: searched (cost/experts.py)
     expert_counts: tuple[int, ...] = ()  # experts per layer of the model's experts layers (graph/experts.py)
     expert_imbalance: float = DEFAULT_IMBALANCE  # the busiest EP member's tokens over the mean (cost/experts.py)

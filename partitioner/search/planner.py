@@ -137,6 +137,7 @@ __all__ = [
     "microbatch_choices",
     "microbatch_inputs",
     "model_flops_utilization",
+    "nvlink_nodes",
     "stage_layout",
 ]
 
@@ -176,6 +177,7 @@ def compile(
     priced_only: bool = False,
     ep: int | str = AUTO,
     expert_imbalance: float = DEFAULT_IMBALANCE,
+    nvlink_domain: int | None = None,
 ) -> Plan:
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
@@ -204,9 +206,12 @@ def compile(
     with experts (:mod:`partitioner.graph.experts`; ``"auto"``: searched, see
     :func:`~partitioner.cost.experts.ep_choices`), its experts sharded over groups of ``ep``
     replicas; ``expert_imbalance`` the busiest member's tokens over the mean
-    (:mod:`partitioner.cost.experts`).
+    (:mod:`partitioner.cost.experts`).  ``nvlink_domain``: GPUs one NVLink domain joins when it spans
+    several hosts of ``gpus_per_node`` (GB200 NVL72: 72 over hosts of 4); links, tensor- and
+    expert-parallel groups and HSDP then follow the domain, and the plan records the hosts.
     """
     say = status or (lambda _msg: None)
+    gpus_per_node, gpus_per_host = nvlink_nodes(gpus, gpus_per_node, nvlink_domain)
     fixed_ep = _check_ep(ep, expert_imbalance)
     # A tuple, a dict of keywords or (args, kwargs): from here on, the flat tuple of its tensors.
     call, example_inputs = CallSpec.of(example_inputs)
@@ -231,7 +236,7 @@ def compile(
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
         refine_simulations=refine_simulations, priced_only=priced_only,
-        calibration=_calibration(calibration), expert_imbalance=expert_imbalance,
+        calibration=_calibration(calibration), expert_imbalance=expert_imbalance, gpus_per_host=gpus_per_host,
     )
 
     reference = options.reference_microbatches
@@ -364,6 +369,26 @@ class _Layout(NamedTuple):
             stage_code=stage_codes(captured, self.plan),
             block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
         )
+
+
+def nvlink_nodes(gpus: int, gpus_per_node: int | None, nvlink_domain: int | None) -> tuple[int | None, int | None]:
+    """``(gpus_per_node, gpus_per_host)`` as the planner prices them: the NVLink domain is the planner's node.
+
+    >>> nvlink_nodes(144, 4, 72), nvlink_nodes(64, 8, None)
+    ((72, 4), (8, None))
+    >>> nvlink_nodes(144, 8, 72)
+    Traceback (most recent call last):
+    ...
+    partitioner.errors.AutopartitionError: --nvlink-domain 72 must be a whole number of hosts of --gpus-per-node 8 and divide --gpus 144 (GB200 NVL72: --gpus-per-node 4 --nvlink-domain 72, --gpus a multiple of 72).
+    """
+    if nvlink_domain is None or gpus < 1:
+        return gpus_per_node, None
+    host = gpus_per_node or default_gpus_per_node(gpus)
+    if nvlink_domain < 1 or nvlink_domain % host or gpus % nvlink_domain:
+        raise AutopartitionError(
+            f"--nvlink-domain {nvlink_domain} must be a whole number of hosts of --gpus-per-node {host} and divide "
+            f"--gpus {gpus} (GB200 NVL72: --gpus-per-node 4 --nvlink-domain 72, --gpus a multiple of 72).")
+    return nvlink_domain, (host if host < nvlink_domain else None)
 
 
 def _check_ep(ep: int | str, imbalance: float) -> int | None:
