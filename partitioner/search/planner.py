@@ -376,10 +376,10 @@ def nvlink_nodes(gpus: int, gpus_per_node: int | None, nvlink_domain: int | None
 
     >>> nvlink_nodes(144, 4, 72), nvlink_nodes(64, 8, None)
     ((72, 4), (8, None))
-    >>> nvlink_nodes(144, 8, 72)
+    >>> nvlink_nodes(144, 8, 36)
     Traceback (most recent call last):
     ...
-    partitioner.errors.AutopartitionError: --nvlink-domain 72 must be a whole number of hosts of --gpus-per-node 8 and divide --gpus 144 (GB200 NVL72: --gpus-per-node 4 --nvlink-domain 72, --gpus a multiple of 72).
+    partitioner.errors.AutopartitionError: --nvlink-domain 36 must be a whole number of hosts of --gpus-per-node 8 and divide --gpus 144 (GB200 NVL72: --gpus-per-node 4 --nvlink-domain 72, --gpus a multiple of 72).
     """
     if nvlink_domain is None or gpus < 1:
         return gpus_per_node, None
