@@ -23,12 +23,14 @@ case                model file                        GPUs   batch (sequences)
 ==================  ================================  =====  ======================
 qwen3-30b-64        examples/moe.py:qwen3_30b_a3b        64  512 x 4,096 tokens
 qwen3-30b-1024      examples/moe.py:qwen3_30b_a3b     1,024  4,096 x 4,096
-qwen3-235b-64       examples/moe.py:qwen3_235b_a22b      64  1,024 x 4,096
+qwen3-235b-256      examples/moe.py:qwen3_235b_a22b     256  2,048 x 4,096
 qwen3-235b-1024     examples/moe.py:qwen3_235b_a22b   1,024  4,096 x 4,096
 ==================  ================================  =====  ======================
 
-Batches follow Megatron-Bridge's Qwen3 recipes (512 and 1,024 sequences of 4,096 at 8 to
-64 GPUs) and grow with the GPUs at 1,024.
+Batches follow Megatron-Bridge's Qwen3 recipes (512 sequences of 4,096 for 30B) and
+Megatron-MoE-ModelZoo's 256-H100 Qwen3-235B runs (2,048), and grow with the GPUs at 1,024.
+Qwen3-235B does not fit 64 H100s under our memory model (16 bytes per parameter of state is
+59 GiB per GPU fully sharded, before activations), so its small case is 256 GPUs.
 
 ``--deepseek``: DeepSeek-V3 671B (``examples/deepseek_v3.py:deepseek_v3_671b``) on 2,048 H800s
 (``--device h800``) at its final batch, 15,360 sequences of 4,096 tokens (arXiv:2412.19437,
@@ -67,7 +69,7 @@ class Case:
 CASES = (
     Case("qwen3-30b-64", "examples/moe.py:qwen3_30b_a3b", 64, 512),
     Case("qwen3-30b-1024", "examples/moe.py:qwen3_30b_a3b", 1024, 4096),
-    Case("qwen3-235b-64", "examples/moe.py:qwen3_235b_a22b", 64, 1024),
+    Case("qwen3-235b-256", "examples/moe.py:qwen3_235b_a22b", 256, 2048),
     Case("qwen3-235b-1024", "examples/moe.py:qwen3_235b_a22b", 1024, 4096),
 )
 
@@ -86,6 +88,7 @@ def _plan(case: Case, ep: int | str, *, priced_only: bool = False) -> dict[str, 
     try:
         plan = partitioner.compile(
             model, inputs, gpus=case.gpus, device="h100", precision="bf16-mixed", gpus_per_node=8, tp="auto",
+            microbatches="auto", schedule="auto", recompute="auto",
             ep=ep, loss_fn=model_file.loss_fn, target=model_file.example_target(case.batch), priced_only=priced_only)
     except InfeasibleError as exc:
         return {"ep": ep, "fits": False, "why": str(exc).splitlines()[0], "wall_s": time.perf_counter() - start}
@@ -117,11 +120,12 @@ def _deepseek() -> dict[str, Any]:
     batch, gpus = 15360, 2048
     common: dict[str, Any] = {"device": "h800", "precision": "bf16-mixed", "gpus_per_node": 8,
                               "loss_fn": model_file.loss_fn}
+    searched: dict[str, Any] = {"microbatches": "auto", "schedule": "auto", "recompute": "auto"}
     out: dict[str, Any] = {}
     model = model_file.build()
     inputs, target = model_file.example_inputs(batch), model_file.example_target(batch)
     start = time.perf_counter()
-    ours = partitioner.compile(model, inputs, gpus=gpus, tp="auto", ep="auto", target=target, **common)
+    ours = partitioner.compile(model, inputs, gpus=gpus, tp="auto", ep="auto", target=target, **searched, **common)
     out["ours"] = {"layout": f"TP{ours.tp} PP{ours.pp} x{ours.chunks} DP{ours.dp} EP{ours.ep} M{ours.microbatches} "
                    f"{ours.schedule} {'/'.join(sorted({s.shard for s in ours.stages}))}",
                    "step_s": ours.predicted.step_s, "wall_s": time.perf_counter() - start,
