@@ -204,25 +204,37 @@ def test_fp8_plans_a_faster_step_with_the_same_state() -> None:
 # ------------------------------------------------------------------ run
 
 
-def test_fp8_linear_is_a_scaled_matmul_of_the_fp8_casts() -> None:
+@pytest.mark.parametrize(("batch", "k", "n"), [((4, 8), 32, 48), ((5, 3), 40, 24)])  # the second one padded
+def test_fp8_linear_is_a_scaled_matmul_of_the_fp8_casts(batch: tuple[int, int], k: int, n: int) -> None:
     torch.manual_seed(0)
-    x = torch.randn(4, 8, 32, requires_grad=True)
-    w = torch.randn(48, 32, requires_grad=True)
-    b = torch.randn(48, requires_grad=True)
+    x = torch.randn(*batch, k, requires_grad=True)
+    w = torch.randn(n, k, requires_grad=True)
+    b = torch.randn(n, requires_grad=True)
     y = fp8_linear(x, w, b)
-    (qx, sx), (qw, sw) = quantize(x.detach().reshape(-1, 32), torch.float8_e4m3fn), quantize(w.detach(),
-                                                                                             torch.float8_e4m3fn)
+    (qx, sx), (qw, sw) = quantize(x.detach().reshape(-1, k), torch.float8_e4m3fn), quantize(w.detach(),
+                                                                                            torch.float8_e4m3fn)
     want = (qx.float() * sx) @ (qw.float() * sw).t() + b.detach()
-    assert torch.allclose(y.reshape(-1, 48), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(y.reshape(-1, n), want, rtol=1e-5, atol=1e-5)
     grad = torch.randn_like(y)
     y.backward(grad)
-    qg, sg = quantize(grad.reshape(-1, 48), torch.float8_e5m2)
+    qg, sg = quantize(grad.reshape(-1, n), torch.float8_e5m2)
     g = qg.float() * sg
-    assert torch.allclose(x.grad.reshape(-1, 32), g @ (qw.float() * sw), rtol=1e-5, atol=1e-5)  # type: ignore[union-attr]
+    assert torch.allclose(x.grad.reshape(-1, k), g @ (qw.float() * sw), rtol=1e-5, atol=1e-5)  # type: ignore[union-attr]
     assert torch.allclose(w.grad, g.t() @ (qx.float() * sx), rtol=1e-5, atol=1e-4)  # type: ignore[arg-type]
-    assert torch.allclose(b.grad, grad.reshape(-1, 48).sum(0))  # type: ignore[arg-type]
+    assert torch.allclose(b.grad, grad.reshape(-1, n).sum(0))  # type: ignore[arg-type]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert fp8_linear(x, w, b).dtype == torch.bfloat16  # as autocast's linear
+
+
+def test_rowwise_scales_each_row() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    x[0] *= 1e5  # one large row: tensorwise scaling pushes the others into FP8 subnormals, rowwise does not
+    w = torch.randn(16, 32)
+    want = x @ w.t()
+    err = {r: float((fp8_linear(x, w, recipe=r) - want)[1:].abs().max() / want[1:].abs().max())
+           for r in ("tensorwise", "rowwise")}
+    assert err["rowwise"] < 0.1 < err["tensorwise"], err
 
 
 def test_fp8_linear_saves_its_input_in_fp8() -> None:

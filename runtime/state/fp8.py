@@ -90,8 +90,36 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: 
     qa, sa = a_q if a_q is not None else quantize(a, a_dtype, dim=1 if rowwise else None)
     qb, sb = b_q if b_q is not None else quantize(b, b_dtype, dim=0 if rowwise else None)
     out = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    m, n = qa.shape[0], qb.shape[1]
+    # cuBLASLt's FP8 GEMMs take dimensions in multiples of 16: pad with zeros (a token count need not be one).
+    qa, qb = _padded(qa), _padded(qb)
+    sa, sb = _padded_scale(sa, qa.shape[0], rows=True), _padded_scale(sb, qb.shape[1], rows=False)
     result = torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out)
+    result = result[:m, :n]
     return result if result.dtype == out_dtype else result.to(out_dtype)
+
+
+def _pad16(size: int) -> int:
+    return -size % 16
+
+
+def _padded(q: torch.Tensor) -> torch.Tensor:
+    """``q`` (FP8) padded with zeros to multiples of 16 in both dimensions (bit pattern 0 is +0.0)."""
+    if not (_pad16(q.shape[0]) or _pad16(q.shape[1])):
+        return q
+    bits = torch.nn.functional.pad(q.view(torch.uint8), (0, _pad16(q.shape[1]), 0, _pad16(q.shape[0])))
+    return bits.view(q.dtype)
+
+
+def _padded_scale(scale: torch.Tensor, size: int, *, rows: bool) -> torch.Tensor:
+    """A per-row (``rows``) or per-column scale padded with ones to ``size`` entries; a tensorwise one as it is."""
+    if scale.numel() == 1:
+        return scale
+    have = scale.shape[0] if rows else scale.shape[1]
+    if have == size:
+        return scale
+    pad = (0, 0, 0, size - have) if rows else (0, size - have)
+    return torch.nn.functional.pad(scale, pad, value=1.0)
 
 
 class _FP8Linear(torch.autograd.Function):
