@@ -126,7 +126,9 @@ class Pipeline:
     The plan's ``precision`` is applied to every stage: ``bf16-mixed`` runs forward
     and loss under ``torch.autocast`` (bfloat16) with float32 parameters, ``bf16``
     converts parameters to bfloat16 (and floating model inputs as they enter);
-    boundary tensors travel in the dtype they are computed in.  A stage planned
+    boundary tensors travel in the dtype they are computed in; ``fp8`` runs as ``bf16-mixed``
+    with the linear layers' matmuls in FP8 (:mod:`runtime.state.fp8`; ``fp8=True`` runs them
+    whatever the precision, as ``verify`` runs an fp8 plan in float32, ``False`` never).  A stage planned
     with ``recompute="full"`` runs each layer under activation checkpointing; one
     planned ``"selective"`` its first ``recompute_layers`` layers so, and the next
     ``recompute_ops_layers`` under per-op checkpointing (:mod:`runtime.execute.recompute`).
