@@ -163,6 +163,8 @@ def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores() -> None:
         assert "h100" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(AutopartitionError, match="mxfp8.*Blackwell.*b200"):
         compile(model, x, gpus=1, device="h100", precision="fp8", fp8_recipe="mxfp8", microbatches=2)
+    with pytest.raises(AutopartitionError, match="fp8 with --tp 2"):
+        compile(model, gpt.example_inputs(8), gpus=2, device="h100", precision="fp8", tp=2, microbatches=2)
     with pytest.raises(AutopartitionError, match="Unknown FP8 recipe"):
         compile(model, x, gpus=1, device="h100", precision="fp8", fp8_recipe="blockwise", microbatches=2)
 

@@ -221,6 +221,13 @@ def compile(
     batch = batch_size_of(example_inputs)
     spec, measure, local = resolve_device(device)
     fixed_tp = check_tp(tp, gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, dp=dp)
+    if precision == "fp8" and tp != 1 and not priced_only:  # the runtime's FP8 matmuls are not tensor-parallel yet
+        if fixed_tp > 1:
+            raise AutopartitionError(
+                f"--precision fp8 with --tp {fixed_tp}: the runtime does not run FP8 matmuls split over a "
+                "tensor-parallel group yet; plan with --tp 1 (or auto), or price the layout only (priced_only).")
+        tp = 1
+        say("fp8: tensor parallelism stays 1 (the runtime's FP8 matmuls are not split over tensor-parallel groups)")
     if fixed_ep is not None and fixed_ep > 1 and not priced_only and (fixed_tp > 1 or shard not in ("auto", "none")):
         raise AutopartitionError(
             f"--ep {fixed_ep} with {f'--tp {fixed_tp}' if fixed_tp > 1 else f'--shard {shard}'}: the runtime runs "
