@@ -203,6 +203,13 @@ def test_fp8_plans_a_faster_step_with_the_same_state() -> None:
     assert Plan.from_json(fp8.to_json()).precision == "fp8"
 
 
+def test_an_fp8_plan_that_does_not_fit_says_what_would() -> None:
+    with pytest.raises(AutopartitionError) as err:
+        compile(_wide_gpt(), gpt.example_inputs(256), gpus=1, device="h100", precision="fp8", microbatches=1,
+                schedule="gpipe", recompute="none", memory_per_gpu=2**28)
+    assert "fp8" in str(err.value)
+
+
 # ------------------------------------------------------------------ run
 
 
