@@ -27,7 +27,14 @@ from typing import Any, cast
 
 from partitioner.cost.devices import DEVICES
 from partitioner.cost.experts import DEFAULT_IMBALANCE
-from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS
+from partitioner.cost.precision import (
+    DEFAULT_FP8_RECIPE,
+    DEFAULT_OPTIMIZER,
+    DEFAULT_PRECISION,
+    FP8_RECIPES,
+    OPTIMIZERS,
+    PRECISIONS,
+)
 from partitioner.defaults import SCHEDULES, SHARD_MODES, SHARD_SPANS
 from partitioner.errors import AutopartitionError
 from partitioner.report.progress import Reporter, hide_library_output
@@ -201,7 +208,13 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help=f"memory cap per GPU: {SIZE_HELP} (default: the device's)")
     parser.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION, type=str.lower,
                         help="fp32; bf16-mixed: bf16 compute and activations, fp32 weights, gradients and "
-                        f"optimizer state; bf16: everything bf16 (default {DEFAULT_PRECISION})")
+                        f"optimizer state; bf16: everything bf16; fp8: bf16-mixed with the linear layers' matmuls "
+                        f"in FP8 on a GPU with FP8 tensor cores (h100, h200, b200, mi300x, l40s, ...; docs/planning.md) "
+                        f"(default {DEFAULT_PRECISION})")
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=DEFAULT_FP8_RECIPE, type=str.lower,
+                        help="FP8 scaling under --precision fp8: tensorwise (one scale per tensor), rowwise (per "
+                        "row, priced at 0.9 of tensorwise's matmul speed), mxfp8 (per 32 elements, Blackwell "
+                        f"b200/gb200/b300 only) (default {DEFAULT_FP8_RECIPE})")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=DEFAULT_OPTIMIZER, type=str.lower,
                         help=f"adam (2 state tensors per parameter) or sgd (1) (default {DEFAULT_OPTIMIZER})")
     parser.add_argument("--recompute", choices=_RECOMPUTE, default=_AUTO, type=str.lower,
@@ -397,6 +410,7 @@ def _plan(args: argparse.Namespace) -> int:
             capture_method=cast(Any, args.capture),
             time_limit=args.time_limit,
             precision=args.precision,
+            fp8_recipe=args.fp8_recipe,
             optimizer=args.optimizer,
             recompute=args.recompute,
             gpus_per_node=args.gpus_per_node,

@@ -344,6 +344,8 @@ class Plan:
     # tokens travel to their expert's member and back. Expert gradients reduce over ``ranks[j::ep]``.
     ep: int = dataclasses.field(default=1, metadata={ADDED_IN_VERSION: 3})
     experts: tuple[ExpertLayer, ...] = dataclasses.field(default=(), metadata={ADDED_IN_VERSION: 3})
+    # FP8 scaling under precision "fp8" (partitioner.cost.precision.FP8_RECIPES; issue 33)
+    fp8_recipe: str = dataclasses.field(default="tensorwise", metadata={ADDED_IN_VERSION: 3})
 
     @property
     def group_gpus_per_node(self) -> int | None:
@@ -573,10 +575,11 @@ def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
 
 def _check_names(plan: Plan) -> None:
     """Fields that hold one of a few names: a misspelt one is a corrupt plan."""
-    from partitioner.cost.precision import OPTIMIZERS, PRECISIONS
+    from partitioner.cost.precision import FP8_RECIPES, OPTIMIZERS, PRECISIONS
 
     checks: list[tuple[str, str, Sequence[str]]] = [
         ("plan.precision", plan.precision, PRECISIONS),
+        ("plan.fp8_recipe", plan.fp8_recipe, FP8_RECIPES),
         ("plan.optimizer", plan.optimizer, tuple(OPTIMIZERS)),
     ]
     for st in plan.stages:

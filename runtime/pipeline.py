@@ -83,6 +83,7 @@ from runtime.parallel.tensorparallel import tensor_parallel_refusal
 from runtime.state import checkpoint
 from runtime.state.materialise import InitWeights
 from runtime.state.values import (
+    apply_fp8,
     apply_precision,
     at_precision,
     cast_values,
@@ -125,7 +126,9 @@ class Pipeline:
     The plan's ``precision`` is applied to every stage: ``bf16-mixed`` runs forward
     and loss under ``torch.autocast`` (bfloat16) with float32 parameters, ``bf16``
     converts parameters to bfloat16 (and floating model inputs as they enter);
-    boundary tensors travel in the dtype they are computed in.  A stage planned
+    boundary tensors travel in the dtype they are computed in; ``fp8`` runs as ``bf16-mixed``
+    with the linear layers' matmuls in FP8 (:mod:`runtime.state.fp8`; ``fp8=True`` runs them
+    whatever the precision, as ``verify`` runs an fp8 plan in float32, ``False`` never).  A stage planned
     with ``recompute="full"`` runs each layer under activation checkpointing; one
     planned ``"selective"`` its first ``recompute_layers`` layers so, and the next
     ``recompute_ops_layers`` under per-op checkpointing (:mod:`runtime.execute.recompute`).
@@ -172,6 +175,7 @@ class Pipeline:
         batch: str = "global",
         weights: str | os.PathLike[str] | None = None,
         engine: str | None = None,
+        fp8: bool | None = None,
     ) -> None:
         _check_batch(batch)
         self.plan, self._loss_fn, self._target_keyword, self._batch, self.trace = plan, loss_fn, target_keyword, batch, trace
@@ -194,6 +198,7 @@ class Pipeline:
         # The stack, layer by layer (runtime.execute.stack), in the order of the ranks' collectives.
         # self.plan stays the plan as given (as saved, and as recapture checks it); the stack runs it at precision.
         stack = at_precision(stack, bf16_parameters=bf16_gathered_parameters(plan))  # FSDP2's bf16 copies
+        stack = apply_fp8(stack, on=plan.precision == "fp8" if fp8 is None else fp8)  # linear matmuls in FP8
         stack = apply_groups(stack)  # collective: replica and tied-copy groups, tensor-parallel and FSDP2 meshes
         stack = apply_experts(stack, model)  # ep > 1 (collective): each stage's experts layers hold this member's slice
         stack = tie_parameters(stack)  # a weight two stages of this rank use: one Parameter

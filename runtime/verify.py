@@ -408,7 +408,10 @@ def verify(
     say(f"verify: training {_plural(steps, 'step')} on {plan.gpus} CPU ranks "
         f"({_plural(len(plan.stages), 'stage')}{chunks} x {_plural(plan.dp, 'replica')}"
         f"{f' x {plan.tp} tensor-parallel' if plan.tp > 1 else ''}{on})")
-    if plan.precision != "fp32":
+    if plan.precision == "fp8":
+        say(f"verify: the plan trains in fp8; verify runs its FP8 matmuls ({plan.fp8_recipe}) with the rest in "
+            f"{dtype}, against the whole captured graph with the same FP8 matmuls")
+    elif plan.precision != "fp32":
         say(f"verify: the plan trains in {plan.precision}; verify runs it in {dtype} against the whole model "
             "in the same precision (autocast runs are compared by the test suite)")
     with tempfile.TemporaryDirectory(prefix="autopartition-verify-") as out:
@@ -679,11 +682,15 @@ def _train_rank(
     dtype = getattr(torch, dtype_text)
     # verify checks the split in full precision against an fp32/fp64 reference; the plan's
     # training precision (bf16-mixed, bf16) is checked by tests against autocast runs.
-    plan = dataclasses.replace(plan_in_dtype(Plan.load(plan_dir), dtype), precision="fp32")
+    # An fp8 plan keeps its FP8 matmuls (runtime/state/fp8.py), the rest in the verify dtype: the reference
+    # runs the whole graph with the same ones (_compare_steps).
+    loaded = plan_in_dtype(Plan.load(plan_dir), dtype)
+    plan = dataclasses.replace(loaded, precision="fp32")
     model_file = load_model_file(model_spec)
     model = _build(model_file, dtype)
     pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=timeout,
-                    init_weights=_init_weights(model_file), seed=seed, engine=engine)
+                    init_weights=_init_weights(model_file), seed=seed, engine=engine,
+                    fp8=loaded.precision == "fp8")
     inputs, target = _batch(model_file, plan, dtype)
     # A rank whose stages hold no parameter (a stage of shape ops only) has nothing to step.
     # pipe.optimizer: under shard "optimizer" its state is split over the replicas (ZeRO-1), as the plan says.
@@ -774,6 +781,31 @@ def _batch(model_file: Any, plan: Plan, dtype: torch.dtype) -> tuple[Any, Any]:
 # ----------------------------------------------------------------- reference
 
 
+class _WholeGraph(nn.Module):
+    """The whole captured graph called like the model it was captured from (flat inputs in, its outputs out)."""
+
+    def __init__(self, captured: Any) -> None:
+        super().__init__()
+        self.gm, self.captured = captured.graph_module, captured
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self.captured.call.flatten((args, kwargs))
+        return self.captured.unflatten_outputs(self.gm(*flat))
+
+
+def _fp8_reference(plan: Plan, model: nn.Module) -> nn.Module:
+    """The whole model as an fp8 plan's ranks run it: its captured graph with the same FP8 matmuls.
+
+    The graph reads the model's own parameters (capture keeps them), so loading the model's state loads it.
+    """
+    from partitioner.graph.fp8 import fp8_matmuls
+    from runtime.state.fp8 import convert_graph
+
+    captured, _ = recapture(plan, model)
+    convert_graph(captured.graph_module, fp8_matmuls(captured.graph_module), recipe=plan.fp8_recipe)
+    return _WholeGraph(captured)
+
+
 def _reference_loss(
     model: nn.Module, call: CallSpec, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     flat: tuple[torch.Tensor, ...], target: Any,
@@ -854,6 +886,7 @@ def _compare_steps(
     start = _compare_state(ranks, {**{n: p.detach() for n, p in params.items()}, **dict(buffers)},
                            ("params", "buffers"), 0, tolerance)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    runs: nn.Module = model if plan.precision != "fp8" else _fp8_reference(plan, model)
     derandomised = Derandomised()
     per_step: list[StepComparison] = []
     losses: list[float] = []
@@ -875,7 +908,7 @@ def _compare_steps(
                     p.grad = None
                 mb_losses = []
                 for x, y in reference_microbatches(plan, step_inputs, step_target, replica):
-                    mb_loss = _reference_loss(model, call, model_file.loss_fn, x, y) / plan.microbatches
+                    mb_loss = _reference_loss(runs, call, model_file.loss_fn, x, y) / plan.microbatches
                     mb_loss.backward()
                     mb_losses.append(mb_loss.detach())
                 replica_losses.append(torch.stack(mb_losses).sum())  # as StepRunner.run, then averaged as Pipeline

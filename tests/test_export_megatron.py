@@ -182,6 +182,7 @@ def _experts_layers(*layers: int) -> tuple[ExpertLayer, ...]:
 
 @pytest.mark.parametrize(("precision", "mixed", "note"), [
     ("fp32", None, None), ("bf16-mixed", "bf16_mixed", None), ("bf16", "bf16_mixed", "16 bytes per parameter"),
+    ("fp8", "bf16_mixed", "--fp8-format hybrid --fp8-recipe tensorwise"),
 ])
 def test_precision(precision: str, mixed: str | None, note: str | None) -> None:
     out = _export(_llama_plan(cuts=_whole_layer_cuts(2), precision=precision))

@@ -319,10 +319,12 @@ def test_selective_layers_recomputed_whole_take_full() -> None:
 
 @pytest.mark.parametrize(("precision", "dtype", "param"), [
     ("fp32", "float32", "float32"), ("bf16-mixed", "float32", "bfloat16"), ("bf16", "bfloat16", "bfloat16"),
+    ("fp8", "float32", "bfloat16"),
 ])
 def test_precision(precision: str, dtype: str, param: str) -> None:
     out = export_torchtitan(_llama_plan(cuts=_whole_layer_cuts(2), precision=precision), sizes=TINY_SIZES)
     assert (out.sections["training"]["dtype"], out.sections["training"]["mixed_precision_param"]) == (dtype, param)
+    assert any("float8" in n for n in out.notes) == (precision == "fp8"), out.notes
 
 
 def _command_in_header(text: str) -> list[str]:

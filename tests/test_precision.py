@@ -36,13 +36,13 @@ def test_static_bytes_per_element(precision: str, optimizer: str, expected: int)
 
 def test_optimizer_states_and_defaults() -> None:
     assert OPTIMIZERS == {"adam": 2, "sgd": 1}
-    assert PRECISIONS == ("fp32", "bf16-mixed", "bf16")
+    assert PRECISIONS == ("fp32", "bf16-mixed", "bf16", "fp8")
     assert static_bytes_per_element("fp32", 0) == 8  # plain SGD without momentum: weight + gradient
 
 
 def test_gradients_and_compute_dtype() -> None:
-    assert [gradient_bytes_per_element(p) for p in PRECISIONS] == [4, 4, 2]
-    assert [compute_dtype(p) for p in PRECISIONS] == ["float32", "bfloat16", "bfloat16"]
+    assert [gradient_bytes_per_element(p) for p in PRECISIONS] == [4, 4, 2, 4]
+    assert [compute_dtype(p) for p in PRECISIONS] == ["float32", "bfloat16", "bfloat16", "bfloat16"]
 
 
 def test_activation_scale_halves_only_float32_under_bf16() -> None:

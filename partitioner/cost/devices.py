@@ -77,6 +77,17 @@ they carry no efficiencies (the bare roofline, every op at its datasheet peak, w
 optimistic: compare H100's fitted 0.54 of the peak for matmuls) and every report says so.
 Hopper's or Ampere's shares are not copied onto them: another die, other kernels.
 
+FP8 (``--precision fp8``; dense ``float8_e4m3fn`` tensor-core peaks, in ``peak_flops``): H100 SXM,
+H200 and H800 1,979 TFLOP/s (the datasheets' 3,958 are with sparsity; the 500 W H100 at its
+share); B200 and B300 4.5 PFLOP/s and GB200 5 PFLOP/s (the GB200/GB300 NVL72 pages' per-GPU FP8
+9 and 10 PFLOP/s are with sparsity), their block-scaled MXFP8 at the same peak (``peak_flops``
+key ``mxfp8``: only Blackwell has it); MI300X and MI325X 2,614.9 TFLOP/s, MI355X 5 PFLOP/s
+(AMD's data sheets: 5,229.8 and 10.1 PFLOP/s with sparsity); L40S 733 TFLOP/s (1,466 with
+sparsity).  A100 (Ampere) has no FP8 tensor cores: no peak, and ``--precision fp8`` is refused
+there.  FP8 matmuls are priced with the device's ``matmul`` efficiency, fitted to bf16 runs: no
+published FP8 run calibrates them (uncalibrated; FP8 GEMMs reach a smaller share of their
+peak than bf16 ones in practice, so FP8 predictions lean optimistic).
+
 FP32 uses the non-tensor-core peak because PyTorch leaves TF32 matmuls off by
 default (``torch.backends.cuda.matmul.allow_tf32 = False``).  BF16 (and FP16) is
 the dense tensor-core peak: A100 312, H100 SXM 989, H200 989 TFLOP/s (the
@@ -186,11 +197,15 @@ class DeviceSpec:
 
 def _gpu(
     name: str, fp32: float, half: float, hbm: float, mem_gb: float, link: float, network: float,
-    efficiency: tuple[tuple[str, float], ...] = (), calibrated_by: tuple[str, ...] = (),
+    efficiency: tuple[tuple[str, float], ...] = (), calibrated_by: tuple[str, ...] = (), *,
+    fp8: float | None = None, mxfp8: bool = False,
 ) -> DeviceSpec:
+    peaks = {"float32": fp32, "bfloat16": half, "float16": half}
+    if fp8 is not None:  # FP8 tensor cores (dense); MXFP8: Blackwell's block-scaled ones, at the same peak
+        peaks |= {"float8_e4m3fn": fp8, **({"mxfp8": fp8} if mxfp8 else {})}
     return DeviceSpec(
         name=name,
-        peak_flops={"float32": fp32, "bfloat16": half, "float16": half},
+        peak_flops=peaks,
         memory_bandwidth=hbm,
         memory_bytes=int(mem_gb * 1e9),
         link_bandwidth=link,
@@ -209,21 +224,21 @@ DEVICES: dict[str, DeviceSpec] = {
                       AMPERE_RUNS),  # RoCE 1600 Gb/s per node
     "a100-opa": _gpu("a100-opa", 19.5e12, 312e12, 2.039e12, 80, 300e9, 6.25e9, A100_EFFICIENCY,
                      AMPERE_RUNS),  # 4 x 100 Gb/s OPA per node
-    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),  # NDR 400 Gb/s
+    "h100": _gpu("h100", 67e12, 989e12, 3.35e12, 80, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS, fp8=1979e12),  # NDR 400 Gb/s
     "h100-500w": _gpu("h100-500w", 67e12 * H100_500W_PEAK_SHARE, 989e12 * H100_500W_PEAK_SHARE, 2.4e12, 96,
-                      450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
-    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
+                      450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS, fp8=1979e12 * H100_500W_PEAK_SHARE),
+    "h200": _gpu("h200", 67e12, 989e12, 4.8e12, 141, 450e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS, fp8=1979e12),
     # H100 SXM compute and memory with NVLink cut to 400 GB/s both ways (DeepSeek-V3's cluster, arXiv:2412.19437
     # section 3.1: 8 per node, NVLink within, 400 Gb/s InfiniBand per GPU); Hopper's fitted efficiencies.
-    "h800": _gpu("h800", 67e12, 989e12, 3.35e12, 80, 200e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS),
+    "h800": _gpu("h800", 67e12, 989e12, 3.35e12, 80, 200e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS, fp8=1979e12),
     # Uncalibrated (no published run): the bare datasheet roofline, efficiency=() and calibrated_by=().
-    "b200": _gpu("b200", 75e12, 2.25e15, 7.7e12, 180, 900e9, 50e9),  # NVLink 5, ConnectX-7 400 Gb/s
-    "gb200": _gpu("gb200", 80e12, 2.5e15, 8e12, 186, 900e9, 50e9),  # NVL72's GPU, ConnectX-7 400 Gb/s
-    "b300": _gpu("b300", 75e12, 2.25e15, 7.7e12, 270, 900e9, 100e9),  # ConnectX-8 800 Gb/s
-    "mi300x": _gpu("mi300x", 163.4e12, 1307.4e12, 5.3e12, 192, 448e9, 50e9),  # 7 x 64 GB/s Infinity Fabric
-    "mi325x": _gpu("mi325x", 163.4e12, 1307.4e12, 6e12, 256, 448e9, 50e9),
-    "mi355x": _gpu("mi355x", 157.3e12, 2.5e15, 8e12, 288, 537.6e9, 50e9),  # 7 x 76.8 GB/s Infinity Fabric
-    "l40s": _gpu("l40s", 91.6e12, 362.05e12, 0.864e12, 48, 32e9, 25e9),  # PCIe Gen4 x16, no NVLink
+    "b200": _gpu("b200", 75e12, 2.25e15, 7.7e12, 180, 900e9, 50e9, fp8=4.5e15, mxfp8=True),  # NVLink 5, ConnectX-7 400 Gb/s
+    "gb200": _gpu("gb200", 80e12, 2.5e15, 8e12, 186, 900e9, 50e9, fp8=5e15, mxfp8=True),  # NVL72's GPU, ConnectX-7 400 Gb/s
+    "b300": _gpu("b300", 75e12, 2.25e15, 7.7e12, 270, 900e9, 100e9, fp8=4.5e15, mxfp8=True),  # ConnectX-8 800 Gb/s
+    "mi300x": _gpu("mi300x", 163.4e12, 1307.4e12, 5.3e12, 192, 448e9, 50e9, fp8=2614.9e12),  # 7 x 64 GB/s Infinity Fabric
+    "mi325x": _gpu("mi325x", 163.4e12, 1307.4e12, 6e12, 256, 448e9, 50e9, fp8=2614.9e12),
+    "mi355x": _gpu("mi355x", 157.3e12, 2.5e15, 8e12, 288, 537.6e9, 50e9, fp8=5e15),  # 7 x 76.8 GB/s Infinity Fabric
+    "l40s": _gpu("l40s", 91.6e12, 362.05e12, 0.864e12, 48, 32e9, 25e9, fp8=733e12),  # PCIe Gen4 x16, no NVLink
     # CPU ranks talking over gloo/loopback on this 2-core machine.
     "cpu": DeviceSpec(
         name="cpu",

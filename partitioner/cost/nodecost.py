@@ -50,6 +50,8 @@ class NodeCost:
     saved_float32_bytes: int | None = None  # the float32 part of saved_bytes (None: not known)
     weight_backward_s: float = 0.0  # measured: the backward to the node's parameters alone (W)
     writes_in_place: bool = False  # the node writes one of its inputs in place (ReLU(inplace=True), x += y)
+    # A linear layer's matmul that --precision fp8 runs in FP8 (partitioner.graph.fp8.fp8_matmuls marks it)
+    fp8_matmul: bool = False
 
 
 def op_class(cost: NodeCost) -> str:

@@ -18,6 +18,28 @@ one costed graph serves every precision.
   Activations are bf16: half the bytes of fp32 ones.
 * ``bf16``: weights, gradients and optimizer state in bfloat16: ``2 + 2 + 2 x 2
   = 8`` bytes per parameter with Adam; activations bf16 too.
+* ``fp8``: FP8 training of the linear layers, as torchao's float8 training
+  (``convert_to_float8_training``) and Megatron-LM's ``--fp8-format`` do: the
+  matmuls of linear layers (a node reading a 2-d parameter weight,
+  :func:`partitioner.graph.fp8.fp8_matmuls`; not the LM head, the model's last
+  linear layer, which torchtitan leaves in bf16) run on the device's FP8 peak
+  (:func:`fp8_peak`); everything else (attention, norms, embeddings, the LM head)
+  runs as under ``bf16-mixed``.  Weights, gradients and optimizer state are
+  bf16-mixed's (fp32 master weights, fp32 gradients and Adam moments: 16 bytes
+  per parameter): FP8 casts are made from them per step, not kept.  Activations
+  are bf16 except the FP8 matmuls' inputs, saved for backward in FP8 (1 byte per
+  element, :data:`FP8_SAVED_ITEMSIZE`), as Transformer Engine saves its FP8 casts
+  (torchao saves the high-precision input and casts again in backward; the
+  runtime, runtime/state/fp8.py, saves the FP8 cast as priced here).  Every FP8
+  matmul also pays its casts, memory-bound: read the bf16 value, find its amax and
+  write FP8, about :data:`FP8_CAST_BYTES` bytes per element of its input and
+  weight in forward and of its output gradient in backward
+  (:func:`fp8_cast_bytes`).  ``--fp8-recipe`` (:data:`FP8_RECIPES`) picks the
+  scaling: ``tensorwise`` (one scale per tensor, the default), ``rowwise`` (one per
+  row; :data:`FP8_RECIPE_EFFICIENCY`: assumed 0.9 of tensorwise's matmul speed, as
+  torchao's float8 benchmarks show rowwise behind tensorwise) or ``mxfp8`` (one
+  scale per 32 elements, Blackwell's block-scaled MXFP8 tensor cores only: a device
+  whose ``peak_flops`` gives ``mxfp8``).
 
 Optimizer state per parameter: Adam keeps two moments, SGD one momentum buffer
 (``torch.optim.SGD`` with ``momentum > 0``).
@@ -79,7 +101,7 @@ that dtype too):
 Example: a 1.3B-parameter model's static state with Adam::
 
     >>> [static_bytes_per_element(p, OPTIMIZERS["adam"]) for p in PRECISIONS]
-    [16, 16, 8]
+    [16, 16, 8, 16]
     >>> round(1.3e9 * static_bytes_per_element("bf16-mixed", 2) / 2**30, 1)  # GiB
     19.4
 """
@@ -92,18 +114,29 @@ from typing import Literal
 from partitioner.errors import AutopartitionError
 
 __all__ = [
+    "DEFAULT_FP8_RECIPE",
     "DEFAULT_OPTIMIZER",
     "DEFAULT_PRECISION",
+    "FP8_CAST_BYTES",
+    "FP8_DTYPE",
+    "FP8_RECIPES",
+    "FP8_RECIPE_EFFICIENCY",
+    "FP8_SAVED_ITEMSIZE",
     "OPTIMIZERS",
     "PRECISIONS",
     "Precision",
     "activation_scale",
+    "check_fp8",
+    "check_fp8_recipe",
     "check_optimizer",
     "check_precision",
     "compute_dtype",
+    "fp8_cast_bytes",
+    "fp8_peak",
     "gathered_bytes",
     "gradient_bytes",
     "gradient_bytes_per_element",
+    "runs_autocast",
     "shard_degree",
     "shard_footprint",
     "shard_state_bytes",
@@ -115,7 +148,7 @@ __all__ = [
     "zero_bytes_per_parameter",
 ]
 
-Precision = Literal["fp32", "bf16-mixed", "bf16"]
+Precision = Literal["fp32", "bf16-mixed", "bf16", "fp8"]
 
 # Every precision, in the order the command line lists them.
 PRECISIONS: tuple[Precision, ...] = typing.get_args(Precision)
@@ -125,9 +158,25 @@ DEFAULT_PRECISION: Precision = "fp32"
 OPTIMIZERS: dict[str, int] = {"adam": 2, "sgd": 1}
 DEFAULT_OPTIMIZER = "adam"
 
-_COMPUTE_DTYPE: dict[str, str] = {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16"}
+# fp8: everything but the FP8 matmuls computes as under bf16-mixed (their peak: fp8_peak).
+_COMPUTE_DTYPE: dict[str, str] = {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16", "fp8": "bfloat16"}
 # Bytes per element of (weights and optimizer state, gradients).
-_STATE_ITEMSIZE: dict[str, int] = {"fp32": 4, "bf16-mixed": 4, "bf16": 2}
+_STATE_ITEMSIZE: dict[str, int] = {"fp32": 4, "bf16-mixed": 4, "bf16": 2, "fp8": 4}
+
+# FP8 (precision "fp8"): the scaling recipes, the DeviceSpec.peak_flops key of the FP8 tensor-core peak
+# (dense) and of the block-scaled MXFP8 one, bytes an FP8 matmul's saved input takes per element, and
+# bytes a cast moves per element (read bf16, write fp8; its amax reduction reads the same bf16 again
+# in the tensorwise recipe, fused into the cast by torch.compile, so not counted).
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "mxfp8")
+DEFAULT_FP8_RECIPE = "tensorwise"
+FP8_DTYPE = "float8_e4m3fn"
+_MXFP8_PEAK = "mxfp8"
+FP8_SAVED_ITEMSIZE = 1
+FP8_CAST_BYTES = 3
+# Share of tensorwise's FP8 matmul speed each recipe reaches (uncalibrated assumptions, docs/planning.md):
+# rowwise scales each row (cuBLAS/CUTLASS row-scaled GEMMs with an epilogue per row), which torchao's float8
+# training benchmarks put behind tensorwise; mxfp8 runs on Blackwell's block-scaled tensor cores at their peak.
+FP8_RECIPE_EFFICIENCY: dict[str, float] = {"tensorwise": 1.0, "rowwise": 0.9, "mxfp8": 1.0}
 
 
 def check_precision(name: str) -> Precision:
@@ -138,15 +187,99 @@ def check_precision(name: str) -> Precision:
     >>> check_precision("fp16")
     Traceback (most recent call last):
     ...
-    partitioner.errors.AutopartitionError: Unknown precision 'fp16'. Choose one of fp32 (...), bf16-mixed (...) or bf16 (...).
+    partitioner.errors.AutopartitionError: Unknown precision 'fp16'. Choose one of fp32 (...), bf16-mixed (...), bf16 (...) or fp8 (...).
     """
     if name not in PRECISIONS:
         raise AutopartitionError(
             f"Unknown precision {name!r}. Choose one of fp32 (weights, gradients, optimizer state and "
             "activations in float32), bf16-mixed (bfloat16 compute and activations under autocast, "
-            "float32 weights, gradients and optimizer state) or bf16 (everything in bfloat16)."
+            "float32 weights, gradients and optimizer state), bf16 (everything in bfloat16) or fp8 "
+            "(bf16-mixed with the linear layers' matmuls in FP8)."
         )
     return typing.cast(Precision, name)
+
+
+def runs_autocast(precision: str) -> bool:
+    """Does ``precision`` run stages under bfloat16 autocast with fp32 master weights (bf16-mixed, fp8)?
+
+    >>> [runs_autocast(p) for p in PRECISIONS]
+    [False, True, False, True]
+    """
+    return check_precision(precision) in ("bf16-mixed", "fp8")
+
+
+def check_fp8_recipe(name: str) -> str:
+    """``name`` if it is an FP8 scaling recipe; an :class:`AutopartitionError` naming the choices otherwise.
+
+    >>> check_fp8_recipe("rowwise")
+    'rowwise'
+    >>> check_fp8_recipe("blockwise")
+    Traceback (most recent call last):
+    ...
+    partitioner.errors.AutopartitionError: Unknown FP8 recipe 'blockwise'. Choose tensorwise (...), rowwise (...) or mxfp8 (...).
+    """
+    if name not in FP8_RECIPES:
+        raise AutopartitionError(
+            f"Unknown FP8 recipe {name!r}. Choose tensorwise (one scale per tensor, the default), rowwise "
+            "(one scale per row) or mxfp8 (one scale per 32 elements, Blackwell GPUs only)."
+        )
+    return name
+
+
+def fp8_peak(peak_flops: dict[str, float], recipe: str = DEFAULT_FP8_RECIPE) -> float | None:
+    """The dense FP8 FLOP/s of a device's ``peak_flops`` under ``recipe``; ``None`` where it has none.
+
+    >>> fp8_peak({"float32": 1.0, "float8_e4m3fn": 100.0}), fp8_peak({"float32": 1.0, "float8_e4m3fn": 100.0}, "rowwise")
+    (100.0, 90.0)
+    >>> fp8_peak({"float32": 1.0}) is None, fp8_peak({"float32": 1.0, "float8_e4m3fn": 100.0}, "mxfp8") is None
+    (True, True)
+    """
+    key = _MXFP8_PEAK if check_fp8_recipe(recipe) == "mxfp8" else FP8_DTYPE
+    peak = peak_flops.get(key)
+    return None if peak is None else peak * FP8_RECIPE_EFFICIENCY[recipe]
+
+
+def check_fp8(precision: str, recipe: str, *, device: str, peak_flops: dict[str, float],
+              supported: typing.Iterable[str] = ()) -> None:
+    """Refuse ``--precision fp8`` (with ``recipe``) on a device without that FP8 peak, naming the devices that have it.
+
+    ``supported``: the device names to suggest (those of :data:`partitioner.cost.devices.DEVICES` with the peak).
+
+    >>> check_fp8("fp8", "tensorwise", device="a100", peak_flops={"float32": 1.0}, supported=["h100"])
+    Traceback (most recent call last):
+    ...
+    partitioner.errors.AutopartitionError: --precision fp8 needs FP8 tensor cores, which a100 has not (...). ...
+    >>> check_fp8("bf16", "tensorwise", device="a100", peak_flops={"float32": 1.0})  # nothing to check
+    """
+    if check_precision(precision) != "fp8" or fp8_peak(peak_flops, recipe) is not None:
+        return
+    names = ", ".join(supported)
+    if recipe == "mxfp8":
+        raise AutopartitionError(
+            f"--fp8-recipe mxfp8 needs block-scaled MXFP8 tensor cores (NVIDIA Blackwell), which {device} has not "
+            f"(its peak_flops give no 'mxfp8'). Devices with them: {names or 'none known'}; on another FP8 GPU "
+            "use --fp8-recipe tensorwise or rowwise.")
+    raise AutopartitionError(
+        f"--precision fp8 needs FP8 tensor cores, which {device} has not (no '{FP8_DTYPE}' peak in its "
+        f"peak_flops; a measured device, cpu included, has none either). Devices with them: {names or 'none known'} "
+        "(or a device file giving peak_flops.float8_e4m3fn); on this one plan with --precision bf16-mixed.")
+
+
+def fp8_cast_bytes(io_elements: float, weight_elements: float) -> tuple[float, float]:
+    """Bytes the FP8 casts of one matmul move, (forward, backward), from its elements read and written.
+
+    ``io_elements``: its activation input and output (the node's bytes less its
+    weights, per element); ``weight_elements`` its weight.  Forward casts the
+    input and the weight, backward the output gradient (tensorwise reuses the
+    forward's casts of input and weight, transposed), each at
+    :data:`FP8_CAST_BYTES` per element.  Input and output are taken as equally
+    large (the node's cost does not tell them apart; the total is exact).
+
+    >>> fp8_cast_bytes(200, 50)  # 100 input + 50 weight elements forward, 100 output-gradient ones backward
+    (450.0, 300.0)
+    """
+    half = io_elements / 2
+    return FP8_CAST_BYTES * (half + weight_elements), FP8_CAST_BYTES * half
 
 
 def check_optimizer(name: str) -> str:
@@ -172,7 +305,7 @@ def compute_dtype(precision: str) -> str:
     """The dtype floating-point ops run in, which picks the roofline peak (``DeviceSpec.peak``).
 
     >>> [compute_dtype(p) for p in PRECISIONS]
-    ['float32', 'bfloat16', 'bfloat16']
+    ['float32', 'bfloat16', 'bfloat16', 'bfloat16']
     """
     return _COMPUTE_DTYPE[check_precision(precision)]
 
@@ -192,7 +325,7 @@ def gradient_bytes_per_element(precision: str) -> int:
     """Bytes per parameter element that the data-parallel all-reduce moves (the gradient's dtype).
 
     >>> [gradient_bytes_per_element(p) for p in PRECISIONS]
-    [4, 4, 2]
+    [4, 4, 2, 4]
     """
     return _STATE_ITEMSIZE[check_precision(precision)]
 
@@ -263,8 +396,8 @@ def weight_bytes(precision: str, *, elements: float, model_bytes: float, compute
 
 
 def _reduces_upcast(precision: str) -> bool:
-    """Does FSDP2 reduce and accumulate gradients in a wider dtype than it computes them in (bf16-mixed)?"""
-    return check_precision(precision) == "bf16-mixed"
+    """Does FSDP2 reduce and accumulate gradients in a wider dtype than it computes them in (bf16-mixed, fp8)?"""
+    return runs_autocast(precision)
 
 
 def shard_degree(shard: str, dp: int, gpus_per_node: int | None, *, span: str = "world") -> int:

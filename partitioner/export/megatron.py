@@ -165,13 +165,17 @@ def export_megatron(plan: Plan, *, sizes: Mapping[str, int] | None = None, sourc
         bridge["checkpoint"] = checkpoint
     if length is not None:
         bridge["dataset"] = {"sequence_length": length}
-    if plan.precision in ("bf16-mixed", "bf16"):
+    if plan.precision in ("bf16-mixed", "bf16", "fp8"):
         bridge["mixed_precision"] = "bf16_mixed"
+    if plan.precision == "fp8":
+        notes.append(f"precision fp8 ({plan.fp8_recipe}): written as --bf16; add Transformer Engine's FP8 "
+                     f"(--fp8-format hybrid --fp8-recipe {plan.fp8_recipe}) by hand. The plan runs the LM head in "
+                     "bf16 and saves FP8 matmul inputs in FP8.")
     if plan.precision == "bf16":
         notes.append("precision bf16 (weights and optimizer state in bf16): Megatron's --bf16 keeps fp32 main "
                      "weights and Adam state (bf16-mixed), 16 bytes per parameter against the plan's 8: nearest is "
                      "--bf16 (more memory than predicted).")
-    elif plan.precision not in ("fp32", "bf16-mixed"):
+    elif plan.precision not in ("fp32", "bf16-mixed", "fp8"):
         notes.append(f"precision {plan.precision}: no Megatron setting is written for it here (fp32 training).")
     per_node = plan.gpus_per_host or plan.gpus_per_node or plan.gpus  # torchrun runs per host
     out = MegatronExport(arguments=tuple(megatron_arguments(bridge)), bridge=bridge, notes=tuple(notes),

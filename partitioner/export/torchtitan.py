@@ -216,7 +216,13 @@ def export_torchtitan(plan: Plan, *, names: str = "auto", sizes: Mapping[str, in
         notes.append("no token input (a 2-D integer tensor) in the plan's model inputs: training.seq_len is not "
                      "written; set it to the sequence length the plan was made for.")
     training |= _PRECISION.get(plan.precision, _PRECISION["fp32"])
-    if plan.precision not in _PRECISION:
+    if plan.precision == "fp8":
+        training |= _PRECISION["bf16-mixed"]
+        notes.append(f"precision fp8 ({plan.fp8_recipe}): written as bf16-mixed; add torchtitan's float8 converter "
+                     "by hand ([model] converters = [\"float8\"]" + (f", [float8] recipe_name = \"{plan.fp8_recipe}\""
+                     if plan.fp8_recipe != "tensorwise" else "") + "; mxfp8: the \"mx\" converter), which leaves "
+                     "the output projection in bf16 as the plan does.")
+    elif plan.precision not in _PRECISION:
         notes.append(f"precision {plan.precision}: no torchtitan setting is written for it here; nearest written "
                      "is fp32 training with fp32 parameters.")
     if plan.optimizer != "adam":

@@ -17,7 +17,7 @@ ranks.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import fx
 
 from partitioner.cost.comm import allreduce_crosses_nodes, p2p_crosses_nodes
 from partitioner.cost.devices import DeviceSpec
-from partitioner.cost.precision import activation_scale, compute_dtype
+from partitioner.cost.precision import activation_scale, compute_dtype, fp8_peak
 from partitioner.defaults import splits_backward
 from partitioner.errors import InternalError
 from partitioner.graph.capture import CapturedModel
@@ -123,7 +123,8 @@ def build_plan(
             memory_limit=options.memory_limit, optimizer_states=options.optimizer_states,
             inter_node_bandwidth=spec.inter_node_bandwidth, inter_node_latency=spec.inter_node_latency,
             peak_flops=mfu_peak_flops({n: graph.node_flops.get(n, 0.0) for b in graph.blocks for n in b},
-                                      graph.node_time_s, graph.node_dtype, spec=spec, precision=options.precision),
+                                      graph.node_time_s, graph.node_dtype, spec=spec, precision=options.precision,
+                                      fp8=graph.fp8_nodes),
             message_host_s=spec.message_host_s,
             calibration_scale=options.calibration.scale, action_host_s=options.calibration.action_s,
             action_jitter=options.calibration.jitter,
@@ -134,6 +135,7 @@ def build_plan(
         bucket_cap_mb=options.bucket_cap_mb,
         stage_code=(),  # stage_codes, for the chosen plan only
         precision=options.precision,
+        fp8_recipe=options.fp8_recipe,
         optimizer=options.optimizer,
         gpus_per_node=options.gpus_per_node,
         gpus_per_host=options.gpus_per_host,
@@ -198,11 +200,14 @@ def _stages(
     m, kind, per_node = solved.microbatches, solved.schedule, options.gpus_per_node
     rank = stage_rank_of(problem, count)  # the pipeline rank of each of the pp x chunks stages
     peak_of = dtype_peaks(graph.node_flops, graph.node_time_s, graph.node_dtype, spec=options.spec,
-                          precision=options.precision)
+                          precision=options.precision, fp8=graph.fp8_nodes)
+
+    fp8_peak_of = fp8_peak(options.spec.peak_flops, options.fp8_recipe) if options.precision == "fp8" else None
 
     def at_peak(names: list[str]) -> float:
-        return sum(graph.node_flops.get(n, 0.0) / peak_of[_runs_at(graph.node_dtype.get(n, "float32"),
-                                                                   options.precision)]
+        return sum(graph.node_flops.get(n, 0.0) / (
+            fp8_peak_of if fp8_peak_of and n in graph.fp8_nodes else
+            peak_of[_runs_at(graph.node_dtype.get(n, "float32"), options.precision)])
                    for n in names if graph.node_flops.get(n, 0.0) > 0) / dp
     stage_of_node = {name: partition.stage_of[b] for b, members in enumerate(graph.blocks) for name in members}
     compute_sets: list[set[str]] = [set() for _ in range(count)]
@@ -445,7 +450,7 @@ def model_flops_utilization(model_flops: float | None, *, gpus: int, peak_flops:
 
 def mfu_peak_flops(
     flops: Mapping[str, float], seconds: Mapping[str, float], dtypes: Mapping[str, str], *,
-    spec: DeviceSpec, precision: str,
+    spec: DeviceSpec, precision: str, fp8: Collection[str] = (),
 ) -> float | None:
     """FLOP/s of one GPU for the MFU: the peak each node's FLOPs run at, weighted by those FLOPs.
 
@@ -460,6 +465,11 @@ def mfu_peak_flops(
     peak, so the model FLOPs over this peak are at most the GPUs' busy time and
     the MFU is at most 1.  ``None``: no FLOPs counted.
 
+    ``fp8``: the FP8 matmuls of an ``fp8`` plan.  Their FLOPs count at the bf16
+    peak, as torchtitan reports the MFU of float8 runs (against the bf16 peak: an
+    fp8 plan's MFU can pass what bf16 reaches), and, faster than it by design,
+    they raise no peak.
+
     >>> from partitioner.cost.devices import DEVICES
     >>> flops, dtypes = {"mm": 100e12, "mm_bf16": 10e12}, {"mm": "float32", "mm_bf16": "bfloat16"}
     >>> seconds = {"mm": 2.0, "mm_bf16": 1.0}  # 50 and 10 TFLOP/s
@@ -469,7 +479,7 @@ def mfu_peak_flops(
     36.7
     """
     flops_at: dict[str, float] = {}
-    peak_of = dtype_peaks(flops, seconds, dtypes, spec=spec, precision=precision)
+    peak_of = dtype_peaks(flops, seconds, dtypes, spec=spec, precision=precision, fp8=fp8)
     for name, count in flops.items():
         if count > 0:
             dtype = _runs_at(dtypes.get(name, "float32"), precision)
@@ -480,7 +490,7 @@ def mfu_peak_flops(
 
 def dtype_peaks(
     flops: Mapping[str, float], seconds: Mapping[str, float], dtypes: Mapping[str, str], *,
-    spec: DeviceSpec, precision: str,
+    spec: DeviceSpec, precision: str, fp8: Collection[str] = (),
 ) -> dict[str, float]:
     """FLOP/s of each dtype's peak: ``spec``'s, raised to the fastest node timed at it (:func:`mfu_peak_flops`).
 
@@ -493,7 +503,7 @@ def dtype_peaks(
         if count <= 0:
             continue
         dtype = _runs_at(dtypes.get(name, "float32"), precision)
-        took = seconds.get(name, 0.0)
+        took = seconds.get(name, 0.0) if name not in fp8 else 0.0
         peak_of[dtype] = max(peak_of.get(dtype, spec.peak(dtype)), count / took if took > 0 else 0.0)
     return peak_of
 

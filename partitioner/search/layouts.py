@@ -851,8 +851,11 @@ def infeasible_error(scaled: ScaledCosts, options: PlanOptions, trials: list[Tri
 
 
 def _cheaper(precision: str, than: str) -> bool:
-    """True when ``precision`` needs less memory than ``than`` (fp32 > bf16-mixed > bf16)."""
-    rank = {"fp32": 2, "bf16-mixed": 1, "bf16": 0}
+    """True when ``precision`` needs less memory than ``than`` (fp32 > bf16-mixed > fp8 > bf16).
+
+    fp8 holds bf16-mixed's state and saves its FP8 matmuls' inputs in 1 byte: less than bf16-mixed, more than bf16.
+    """
+    rank = {"fp32": 3, "bf16-mixed": 2, "fp8": 1, "bf16": 0}
     return rank[precision] < rank[than]
 
 

@@ -25,10 +25,14 @@ from partitioner.cost.calibration import Calibration
 from partitioner.cost.devices import DEVICES, DeviceSpec, device_spec
 from partitioner.cost.experts import DEFAULT_IMBALANCE, ep_choices
 from partitioner.cost.precision import (
+    DEFAULT_FP8_RECIPE,
     OPTIMIZERS,
     Precision,
+    check_fp8,
+    check_fp8_recipe,
     check_optimizer,
     check_precision,
+    fp8_peak,
     shard_degree,
     shard_footprint,
 )
@@ -124,6 +128,7 @@ class PlanOptions:
     ep_fixed: int | None = None  # expert-parallel degree given (--ep N); None: searched (cost/experts.py)
     expert_counts: tuple[int, ...] = ()  # experts per layer of the model's experts layers (graph/experts.py)
     expert_imbalance: float = DEFAULT_IMBALANCE  # the busiest EP member's tokens over the mean (cost/experts.py)
+    fp8_recipe: str = DEFAULT_FP8_RECIPE  # FP8 scaling under precision fp8 (partitioner.cost.precision.FP8_RECIPES)
 
     def ep_choices(self, dp: int) -> tuple[int, ...]:
         """Expert-parallel degrees to try for ``dp`` replicas: 1 for a model without experts."""
@@ -295,6 +300,7 @@ def check_options(
     chunks: int | None = None,
     shard: str = AUTO,
     shard_span: str = AUTO,
+    fp8_recipe: str = DEFAULT_FP8_RECIPE,
     **resolved: Any,
 ) -> PlanOptions:
     """Check every option (an :class:`AutopartitionError` on the first bad one) and resolve the defaults."""
@@ -366,8 +372,19 @@ def check_options(
             f"node, every node holding the same number of GPUs. Choose one of {divisors} (a job on part "
             "of one node: --gpus-per-node equal to --gpus)."
         )
+    check_fp8_recipe(fp8_recipe)
+    spec = resolved.get("spec")
+    if spec is not None and precision == "fp8":
+        if resolved.get("measure"):
+            raise AutopartitionError(
+                f"--precision fp8 is priced from a device's FP8 peak, but costs measured on {spec.name} are taken "
+                "as profiled (in the model's dtype, no FP8 kernels run): plan for a named GPU with FP8 tensor cores "
+                f"({', '.join(_fp8_devices(fp8_recipe))}), e.g. --device h100.")
+        # --precision fp8 on a device without FP8 tensor cores (A100, a device file without the peak)
+        check_fp8(precision, fp8_recipe, device=spec.name, peak_flops=spec.peak_flops,
+                  supported=_fp8_devices(fp8_recipe))
     return PlanOptions(
-        gpus=gpus, batch=batch, microbatches=micro, schedules=kinds, pp=pp, dp=dp, chunks=chunks,
+        gpus=gpus, batch=batch, microbatches=micro, schedules=kinds, pp=pp, dp=dp, chunks=chunks, fp8_recipe=fp8_recipe,
         precision=check_precision(precision), optimizer=check_optimizer(optimizer),
         optimizer_states=OPTIMIZERS[optimizer] if optimizer_states is None else optimizer_states,
         recompute=next(m for m in RECOMPUTE_MODES if m == recompute),  # narrows str to RecomputeMode
@@ -466,3 +483,8 @@ def default_memory_limit(device: str, spec: DeviceSpec, local: torch.device) -> 
     if device.lower() in ("auto", "cpu"):
         return None  # CPU ranks share host memory; no per-rank limit unless given
     return float(spec.memory_bytes)
+
+
+def _fp8_devices(recipe: str) -> list[str]:
+    """The known devices with the FP8 peak ``recipe`` runs on (for an error naming them)."""
+    return sorted(name for name, spec in DEVICES.items() if fp8_peak(spec.peak_flops, recipe) is not None)

@@ -64,7 +64,7 @@ from partitioner.cost.experts import DEFAULT_IMBALANCE
 from partitioner.cost.measured import Measured, measurement_key, recall, remember
 from partitioner.cost.nodecost import NodeCost, SplitOverhead
 from partitioner.cost.nodes import profile, time_loss
-from partitioner.cost.precision import DEFAULT_OPTIMIZER, DEFAULT_PRECISION
+from partitioner.cost.precision import DEFAULT_FP8_RECIPE, DEFAULT_OPTIMIZER, DEFAULT_PRECISION
 from partitioner.cost.splitcost import split_overhead
 from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
 from partitioner.errors import (
@@ -76,6 +76,7 @@ from partitioner.errors import (
 )
 from partitioner.graph.capture import CallSpec, CapturedModel, CaptureMethod, capture, source_of
 from partitioner.graph.experts import find_experts
+from partitioner.graph.fp8 import fp8_matmuls
 from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, layer_of, module_path
 from partitioner.graph.tensorparallel import find_tensor_parallel
 from partitioner.graph.values import propagate_values
@@ -164,6 +165,7 @@ def compile(
     target: Any = None,
     status: Status | None = None,
     precision: str = DEFAULT_PRECISION,
+    fp8_recipe: str = DEFAULT_FP8_RECIPE,
     optimizer: str = DEFAULT_OPTIMIZER,
     recompute: str = "auto",
     gpus_per_node: int | None = None,
@@ -182,7 +184,8 @@ def compile(
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
     ``microbatches`` and ``schedule`` may be ``"auto"`` (search them).
-    ``precision`` (fp32, bf16-mixed, bf16) and ``optimizer`` (adam, sgd) set the
+    ``precision`` (fp32, bf16-mixed, bf16, fp8; ``fp8_recipe`` the FP8 scaling: tensorwise,
+    rowwise, mxfp8) and ``optimizer`` (adam, sgd) set the
     bytes per parameter (an explicit ``optimizer_states`` overrides the
     optimizer's count); ``recompute`` ("auto", "none", "full") whether stages may
     recompute activations; ``gpus_per_node`` (default: up to 8) the node layout
@@ -218,6 +221,13 @@ def compile(
     batch = batch_size_of(example_inputs)
     spec, measure, local = resolve_device(device)
     fixed_tp = check_tp(tp, gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, dp=dp)
+    if precision == "fp8" and tp != 1 and not priced_only:  # the runtime's FP8 matmuls are not tensor-parallel yet
+        if fixed_tp > 1:
+            raise AutopartitionError(
+                f"--precision fp8 with --tp {fixed_tp}: the runtime does not run FP8 matmuls split over a "
+                "tensor-parallel group yet; plan with --tp 1 (or auto), or price the layout only (priced_only).")
+        tp = 1
+        say("fp8: tensor parallelism stays 1 (the runtime's FP8 matmuls are not split over tensor-parallel groups)")
     if fixed_ep is not None and fixed_ep > 1 and not priced_only and (fixed_tp > 1 or shard not in ("auto", "none")):
         raise AutopartitionError(
             f"--ep {fixed_ep} with {f'--tp {fixed_tp}' if fixed_tp > 1 else f'--shard {shard}'}: the runtime runs "
@@ -231,7 +241,8 @@ def compile(
     per_node = gpus_per_node or (default_gpus_per_node(gpus) if gpus >= 1 else 1)  # gpus < 1: check_options says
     options = check_options(
         gpus=gpus // fixed_tp, batch=batch, microbatches=microbatches, schedule=schedule, pp=pp, dp=dp,
-        precision=precision, optimizer=optimizer, optimizer_states=optimizer_states, recompute=recompute,
+        precision=precision, fp8_recipe=fp8_recipe, optimizer=optimizer, optimizer_states=optimizer_states,
+        recompute=recompute,
         gpus_per_node=None if gpus_per_node is None and fixed_tp == 1 else per_node // fixed_tp, chunks=chunks, shard=shard, shard_span=shard_span, zero3_unit=zero3_unit, spec=spec, measure=measure, local=local,
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
@@ -270,6 +281,10 @@ def compile(
     found = _costs(captured, micro, loss_fn, target, measure=measure, device=local, progress=progress,
                    weight_share=_may_split(schedule), remeasure=remeasure, say=say)
     costs = found.costs
+    if options.precision == "fp8":  # the linear layers' matmuls, priced at the FP8 peak (partitioner.graph.fp8)
+        fp8 = fp8_matmuls(captured.graph_module)
+        costs = {k: dataclasses.replace(c, fp8_matmul=True) if k in fp8 else c for k, c in costs.items()}
+        say(f"fp8: {plural(len(fp8), 'linear matmul')} in FP8 ({options.fp8_recipe} scaling), the rest bf16-mixed")
     experts = find_experts(model, captured)  # after value propagation: it reads the shapes
     captured = dataclasses.replace(captured, experts=experts.layers, expert_notes=experts.notes)
     for note in experts.notes:
@@ -278,7 +293,7 @@ def compile(
         _check_fixed_ep(fixed_ep, captured, type(model).__name__)
     options = dataclasses.replace(options, ep_fixed=fixed_ep,
                                   expert_counts=tuple(layer.experts for layer in captured.experts))
-    times = node_times(costs, spec, precision=options.precision, measure=measure)
+    times = node_times(costs, spec, precision=options.precision, measure=measure, fp8_recipe=options.fp8_recipe)
     blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()},
                      whole=[layer.nodes for layer in captured.experts])  # an experts layer is one exchange
     if not blocks:

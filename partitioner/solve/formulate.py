@@ -63,9 +63,14 @@ from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.experts import DEFAULT_IMBALANCE, expert_layer_seconds
 from partitioner.cost.nodecost import NodeCost, predicted_times
 from partitioner.cost.precision import (
+    DEFAULT_FP8_RECIPE,
+    FP8_DTYPE,
+    FP8_SAVED_ITEMSIZE,
     activation_scale,
     check_precision,
     compute_dtype,
+    fp8_cast_bytes,
+    fp8_peak,
     gathered_bytes,
     gradient_bytes,
     shard_degree,
@@ -186,6 +191,7 @@ class GraphCosts:
     node_saved_float32_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # of node_saved_bytes
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
     node_writes_in_place: frozenset[str] = frozenset()  # nodes writing an input in place (no per-op recomputation)
+    fp8_nodes: frozenset[str] = frozenset()  # linear matmuls --precision fp8 runs in FP8 (NodeCost.fp8_matmul)
     split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
     split_share: float = 0.0  # and this share of the node's forward + backward seconds
     split_forward: float = 0.0  # the part of the split's cost spent in F
@@ -223,13 +229,16 @@ class GraphCosts:
 
     def _saved_bytes(self, names: Iterable[str], precision: str) -> float:
         half = 1.0 - activation_scale(precision, "float32")
+        # fp8: an FP8 matmul saves its input as its FP8 cast, FP8_SAVED_ITEMSIZE bytes of every float32 4
+        fp8 = self.fp8_nodes if precision == "fp8" else frozenset()
+        quarter = 1.0 - FP8_SAVED_ITEMSIZE / 4
         total = 0.0
         for n in names:
             saved = self.node_saved_bytes.get(n, 0)
             float32 = self.node_saved_float32_bytes.get(n)
             if float32 is None:
                 float32 = saved if self.node_dtype.get(n, "float32") == "float32" else 0
-            total += saved - half * float32
+            total += saved - (quarter if n in fp8 else half) * float32
         return total
 
     def value_bytes(self, names: Iterable[str], precision: str = "fp32") -> float:
@@ -285,23 +294,34 @@ def at_precision(cost: NodeCost, precision: str) -> NodeCost:
     ('bfloat16', 500, 50, 200, 2000000000000.0)
     >>> at_precision(c, "fp32") is c, at_precision(dataclasses.replace(c, dtype="int64"), "bf16").dtype
     (True, 'int64')
+
+    Under ``fp8`` a linear layer's matmul (``fp8_matmul``) runs at the FP8 peak
+    (dtype ``float8_e4m3fn``), reading bf16 values as bf16-mixed does (its FP8
+    casts are priced apart, :func:`node_times`) and saving its input in FP8::
+
+        >>> f = at_precision(dataclasses.replace(c, fp8_matmul=True), "fp8")
+        >>> f.dtype, f.io_bytes, f.saved_bytes
+        ('float8_e4m3fn', 500, 25)
     """
     scale = activation_scale(precision, cost.dtype)
     if scale == 1.0:
         return cost
     float32 = cost.saved_bytes if cost.saved_float32_bytes is None else cost.saved_float32_bytes
+    fp8 = cost.fp8_matmul and precision == "fp8"
+    saved_scale = FP8_SAVED_ITEMSIZE / 4 if fp8 else scale
     return dataclasses.replace(
         cost,
-        dtype=compute_dtype(precision),
+        dtype=FP8_DTYPE if fp8 else compute_dtype(precision),
         io_bytes=round(cost.io_bytes * scale),
-        saved_bytes=round(cost.saved_bytes - (1 - scale) * float32),
+        saved_bytes=round(cost.saved_bytes - (1 - saved_scale) * float32),
         weight_bytes=round(cost.weight_bytes * scale),
-        saved_float32_bytes=round(float32 * scale),
+        saved_float32_bytes=round(float32 * saved_scale),
     )
 
 
 def node_times(
-    costs: dict[str, NodeCost], spec: DeviceSpec, *, precision: str = "fp32", measure: bool = False
+    costs: dict[str, NodeCost], spec: DeviceSpec, *, precision: str = "fp32", measure: bool = False,
+    fp8_recipe: str = DEFAULT_FP8_RECIPE,
 ) -> dict[str, tuple[float, float]]:
     """(forward, backward) seconds of every node at ``precision``: what :func:`graph_costs` takes.
 
@@ -315,11 +335,38 @@ def node_times(
     >>> c = {"mm": NodeCost(0.0, 0.0, 989e9, 1978e9, 0, 0, "float32")}
     >>> [round(f * 1e3, 3) for f in node_times(c, DEVICES["h100"], precision="bf16-mixed")["mm"]]
     [1.356, 2.708]
+
+    ``fp8``: a linear layer's matmul (``fp8_matmul``) at the FP8 peak of
+    ``fp8_recipe`` (:func:`~partitioner.cost.precision.fp8_peak`), with the
+    device's matmul efficiency (fitted to bf16 runs: no FP8 run calibrates it),
+    plus its casts, memory-bound (:func:`~partitioner.cost.precision.fp8_cast_bytes`;
+    two cast kernels forward, one backward)::
+
+        >>> c["mm"] = dataclasses.replace(c["mm"], fp8_matmul=True, io_bytes=8_000_000, weight_bytes=4_000_000)
+        >>> [round(f * 1e3, 3) for f in node_times(c, DEVICES["h100"], precision="fp8")["mm"]]
+        [0.945, 1.868]
     """
     check_precision(precision)
     if measure:
         return {name: (c.forward_s, c.backward_s) for name, c in costs.items()}
-    return {name: predicted_times(at_precision(c, precision), spec) for name, c in costs.items()}
+    fast = spec
+    if precision == "fp8":
+        peak = fp8_peak(spec.peak_flops, fp8_recipe)
+        if peak is not None:
+            fast = dataclasses.replace(spec, peak_flops={**spec.peak_flops, FP8_DTYPE: peak})
+    times: dict[str, tuple[float, float]] = {}
+    for name, c in costs.items():
+        cost = at_precision(c, precision)
+        if cost.dtype != FP8_DTYPE or fast is spec:
+            times[name] = predicted_times(cost, spec)
+            continue
+        forward, backward = predicted_times(cost, fast)
+        bandwidth = spec.memory_bandwidth * spec.efficiency_of("memory")
+        item = 2  # the casts read bf16 values: at_precision's bytes are bf16's
+        cast_f, cast_b = fp8_cast_bytes((cost.io_bytes - cost.weight_bytes) / item, cost.weight_bytes / item)
+        times[name] = (forward + cast_f / bandwidth + 2 * spec.kernel_overhead,
+                       backward + cast_b / bandwidth + spec.kernel_overhead if backward else 0.0)
+    return times
 
 
 def graph_costs(
@@ -405,6 +452,7 @@ def graph_costs(
         split_overhead_s=split_overhead_s,
         split_share=split_share,
         node_writes_in_place=frozenset(k for k, c in costs.items() if c.writes_in_place),
+        fp8_nodes=frozenset(k for k, c in costs.items() if c.fp8_matmul),
         split_forward=split_forward,
         split_weight=split_weight,
         action_s=action_s,

@@ -18,6 +18,7 @@ from partitioner.cost.calibration import Calibration
 from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.experts import DEFAULT_IMBALANCE
 from partitioner.cost.nodecost import NodeCost, SplitOverhead
+from partitioner.cost.precision import DEFAULT_FP8_RECIPE
 from partitioner.solve.formulate import GraphCosts, formulate, graph_costs, node_times
 from partitioner.solve.problem import PartitionProblem
 
@@ -84,7 +85,8 @@ class ScaledCosts:
             costs = self.costs if factor == 1 else {k: _scaled(c, factor) for k, c in self.costs.items()}
             scale = self.calibration.scale
             times = {k: (f * scale, b * scale)
-                     for k, (f, b) in node_times(costs, o.spec, precision=o.precision, measure=o.measure).items()}
+                     for k, (f, b) in node_times(costs, o.spec, precision=o.precision, measure=o.measure,
+                                fp8_recipe=getattr(o, "fp8_recipe", DEFAULT_FP8_RECIPE)).items()}
             loss = (self.loss_s[0] * factor * scale, self.loss_s[1] * factor * scale)
             graph = graph_costs(self.captured, self.blocks, costs, times, loss_s=loss,
                                 split_overhead_s=self.split.per_op_s, split_share=self.split.share,

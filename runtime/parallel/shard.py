@@ -100,7 +100,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from partitioner.cost.precision import check_precision
+from partitioner.cost.precision import runs_autocast
 from partitioner.defaults import shard_refusal as _schedule_refusal
 from partitioner.defaults import splits_backward
 from partitioner.errors import AutopartitionError, InternalError, ScheduleError
@@ -438,7 +438,7 @@ def fsdp_policy(precision: str) -> Any:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if check_precision(precision) != "bf16-mixed":
+    if not runs_autocast(precision):  # bf16-mixed and fp8
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
@@ -454,7 +454,7 @@ def bf16_gathered_parameters(plan: Plan) -> tuple[str, ...]:
     >>> bf16_gathered_parameters(example_plan())
     ()
     """
-    if plan.precision != "bf16-mixed":
+    if not runs_autocast(plan.precision):
         return ()
     return tuple(name for p in range(plan.pp) if rank_shard_mode(plan, p) == "full"
                  for s in plan.stages_of(p) for name in plan.stages[s].parameters)

@@ -9,6 +9,8 @@ once and scales the bytes); at run time a stage sends what it really computes:
   and optimizer state stay float32.  A boundary tensor is bfloat16 when the op
   producing it ran in bfloat16 (a matmul) and float32 when autocast keeps it
   there (a layer norm, a softmax, an add of a float32 residual).
+* ``fp8``: as ``bf16-mixed``, with the linear layers' matmuls rewritten into FP8 ones
+  (:mod:`runtime.state.fp8`, applied to the stage graphs by :func:`runtime.state.values.apply_fp8`).
 * ``bf16``: every floating parameter and buffer is converted to bfloat16 and
   floating model inputs are cast to bfloat16 when they enter a stage (what
   ``model.to(torch.bfloat16)(x.to(torch.bfloat16))`` does in one process).
@@ -46,7 +48,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from partitioner.cost.precision import check_precision
+from partitioner.cost.precision import check_precision, runs_autocast
 from partitioner.errors import AutopartitionError
 from partitioner.graph.ir import dtype_name
 from partitioner.graph.meta import (
@@ -79,7 +81,7 @@ def forward_context(precision: str, device_type: str) -> contextlib.AbstractCont
     ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
     torch.bfloat16
     """
-    if check_precision(precision) == "bf16-mixed":
+    if runs_autocast(precision):  # bf16-mixed, and fp8 (whose FP8 matmuls are graph calls: runtime/state/fp8.py)
         return torch.autocast(device_type, dtype=_BF16)
     return contextlib.nullcontext()
 
@@ -128,7 +130,7 @@ def precision_loss(
     >>> loss(logits, torch.tensor([0, 1, 2, 0])).dtype  # cross-entropy is on autocast's float32 list
     torch.float32
     """
-    if loss_fn is None or check_precision(precision) != "bf16-mixed":
+    if loss_fn is None or not runs_autocast(precision):
         return loss_fn
     inner = loss_fn
 
@@ -160,7 +162,7 @@ def boundary_dtypes(
     run = _DtypeRun(gm)
     base = FakeState(gm, mode, home)
     held = {id(t) for t in (*gm.parameters(), *gm.buffers())}
-    gathered = {id(attribute(gm, name)) for name in bf16_parameters} if precision == "bf16-mixed" else set()
+    gathered = {id(attribute(gm, name)) for name in bf16_parameters} if runs_autocast(precision) else set()
 
     def state(name: str) -> Any:
         value = base(name)

@@ -9,6 +9,8 @@
   sharded (``keep``);
 * :func:`at_precision`: the plan the ranks run, boundary tensors in the dtype the
   plan's precision computes them in (:func:`~runtime.state.precision.plan_at_precision`);
+* :func:`apply_fp8`: under ``fp8``, each stage graph's linear matmuls rewritten into FP8 ones
+  (:mod:`~runtime.state.fp8`);
 * :func:`values_on_device`, :func:`cast_values`: the stages on this rank's device,
   their parameters in bfloat16 under ``bf16``;
 * :func:`apply_precision`: each stage's forward and the loss under the plan's precision.
@@ -22,8 +24,11 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
+from partitioner.errors import AutopartitionError
+from partitioner.graph.fp8 import fp8_matmuls
 from runtime.execute.stack import LossFn, StageStack
 from runtime.execute.stage import example_microbatch
+from runtime.state.fp8 import convert_graph
 from runtime.state.materialise import InitWeights, materialise_modules, materialised_values
 from runtime.state.precision import (
     PrecisionForward,
@@ -33,7 +38,7 @@ from runtime.state.precision import (
 )
 from runtime.state.weights import load_weights
 
-__all__ = ["apply_precision", "at_precision", "cast_values", "load_values", "values_on_device"]
+__all__ = ["apply_fp8", "apply_precision", "at_precision", "cast_values", "load_values", "values_on_device"]
 
 
 def load_values(
@@ -65,6 +70,25 @@ def at_precision(stack: StageStack, *, bf16_parameters: tuple[str, ...]) -> Stag
     for local in stack.stages:
         local.plan = plan.stages[local.plan.index]
     return stack.replace(plan=plan)
+
+
+def apply_fp8(stack: StageStack, *, on: bool) -> StageStack:
+    """``on`` (the plan's precision is ``fp8``, or verify's float32 run of one): each stage graph's linear matmuls
+    (:func:`partitioner.graph.fp8.fp8_matmuls` of the whole graph, as the planner priced them) made FP8 ones.
+
+    Rewrites the stage graphs in place, before any wrapper: the recomputation and precision steps wrap
+    the rewritten graphs.
+    """
+    if not on:
+        return stack
+    if stack.plan.tp > 1:
+        raise AutopartitionError(
+            f"--precision fp8 with tensor parallelism (tp {stack.plan.tp}) is not run by this runtime yet: its "
+            "tensor-parallel split rewrites the same linear layers. Plan it with --tp 1, or --precision bf16-mixed.")
+    matmuls = fp8_matmuls(stack.stages[0].captured.graph_module)
+    for local in stack.stages:
+        convert_graph(local.module, matmuls, recipe=stack.plan.fp8_recipe)
+    return stack
 
 
 def values_on_device(stack: StageStack) -> StageStack:

@@ -121,7 +121,8 @@ def reference_run(
 
     ``whole_batch``: one forward of the whole mini-batch instead (what a user
     without a pipeline runs).  Under ``bf16-mixed`` forward and loss run under
-    CPU autocast; under ``bf16`` the model and its floating inputs are bfloat16.
+    CPU autocast; under ``bf16`` the model and its floating inputs are bfloat16; under ``fp8`` the
+    whole captured graph runs with its linear matmuls in FP8 (runtime/state/fp8.py) under autocast.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: a reduction split over threads sums in another order
@@ -145,8 +146,20 @@ def _reference(
     target = model_file.example_target(batch)  # type: ignore[misc]
     if precision == "bf16":
         inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
-    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16-mixed" else contextlib.nullcontext
+    autocast = precision in ("bf16-mixed", "fp8")
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    forward: Any = model
+    if precision == "fp8":  # the whole captured graph with the FP8 matmuls the ranks run (it reads model's parameters)
+        from partitioner.graph.capture import capture
+        from partitioner.graph.fp8 import fp8_matmuls
+        from runtime.state.fp8 import convert_graph
+
+        captured = capture(model, tuple(_rows(inputs, 0, batch // (dp * microbatches))))
+        convert_graph(captured.graph_module, fp8_matmuls(captured.graph_module))
+
+        def forward(*args: Any) -> Any:
+            return captured.unflatten_outputs(captured.graph_module(*args))
     pieces = [(0, batch, 1.0)] if whole_batch else [
         (lo, lo + batch // (dp * microbatches), 1.0 / (microbatches * dp))
         for lo in range(0, batch, batch // (dp * microbatches))
@@ -159,7 +172,7 @@ def _reference(
         total = []
         for lo, hi, scale in pieces:
             with context():
-                loss = model_file.loss_fn(model(*_rows(inputs, lo, hi)), target[lo:hi])
+                loss = model_file.loss_fn(forward(*_rows(inputs, lo, hi)), target[lo:hi])
             (loss * scale if scale != 1.0 else loss).backward()
             total.append(loss.detach() * scale)
         losses.append(float(torch.stack(total).sum()))

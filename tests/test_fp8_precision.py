@@ -1,0 +1,331 @@
+"""--precision fp8 (issue 33): bytes, peaks and refusals; the planner's FP8 matmuls; the runtime's FP8 matmuls.
+
+Planned: the linear layers' matmuls at the device's FP8 peak plus their casts, their
+inputs saved in FP8, state as bf16-mixed.  Run: the same nodes of each stage graph
+rewritten into scaled FP8 matmuls, and ``verify`` against the whole graph run through
+the same rewrite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _examples import example
+from torch import nn
+
+from partitioner.cli import main
+from partitioner.cost.devices import DEVICES
+from partitioner.cost.nodecost import NodeCost
+from partitioner.cost.precision import (
+    FP8_DTYPE,
+    PRECISIONS,
+    check_precision,
+    compute_dtype,
+    fp8_cast_bytes,
+    fp8_peak,
+    gradient_bytes_per_element,
+    runs_autocast,
+    static_bytes_per_element,
+)
+from partitioner.errors import AutopartitionError
+from partitioner.graph.capture import capture
+from partitioner.graph.fp8 import fp8_matmuls
+from partitioner.plan import Plan
+from partitioner.schedule.simulate import stage_static_bytes
+from partitioner.search.planner import compile
+from partitioner.solve.formulate import at_precision, node_times
+from runtime.state.fp8 import convert_graph, fp8_linear, quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+gpt = example("gpt")
+
+# ------------------------------------------------------------------ pure functions
+
+
+def test_fp8_keeps_bf16_mixed_state_and_compute() -> None:
+    assert "fp8" in PRECISIONS and check_precision("fp8") == "fp8"
+    assert static_bytes_per_element("fp8", 2) == static_bytes_per_element("bf16-mixed", 2) == 16
+    assert gradient_bytes_per_element("fp8") == 4 and compute_dtype("fp8") == "bfloat16"
+    assert runs_autocast("fp8") and runs_autocast("bf16-mixed") and not runs_autocast("bf16")
+
+
+@pytest.mark.parametrize(("device", "peak"), [
+    ("h100", 1979e12), ("h200", 1979e12), ("h800", 1979e12), ("b200", 4.5e15), ("gb200", 5e15), ("b300", 4.5e15),
+    ("mi300x", 2614.9e12), ("mi325x", 2614.9e12), ("mi355x", 5e15), ("l40s", 733e12),
+    ("a100", None), ("a100-40gb", None), ("cpu", None),
+])
+def test_fp8_peaks(device: str, peak: float | None) -> None:
+    assert fp8_peak(DEVICES[device].peak_flops) == peak
+    if peak is not None:
+        assert fp8_peak(DEVICES[device].peak_flops, "rowwise") == pytest.approx(0.9 * peak)
+        assert peak > DEVICES[device].peak("bfloat16")  # FP8 tensor cores are faster than bf16 ones
+
+
+def test_mxfp8_only_on_blackwell() -> None:
+    assert sorted(n for n, s in DEVICES.items() if fp8_peak(s.peak_flops, "mxfp8")) == ["b200", "b300", "gb200"]
+
+
+def test_cast_bytes() -> None:
+    # 1000 input + 1000 output elements, 500 weight ones: forward casts input and weight, backward the gradient.
+    assert fp8_cast_bytes(2000, 500) == (3 * 1500, 3 * 1000)
+
+
+def test_an_fp8_matmul_is_priced_at_the_fp8_peak_plus_its_casts() -> None:
+    big = NodeCost(0.0, 0.0, 2 * 8192 * 4096 * 4096, 4 * 8192 * 4096 * 4096, 8192 * 4096 * 4,
+                   4 * (8192 * 4096 * 2 + 4096 * 4096), "float32", weight_bytes=4 * 4096 * 4096)
+    h100 = DEVICES["h100"]
+    bf16 = node_times({"mm": big}, h100, precision="bf16-mixed")["mm"]
+    fp8 = node_times({"mm": dataclasses.replace(big, fp8_matmul=True)}, h100, precision="fp8")["mm"]
+    # Matmul-bound: about twice as fast (1979 against 989 TFLOP/s), less the casts.
+    assert 0.5 < fp8[0] / bf16[0] < 0.65 and 0.5 < fp8[1] / bf16[1] < 0.65
+    rowwise = node_times({"mm": dataclasses.replace(big, fp8_matmul=True)}, h100, precision="fp8",
+                         fp8_recipe="rowwise")["mm"]
+    assert rowwise[0] > fp8[0]
+    # A node not marked is bf16-mixed's under fp8; a small matmul loses to its casts' launches.
+    assert node_times({"mm": big}, h100, precision="fp8")["mm"] == bf16
+    small = NodeCost(0.0, 0.0, 2 * 64 * 64 * 64, 4 * 64 * 64 * 64, 64 * 64 * 4, 4 * 3 * 64 * 64, "float32",
+                     weight_bytes=4 * 64 * 64)
+    assert node_times({"mm": dataclasses.replace(small, fp8_matmul=True)}, h100, precision="fp8")["mm"][0] > \
+        node_times({"mm": small}, h100, precision="bf16-mixed")["mm"][0]
+
+
+def test_an_fp8_matmul_saves_its_input_in_fp8() -> None:
+    c = NodeCost(0.0, 0.0, 1e9, 2e9, 4000, 10000, "float32", weight_bytes=400, saved_float32_bytes=4000)
+    assert at_precision(c, "bf16-mixed").saved_bytes == 2000
+    f = at_precision(dataclasses.replace(c, fp8_matmul=True), "fp8")
+    assert f.dtype == FP8_DTYPE and f.saved_bytes == 1000 and f.io_bytes == 5000
+    assert at_precision(dataclasses.replace(c, fp8_matmul=True), "bf16-mixed").dtype == "bfloat16"
+
+
+# ------------------------------------------------------------------ which nodes
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_the_linear_layers_but_the_head_are_found(method: str) -> None:
+    model = gpt.build_model()
+    gm = capture(model, gpt.example_inputs(2), method=method).graph_module  # type: ignore[arg-type]
+    found = fp8_matmuls(gm)
+    weights = sorted(m.weight for m in found.values())
+    assert len(found) == 16  # 4 layers x (qkv, attention out, MLP in, MLP out); attention's matmuls are not
+    assert all(".attn." in w or ".mlp." in w for w in weights) and "lm_head.weight" not in weights
+
+
+class _Forms(nn.Module):
+    """Linear layers written every way the recogniser reads, and two it must not take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(32, 16))  # [out, in]
+        self.b = nn.Parameter(torch.randn(32, 32))  # [in, out]
+        self.bias = nn.Parameter(torch.randn(48))
+        self.c = nn.Parameter(torch.randn(48, 32))
+        self.odd = nn.Parameter(torch.randn(24, 48))  # 24 is no multiple of 16: not FP8
+        self.head = nn.Linear(48, 16)  # the last linear layer: bf16
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = nn.functional.linear(x, self.a)
+        h = h @ self.b
+        h = torch.addmm(self.bias, h, self.c.t())
+        h = h @ h.t() @ h  # activation x activation: not a linear layer
+        return self.head(h), nn.functional.linear(h, self.odd)
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_every_form_of_a_linear_layer(method: str) -> None:
+    torch.manual_seed(0)
+    model = _Forms()
+    x = torch.randn(8, 16)
+    gm = capture(model, (x,), method=method).graph_module  # type: ignore[arg-type]
+    found = fp8_matmuls(gm)
+    assert sorted(m.weight for m in found.values()) == ["a", "b", "c"], found
+    assert {m.weight: m.transposed for m in found.values()} == {"a": False, "b": True, "c": False}
+    assert [m.bias for m in found.values() if m.weight == "c"] == ["bias"]
+    want = model(x)[0]
+    assert convert_graph(gm, found) == 3
+    got = gm(x)[0].detach()
+    want = want.detach()
+    assert got.shape == want.shape and not torch.equal(got, want)  # FP8 rounding shows
+    assert float((got - want).abs().max() / want.abs().max()) < 0.2
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores() -> None:
+    model, x = gpt.build_model(), gpt.example_inputs(4)
+    for device in ("a100", "cpu"):
+        with pytest.raises(AutopartitionError, match="fp8") as err:
+            compile(model, x, gpus=1, device=device, precision="fp8", microbatches=2)
+        assert "h100" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(AutopartitionError, match="mxfp8.*Blackwell.*b200"):
+        compile(model, x, gpus=1, device="h100", precision="fp8", fp8_recipe="mxfp8", microbatches=2)
+    with pytest.raises(AutopartitionError, match="fp8 with --tp 2"):
+        compile(model, gpt.example_inputs(8), gpus=2, device="h100", precision="fp8", tp=2, microbatches=2)
+    with pytest.raises(AutopartitionError, match="Unknown FP8 recipe"):
+        compile(model, x, gpus=1, device="h100", precision="fp8", fp8_recipe="blockwise", microbatches=2)
+
+
+def test_the_command_line_takes_fp8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan"
+    code = main([str(ROOT / "examples" / "gpt.py"), "--gpus", "2", "--batch-size", "8", "--microbatches", "2",
+                 "--device", "h100", "--precision", "fp8", "--fp8-recipe", "rowwise", "--quiet", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    plan = Plan.load(out)
+    assert (plan.precision, plan.fp8_recipe) == ("fp8", "rowwise")
+    assert main([str(ROOT / "examples" / "gpt.py"), "--gpus", "1", "--device", "a100", "--precision", "fp8",
+                 "--quiet"]) == 2
+    assert "FP8 tensor cores" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ planned
+
+
+def _wide_gpt() -> nn.Module:
+    with torch.device("meta"):
+        return gpt.GPT(gpt.GPTConfig(n_embd=1024, n_layer=2, n_head=16))
+
+
+def test_fp8_plans_a_faster_step_with_the_same_state() -> None:
+    model, x = _wide_gpt(), gpt.example_inputs(256)  # 8192 tokens a micro-batch: matmul-bound
+    plans = {p: compile(model, x, gpus=1, device="h100", precision=p, microbatches=1, schedule="gpipe")
+             for p in ("bf16-mixed", "fp8")}
+    bf16, fp8 = plans["bf16-mixed"], plans["fp8"]
+    assert fp8.predicted.step_s < 0.85 * bf16.predicted.step_s
+    assert stage_static_bytes(fp8) == stage_static_bytes(bf16)  # fp32 master weights, gradients, Adam: 16 B each
+    # The FP8 matmuls' inputs are saved in 1 byte, not bf16's 2: less activation memory, not less than half.
+    a8, a16 = fp8.stages[0].predicted.activation_bytes, bf16.stages[0].predicted.activation_bytes
+    assert 0.5 * a16 < a8 < a16
+    assert fp8.precision == "fp8" and fp8.fp8_recipe == "tensorwise"
+    assert Plan.from_json(fp8.to_json()).precision == "fp8"
+
+
+def test_an_fp8_plan_that_does_not_fit_says_what_would() -> None:
+    with pytest.raises(AutopartitionError) as err:
+        compile(_wide_gpt(), gpt.example_inputs(256), gpus=1, device="h100", precision="fp8", microbatches=1,
+                schedule="gpipe", recompute="none", memory_per_gpu=2**28)
+    assert "fp8" in str(err.value)
+
+
+# ------------------------------------------------------------------ run
+
+
+@pytest.mark.parametrize(("batch", "k", "n"), [((4, 8), 32, 48), ((5, 3), 40, 24)])  # the second one padded
+def test_fp8_linear_is_a_scaled_matmul_of_the_fp8_casts(batch: tuple[int, int], k: int, n: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(*batch, k, requires_grad=True)
+    w = torch.randn(n, k, requires_grad=True)
+    b = torch.randn(n, requires_grad=True)
+    y = fp8_linear(x, w, b)
+    (qx, sx), (qw, sw) = quantize(x.detach().reshape(-1, k), torch.float8_e4m3fn), quantize(w.detach(),
+                                                                                            torch.float8_e4m3fn)
+    want = (qx.float() * sx) @ (qw.float() * sw).t() + b.detach()
+    assert torch.allclose(y.reshape(-1, n), want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    qg, sg = quantize(grad.reshape(-1, n), torch.float8_e5m2)
+    g = qg.float() * sg
+    assert torch.allclose(x.grad.reshape(-1, k), g @ (qw.float() * sw), rtol=1e-5, atol=1e-5)  # type: ignore[union-attr]
+    assert torch.allclose(w.grad, g.t() @ (qx.float() * sx), rtol=1e-5, atol=1e-4)  # type: ignore[arg-type]
+    assert torch.allclose(b.grad, grad.reshape(-1, n).sum(0))  # type: ignore[arg-type]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fp8_linear(x, w, b).dtype == torch.bfloat16  # as autocast's linear
+
+
+def test_rowwise_scales_each_row() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    x[0] *= 1e5  # one large row: tensorwise scaling pushes the others into FP8 subnormals, rowwise does not
+    w = torch.randn(16, 32)
+    want = x @ w.t()
+    err = {r: float((fp8_linear(x, w, recipe=r) - want)[1:].abs().max() / want[1:].abs().max())
+           for r in ("tensorwise", "rowwise")}
+    assert err["rowwise"] < 0.1 < err["tensorwise"], err
+
+
+def test_fp8_linear_saves_its_input_in_fp8() -> None:
+    x = torch.randn(64, 32, requires_grad=True)
+    w = nn.Parameter(torch.randn(16, 32))
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fp8_linear(x, w)
+    activations = [t for t in saved if t is not w and t.numel() > 1]
+    assert [(t.dtype, t.shape) for t in activations] == [(torch.float8_e4m3fn, torch.Size([64, 32]))]
+
+
+def test_the_verify_reference_runs_the_fp8_matmuls(tmp_path: Path) -> None:
+    """The reference differs from the float32 model: a rank without the FP8 matmuls would not match it."""
+    from runtime.verify import _fp8_reference
+
+    torch.manual_seed(0)
+    model = gpt.build_model()
+    plan = compile(model, gpt.example_inputs(8), gpus=1, device="h100", precision="fp8", microbatches=2)
+    x = gpt.example_inputs(4)
+    reference = _fp8_reference(plan, model)
+    got, want = reference(*x), model(*x)
+    assert got.shape == want.shape and float((got - want).detach().abs().max()) > 1e-3
+
+
+def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: int) -> None:
+    from partitioner.modelfile import load_model_file
+    from runtime.verify import verify
+
+    spec = str(ROOT / "examples" / "gpt.py")
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    assert model_file.example_target is not None
+    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=pp * dp, device="h100", precision="fp8",
+                   schedule=schedule, loss_fn=model_file.loss_fn, target=model_file.example_target(8), pp=pp, dp=dp,
+                   microbatches=microbatches)
+    plan.save(tmp_path)
+    result = verify(tmp_path, spec, steps=2)
+    assert result.ok, result.report()
+    assert result.max_grad_diff < 1e-6, result.report()
+
+
+@pytest.mark.slow
+def test_verify_fp8_pp2_dp2_1f1b(tmp_path: Path) -> None:
+    _verify(tmp_path, "1f1b", pp=2, dp=2, microbatches=2)
+
+
+@pytest.mark.slow
+def test_verify_fp8_zbv(tmp_path: Path) -> None:
+    _verify(tmp_path, "zbv", pp=2, dp=1, microbatches=4)
+
+
+@pytest.mark.slow  # spawns ranks
+def test_fp8_pipeline_equals_the_whole_graph_in_fp8(tmp_path: Path) -> None:
+    """An fp8 plan run as planned (autocast, FP8 matmuls) on pp 2 x dp 2 ranks: the same training as the whole
+    captured graph converted alike, and not the same as bf16-mixed (the FP8 matmuls ran)."""
+    from rank_workers import spawn_and_wait  # type: ignore[import-not-found]  # tests/models, on sys.path
+    from runtime_workers import plan_model, reference_run, train_worker  # type: ignore[import-not-found]
+
+    from runtime.verify import free_port
+
+    mlp = str(ROOT / "tests" / "models" / "mlp.py")
+    plan = plan_model(mlp, tmp_path, pp=2, dp=2, microbatches=2, precision="fp8")
+    out = tmp_path / "out"
+    out.mkdir()
+    codes = spawn_and_wait(train_worker, plan.gpus, (plan.gpus, free_port(), str(tmp_path), mlp, str(out),
+                                                     {"steps": 3, "lr": 0.1}), limit_s=120)
+    assert codes == [0] * plan.gpus
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(plan.gpus)]
+    assert all(set(r["dtypes"].values()) == {"bfloat16"} for r in ranks)
+
+    def diff(want: dict[str, Any]) -> float:
+        losses = max(abs(a - b) for r in ranks if r["losses"][0] is not None
+                     for a, b in zip(r["losses"], want["losses"], strict=True))
+        state = max(float((r["state"][k].float() - want["state"][k]).abs().max()) for r in ranks for k in r["state"])
+        return max(losses, state)
+
+    same = reference_run(mlp, dp=2, microbatches=2, steps=3, lr=0.1, precision="fp8")
+    assert diff(same) <= 1e-6
+    assert diff(reference_run(mlp, dp=2, microbatches=2, steps=3, lr=0.1, precision="bf16-mixed")) > 1e-4
