@@ -16,7 +16,8 @@ are listed, not priced (the cost model has no FP8).
 
 How a run is priced:
 
-* bf16 and fp16 alike as ``bf16-mixed`` with Adam; ``gpus_per_node`` 8; the device's memory
+* bf16 and fp16 alike as ``bf16-mixed`` with Adam; ``gpus_per_node`` the run's (8 unless it says
+  otherwise: a GB200 NVL72 rack is one NVLink domain); the layout's ``ep`` (expert parallelism); the device's memory
   limit, or none for a run marked ``unlimited`` (a layout our memory model says does not fit
   is priced anyway, as :func:`~partitioner.search.price.price_layout` does, and marked).
 * Selective recomputation (Korthikanti et al.'s attention core, torchtitan's per-op SAC) as
@@ -213,7 +214,7 @@ def price_run(run: PublishedRun, *, values: dict[str, dict[str, float]] | None =
     model = _model(run.spec)
     inputs = (torch.zeros(run.batch, run.seq, dtype=torch.long),)
     common: dict[str, Any] = {"device": run.device, "precision": "bf16-mixed", "optimizer": "adam",
-                              "gpus_per_node": min(8, run.gpus)}
+                              "gpus_per_node": min(run.gpus_per_node, run.gpus)}
     keywords = dict(run.layout)
     if span is not None and run.shard_span:
         (common if span[0] == "call" else keywords)[span[1]] = run.shard_span

@@ -90,7 +90,8 @@ class PublishedRun:
     :data:`COUNTS`; ``counting``: in words, exactly what the figure counts.  ``group``: runs
     of one published comparison (same model and GPUs, another layout, schedule or
     recomputation) share it.  ``assumed``: what the source does not publish and the layout
-    assumes.  ``from_plot``: the figure was read off a plot (less precise).
+    assumes.  ``from_plot``: the figure was read off a plot (less precise).  ``gpus_per_node``:
+    GPUs that share NVLink (8 a DGX/HGX node; a GB200 NVL72 rack up to 72), priced as one node.
     """
 
     name: str
@@ -122,6 +123,7 @@ class PublishedRun:
     selective_share: float = 0.0
     assumed: str = ""
     from_plot: bool = False
+    gpus_per_node: int = 8
 
     def cite(self) -> str:
         """The source with the figure, as a table cell.
@@ -158,7 +160,8 @@ class PublishedRun:
         chunks = f"x{lay['chunks']}v" if lay.get("chunks") and lay["chunks"] > 1 else ""
         zero = f" ZeRO-{self.zero_stage}/{self.zero_ranks}" if self.zero_stage else ""
         sp = " SP" if self.sequence_parallel else ""
-        return (f"TP{lay['tp']} PP{lay['pp']}{chunks} DP{lay['dp']}{zero}{sp} M{lay['microbatches']} x "
+        ep = f" EP{lay['ep']}" if lay.get("ep", 1) > 1 else ""
+        return (f"TP{lay['tp']} PP{lay['pp']}{chunks} DP{lay['dp']}{ep}{zero}{sp} M{lay['microbatches']} x "
                 f"{self.micro_batch} {lay['schedule']} AC {self.checkpointing}")
 
 
