@@ -22,20 +22,31 @@ Sources (read 2026-12-05):
 
 How Megatron's expert parallelism maps to ours: Megatron folds EP over TP x CP x DP
 (``EP x ETP x EDP = TP x CP x DP``, here ETP 1), so its EP may exceed DP; our ``ep`` groups
-whole data-parallel replicas (each a tensor-parallel group) and must divide ``dp``.  Where
-EP <= DP the run is priced at ``ep = EP``; where EP > DP at the largest divisor of ``dp``
-that divides the experts, flagged in ``assumed`` ("EP folded over TP").  Either way our
-expert groups hold ``tp x ep`` GPUs, not Megatron's EP (ETP 1), so a TP2 run's all-to-all
-spans twice the GPUs Megatron's does.  The cost model prices the default all-to-all
-dispatcher, not overlapped with compute, with a busiest expert 1.25 x the mean: DeepEP and
-Megatron's 1F1B all-to-all overlap are noted, not priced.
+whole data-parallel replicas (each a tensor-parallel group) and must divide ``dp``.
+
+* The ModelZoo rows (all TP2 or TP4) are priced with TP folded into DP: the planner refuses
+  ``--tp > 1`` for ``Qwen3MoeForCausalLM`` ("no column/row pair of linear layers": its
+  per-head q/k norms and its experts, which are not ``nn.Linear``, leave no pair to split).
+  So ``tp x dp`` one-GPU replicas, ``tp`` times fewer micro-batches each (the batch and each
+  GPU's tokens per step unchanged), and EP exactly as published, which then divides the
+  replicas and spans the same GPUs as Megatron's (ETP 1).  What this leaves out: tensor
+  parallelism's all-reduces and its smaller GEMMs (optimistic), the attention weights not
+  divided by TP (more memory), and twice the pipeline bubble (fewer micro-batches).  Flagged
+  in ``assumed``.
+* The other rows keep the published TP; where EP > DP they are priced at the largest divisor
+  of ``dp`` that divides the experts, flagged in ``assumed`` ("EP folded over TP"); only FP8
+  rows (not priced) need it.
+
+The cost model prices the default all-to-all dispatcher, not overlapped with compute, with a
+busiest expert 1.25 x the mean: DeepEP and Megatron's 1F1B all-to-all overlap are noted, not
+priced.
 
 ``ModelShape.ffn`` of a mixture-of-experts run is one routed expert's width.
 
 >>> len(MOE), sorted({r.role for r in MOE})
 (17, ['fp8', 'held-out'])
->>> [r.layout["ep"] for r in MOE if r.group == "modelzoo-qwen3-235b-256"]
-[16, 16, 8, 4, 8]
+>>> [(r.layout["dp"], r.layout["ep"]) for r in MOE if r.group == "modelzoo-qwen3-235b-256"]
+[(32, 32), (32, 32), (256, 8), (8, 8), (32, 8)]
 """
 
 from __future__ import annotations
@@ -83,18 +94,24 @@ def _folded(ep: int, dp: int, family: str) -> tuple[int, str]:
 
 def _zoo(name: str, *, tp: int, pp: int, vpp: int, dp: int, ep: int, mbs: int, ga: int, recompute: str,
          step: float, note: str, fsdp: bool = False) -> PublishedRun:
-    ours, folded = _folded(ep, dp, "qwen3")
+    # The planner refuses --tp > 1 for Qwen3MoeForCausalLM ("no column/row pair of linear layers"), so TP is
+    # folded into DP: tp x dp replicas of one GPU, tp times fewer micro-batches each (the batch and each GPU's
+    # tokens per step unchanged), and Megatron's EP (over TP x DP, ETP 1) kept as published.
+    replicas, microbatches = tp * dp, ga // tp
+    assert ga % tp == 0 and replicas % ep == 0, name
     checkpointing = {"norm, act": "selective", "full": "full", "": "none"}[recompute]
     schedule = "interleaved-1f1b" if vpp > 1 else "1f1b"
-    lay = layout(f"ModelZoo TP{tp} PP{pp} VPP{vpp} DP{dp} EP{ep}", tp=tp, pp=pp, dp=dp, microbatches=ga,
-                 schedule=schedule, chunks=vpp if vpp > 1 else None, zero=3 if fsdp else 1,
-                 recompute="full" if checkpointing == "selective" else checkpointing, ep=ours)
+    lay = layout(f"ModelZoo TP{tp} PP{pp} VPP{vpp} DP{dp} EP{ep}", tp=1, pp=pp, dp=replicas,
+                 microbatches=microbatches, schedule=schedule, chunks=vpp if vpp > 1 else None,
+                 zero=3 if fsdp else 1, recompute="full" if checkpointing == "selective" else checkpointing, ep=ep)
+    folded = (f"TP{tp} folded into DP: priced as TP1 DP{replicas} x {microbatches} micro-batches, EP{ep} as "
+              "published (the planner finds no tensor-parallel split of Qwen3-MoE)")
     return PublishedRun(
         name, "examples/moe.py:qwen3_235b_a22b", 256, 2048, 4096, lay, step, "s/iteration", "bf16", "h100", True,
         checkpointing, "held-out", f"{_ZOO}, TP{tp} PP{pp} EP{ep} row", note=note, shape=_QWEN3_235B,
         micro_batch=mbs, counts="seconds", counting=_SECONDS, framework="Megatron-LM (Megatron-Core MoE)",
-        zero_stage=3 if fsdp else 1, zero_ranks=dp, sequence_parallel=tp > 1, group="modelzoo-qwen3-235b-256",
-        selective_share=_NORM_ACT if checkpointing == "selective" else 0.0,
+        zero_stage=3 if fsdp else 1, zero_ranks=replicas, sequence_parallel=tp > 1,
+        group="modelzoo-qwen3-235b-256", selective_share=_NORM_ACT if checkpointing == "selective" else 0.0,
         assumed="; ".join(a for a in (folded, "norm + activation recomputation priced as 5% of full"
                                       if checkpointing == "selective" else "") if a))
 
