@@ -143,3 +143,14 @@ def test_validate_passes_ep_and_the_nvlink_domain(monkeypatch: pytest.MonkeyPatc
     assert (Layout(gpus=64, **folded.layout).tp, Layout(gpus=64, **folded.layout).ep) == (2, 32)
     fp8 = validate._task((run_named("deepseek-v3-2048-h800-fp8"), None))
     assert not fp8["priced"] and fp8["why"] == "FP8: not priced"
+
+
+def test_a_pair_predicted_alike_is_not_ordered_right() -> None:
+    # DeepEP against DeepEP with 1F1B overlap: measured 19.7 s against 17.6 s; the cost model prices neither.
+    a, b = run_named("qwen3-235b-256-zoo-ep32-deepep"), run_named("qwen3-235b-256-zoo-ep32-overlap")
+    rows = [{"run": a.name, "priced": True, "step_s": 26.55}, {"run": b.name, "priced": True, "step_s": 26.55}]
+    (pair,) = validate.compare_groups([a, b], rows)
+    assert pair["measured"] == pytest.approx(17.6 / 19.7) and pair["agrees"] is False
+    assert pair["why"] == "predicted alike"
+    rows[1]["step_s"] = 20.0
+    assert validate.compare_groups([a, b], rows)[0]["agrees"] is True
