@@ -233,6 +233,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=_positive_int, metavar="K",
                         help="GPUs per node, a divisor of N: links between nodes are slower "
                         "(default: the largest divisor of N up to 8)")
+    parser.add_argument("--nvlink-domain", type=_positive_int, metavar="K",
+                        help="GPUs one NVLink domain joins when it spans several hosts of --gpus-per-node (GB200 "
+                        "NVL72: --gpus-per-node 4 --nvlink-domain 72): links, tensor- and expert-parallel groups "
+                        "follow the domain (default: a host is a domain)")
     parser.add_argument("--capture", choices=_CAPTURE, default="auto",
                         help="how to capture the graph (default auto: symbolic_trace, then export)")
     parser.add_argument("--out", default="plan", metavar="DIR", help="plan directory to write (default plan/)")
@@ -402,6 +406,7 @@ def _plan(args: argparse.Namespace) -> int:
             tp=args.tp,
             ep=args.ep,
             expert_imbalance=args.expert_imbalance,
+            nvlink_domain=args.nvlink_domain,
             calibration=args.calibration,
             loss_fn=model_file.loss_fn,
             target=model_file.example_target(batch) if model_file.example_target else None,

@@ -129,6 +129,8 @@ class StagePrediction:
     # FLOPs at the peak of each op's dtype: the stage's compute bound (partitioner.schedule.bounds).
     flops: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
     peak_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
+    # Of parameter_bytes, the experts' (whole, every expert): each GPU holds 1 / plan.ep of them (graph/experts.py).
+    expert_parameter_bytes: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +332,9 @@ class Plan:
     precision: str = "fp32"  # partitioner.cost.precision.PRECISIONS
     optimizer: str = "adam"  # partitioner.cost.precision.OPTIMIZERS; its states: cost_model.optimizer_states
     gpus_per_node: int | None = None  # node of rank r: r // gpus_per_node; None: one node
+    # GPUs per host where the NVLink domain spans several hosts (GB200 NVL72: 4 per host, gpus_per_node 72);
+    # None: a host is an NVLink domain (gpus_per_node).  Where torchrun starts processes; links follow gpus_per_node.
+    gpus_per_host: int | None = dataclasses.field(default=None, metadata={ADDED_IN_VERSION: 3})
     chunks: int = 1  # stages per pipeline rank (interleaved-1f1b: v; zbv: 2)
     # GPUs per tensor-parallel group (gpus = pp x dp x tp); with tp > 1 each entry of a stage's ``ranks`` is a
     # group: global ranks ``g x tp .. g x tp + tp - 1``, inside one node (runtime.parallel.tensorparallel).
@@ -614,6 +619,8 @@ def _check_layout(plan: Plan) -> None:
         shape = f"pp x dp = {plan.pp} x {plan.dp}" if plan.tp == 1 else \
             f"pp x dp x tp = {plan.pp} x {plan.dp} x {plan.tp}"
         raise ValueError(f"plan.gpus is {plan.gpus}, expected {shape} = {plan.pp * plan.dp * plan.tp}")
+    if plan.gpus_per_host is not None and (plan.gpus_per_host < 1 or (plan.gpus_per_node or plan.gpus) % plan.gpus_per_host):
+        raise ValueError(f"plan.gpus_per_host is {plan.gpus_per_host}; it must divide gpus_per_node ({plan.gpus_per_node})")
     if plan.gpus_per_node is not None and plan.gpus % plan.gpus_per_node:
         raise ValueError(f"plan.gpus_per_node is {plan.gpus_per_node}, which does not divide plan.gpus ({plan.gpus})")
     if len(plan.stages) != plan.pp * plan.chunks:

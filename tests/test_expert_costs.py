@@ -127,3 +127,25 @@ def test_auto_shards_the_experts_where_their_state_does_not_fit_otherwise():
     chosen = partitioner.compile(model, inputs, ep="auto", memory_per_gpu=cap, **common)
     assert chosen.ep in (2, 4) and chosen.stages[0].predicted.memory_bytes <= cap
     assert dataclasses.replace(chosen, candidates=()).dp == 4
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_no_stage_boundary_falls_inside_an_experts_layer(schedule: str):
+    """Expert parallelism runs a layer as one exchange: the planner never cuts through one (coarsen's ``whole``)."""
+    import user_moe_routed as user
+
+    plan = partitioner.compile(user.build_model(), user.example_inputs(16), gpus=4, pp=2, ep=2, schedule=schedule,
+                               chunks=2, microbatches=4, device="h100", tp=1)
+    assert plan.ep == 2 and len(plan.stages) == 4
+    for layer in plan.experts:
+        holders = {s.index for s in plan.stages if set(layer.nodes) & set(s.nodes)}
+        assert len(holders) == 1, (layer.module, holders)
+
+
+def test_layouts_the_runtime_does_not_run_with_experts_are_refused_or_not_searched():
+    model, inputs = _mixtral()
+    with pytest.raises(AutopartitionError, match="--ep 2 with --shard full: the runtime runs expert parallelism"):
+        partitioner.compile(model, inputs, gpus=4, device="h100", ep=2, tp=1, shard="full")
+    searched = partitioner.compile(model, inputs, gpus=4, device="h100", ep="auto", tp=1, shard="auto",
+                                   memory_per_gpu=1e12)
+    assert all(c.shard in (None, "none") for c in searched.candidates if c.ep > 1)

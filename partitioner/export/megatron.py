@@ -173,7 +173,7 @@ def export_megatron(plan: Plan, *, sizes: Mapping[str, int] | None = None, sourc
                      "--bf16 (more memory than predicted).")
     elif plan.precision not in ("fp32", "bf16-mixed"):
         notes.append(f"precision {plan.precision}: no Megatron setting is written for it here (fp32 training).")
-    per_node = plan.gpus_per_node or plan.gpus
+    per_node = plan.gpus_per_host or plan.gpus_per_node or plan.gpus  # torchrun runs per host
     out = MegatronExport(arguments=tuple(megatron_arguments(bridge)), bridge=bridge, notes=tuple(notes),
                          layers=tuple(layers), deviation=split.deviation, nodes=max(1, plan.gpus // per_node),
                          gpus_per_node=min(per_node, plan.gpus))

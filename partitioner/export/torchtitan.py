@@ -228,7 +228,7 @@ def export_torchtitan(plan: Plan, *, names: str = "auto", sizes: Mapping[str, in
         "training": training,
         "activation_checkpoint": {"mode": _checkpointing(plan, notes)},
     }
-    per_node = plan.gpus_per_node or plan.gpus
+    per_node = plan.gpus_per_host or plan.gpus_per_node or plan.gpus  # torchrun runs per host
     out = TorchtitanExport(sections=sections, notes=tuple(notes), module=module, config=config,
                            nodes=max(1, plan.gpus // per_node), gpus_per_node=min(per_node, plan.gpus),
                            deviation=split.deviation)

@@ -288,7 +288,7 @@ def experts_summary(plan: Plan) -> str:
     if plan.ep == 1:
         return f"{head}; every replica holds every expert (ep 1: no all-to-all)"
     per_node = (plan.gpus_per_node or plan.gpus) // plan.tp
-    where = "inside a node (NVLink)" if per_node % plan.ep == 0 else \
+    where = _group_place(plan, plan.ep * plan.tp) if per_node % plan.ep == 0 else \
         f"across {plan.ep // math.gcd(plan.ep, per_node)} nodes (each GPU's network port)"
     return (f"{head}; ep {plan.ep}: each group of {plan.ep} consecutive replicas holds {counts[0] // plan.ep} of each "
             f"layer's experts per GPU, its weights, gradients and optimizer state; tokens dispatched and combined "
@@ -331,7 +331,7 @@ def tensor_parallel_summary(plan: Plan) -> str:
     for st in plan.stages:
         per_rank[st.rank] = per_rank.get(st.rank, 0.0) + st.predicted.tp_comm_s * plan.microbatches
     busiest = max(per_rank.values(), default=0.0)
-    return (f"{plan.tp} GPUs per group inside a node (NVLink), sequence parallel; column/row pairs all-gather "
+    return (f"{plan.tp} GPUs per group {_group_place(plan, plan.tp)}, sequence parallel; column/row pairs all-gather "
             f"and reduce-scatter b x s x h twice per layer each way (Megatron, Korthikanti et al. 2022), not "
             f"overlapped: {format_seconds(busiest)} of the busiest pipeline rank's step "
             f"({100 * busiest / plan.predicted.step_s:.0f}%)" if plan.predicted.step_s > 0 else "")
@@ -386,9 +386,20 @@ def _header(plan: Plan) -> list[str]:
 
 def _node_layout(plan: Plan) -> str:
     per_node = plan.gpus_per_node or plan.gpus
+    host = getattr(plan, "gpus_per_host", None)
+    hosts = f" ({per_node // host} hosts of {host} each: one NVLink domain)" if host else ""
     if per_node >= plan.gpus:
-        return f"one node of {plan.gpus}"
-    return f"{plan.gpus // per_node} nodes of {per_node}"
+        return f"one node of {plan.gpus}{hosts}"
+    return f"{plan.gpus // per_node} nodes of {per_node}{hosts}"
+
+
+def _group_place(plan: Plan, size: int) -> str:
+    """Where a group of ``size`` consecutive GPUs sits: inside a host, or across hosts of one NVLink domain."""
+    host = getattr(plan, "gpus_per_host", None)
+    if host and size > host:
+        return (f"inside a {plan.gpus_per_node}-GPU NVLink domain, across {size // host} hosts of {host} "
+                "(NVLink joins them: no network hop)")
+    return "inside a node (NVLink)"
 
 
 def _stage_table(plan: Plan) -> list[str]:

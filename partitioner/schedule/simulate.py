@@ -88,7 +88,7 @@ from partitioner.cost.precision import (
 )
 from partitioner.errors import ScheduleError
 from partitioner.orders import Action, Schedule
-from partitioner.plan import Plan
+from partitioner.plan import Plan, StagePlan
 from partitioner.schedule.bounds import rank_link_seconds
 from partitioner.schedule.timeline import ALLREDUCE_KIND, COMPUTE_KINDS, TimelineEvent
 
@@ -430,26 +430,34 @@ def stage_static_bytes(plan: Plan) -> list[float]:
     >>> stage_static_bytes(example_plan())  # 64 bytes of fp32 weights, Adam: x 4
     [256.0, 256.0]
     """
-    precision: str = getattr(plan, "precision", "fp32")
-    states = plan.cost_model.optimizer_states
     m = plan.model
     per_element = m.parameter_bytes / m.parameters if m.parameters else 4.0
+    ep = getattr(plan, "ep", 1)
     out = []
     for st in plan.stages:
-        nbytes = st.predicted.parameter_bytes
-        elements = nbytes / per_element
-        if not _sharded(plan, st.shard):
-            out.append(float(state_bytes(precision, states, elements=elements, model_bytes=nbytes)))
-            continue
-        shards = plan.shard_degree(st)
-        held = shard_state_bytes(precision, states, st.shard, shards, elements=elements, model_bytes=nbytes)
-        if st.shard == "full":
-            held += gathered_bytes(precision, elements=elements, model_bytes=nbytes,
-                                   reshard_after_forward=st.reshard_after_forward)
-            if st.reshard_after_forward:
-                held += getattr(st.predicted, "gathered_bytes", 0.0)
+        experts = getattr(st.predicted, "expert_parameter_bytes", 0.0) if ep > 1 else 0.0
+        # The experts: 1 / ep of them per GPU, sharded (in the stage's mode) over the dp / ep replicas holding them.
+        held = _held(plan, st, st.predicted.parameter_bytes - experts, per_element, plan.shard_degree(st))
+        if experts:
+            held += _held(plan, st, experts / ep, per_element, max(1, min(plan.shard_degree(st), plan.dp // ep)))
+        if st.shard == "full" and st.reshard_after_forward and _sharded(plan, st.shard):
+            held += getattr(st.predicted, "gathered_bytes", 0.0)
         out.append(float(held))
     return out
+
+
+def _held(plan: Plan, st: StagePlan, nbytes: float, per_element: float, shards: int) -> float:
+    """What one GPU of ``st``'s group holds of ``nbytes`` of its parameters, over ``shards`` shards."""
+    precision: str = getattr(plan, "precision", "fp32")
+    states = plan.cost_model.optimizer_states
+    elements = nbytes / per_element
+    if not _sharded(plan, st.shard):
+        return float(state_bytes(precision, states, elements=elements, model_bytes=nbytes))
+    held = shard_state_bytes(precision, states, st.shard, shards, elements=elements, model_bytes=nbytes)
+    if st.shard == "full":
+        held += gathered_bytes(precision, elements=elements, model_bytes=nbytes,
+                               reshard_after_forward=st.reshard_after_forward)
+    return float(held)
 
 
 def _sharded(plan: Plan, shard: str) -> bool:

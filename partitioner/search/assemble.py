@@ -136,6 +136,7 @@ def build_plan(
         precision=options.precision,
         optimizer=options.optimizer,
         gpus_per_node=options.gpus_per_node,
+        gpus_per_host=options.gpus_per_host,
         ep=solved.ep,
         experts=captured.experts,
     )
@@ -324,6 +325,8 @@ def _stages(
                 backward_s=(backward := total - forward + again + added[s]),  # less F's part of added
                 memory_bytes=memory[s],
                 parameter_bytes=sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params),
+                expert_parameter_bytes=sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params
+                                           if captured.parameter_names[p] in graph.expert_parameters),
                 activation_bytes=sum(kept),
                 send_bytes=round(sum(b.nbytes * activation_scale(options.precision, b.dtype) for b in outputs)),
                 allreduce_s=allreduce[s] + latency[s],

@@ -120,13 +120,14 @@ class PlanOptions:
     zero3_unit: str = "layer"
     tp: int = 1  # GPUs per tensor-parallel group: ``gpus`` counts groups while a degree is searched (search/planner.py)
     priced_only: bool = False  # layouts the runtime does not run are priced too (search/price.py)
+    gpus_per_host: int | None = None  # an NVLink domain of gpus_per_node over hosts of this many (--nvlink-domain)
     ep_fixed: int | None = None  # expert-parallel degree given (--ep N); None: searched (cost/experts.py)
     expert_counts: tuple[int, ...] = ()  # experts per layer of the model's experts layers (graph/experts.py)
     expert_imbalance: float = DEFAULT_IMBALANCE  # the busiest EP member's tokens over the mean (cost/experts.py)
 
     def ep_choices(self, dp: int) -> tuple[int, ...]:
         """Expert-parallel degrees to try for ``dp`` replicas: 1 for a model without experts."""
-        if not self.expert_counts:
+        if not self.expert_counts or (self.tp > 1 and not self.priced_only):  # the runtime: experts at tp 1
             return (1,) if self.ep_fixed in (None, 1) else ()
         return ep_choices(math.gcd(*self.expert_counts), dp, fixed=self.ep_fixed, per_node=self.gpus_per_node)
 

@@ -137,6 +137,7 @@ __all__ = [
     "microbatch_choices",
     "microbatch_inputs",
     "model_flops_utilization",
+    "nvlink_nodes",
     "stage_layout",
 ]
 
@@ -176,6 +177,7 @@ def compile(
     priced_only: bool = False,
     ep: int | str = AUTO,
     expert_imbalance: float = DEFAULT_IMBALANCE,
+    nvlink_domain: int | None = None,
 ) -> Plan:
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
@@ -204,15 +206,23 @@ def compile(
     with experts (:mod:`partitioner.graph.experts`; ``"auto"``: searched, see
     :func:`~partitioner.cost.experts.ep_choices`), its experts sharded over groups of ``ep``
     replicas; ``expert_imbalance`` the busiest member's tokens over the mean
-    (:mod:`partitioner.cost.experts`).
+    (:mod:`partitioner.cost.experts`).  ``nvlink_domain``: GPUs one NVLink domain joins when it spans
+    several hosts of ``gpus_per_node`` (GB200 NVL72: 72 over hosts of 4); links, tensor- and
+    expert-parallel groups and HSDP then follow the domain, and the plan records the hosts.
     """
     say = status or (lambda _msg: None)
+    gpus_per_node, gpus_per_host = nvlink_nodes(gpus, gpus_per_node, nvlink_domain)
     fixed_ep = _check_ep(ep, expert_imbalance)
     # A tuple, a dict of keywords or (args, kwargs): from here on, the flat tuple of its tensors.
     call, example_inputs = CallSpec.of(example_inputs)
     batch = batch_size_of(example_inputs)
     spec, measure, local = resolve_device(device)
     fixed_tp = check_tp(tp, gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, dp=dp)
+    if fixed_ep is not None and fixed_ep > 1 and not priced_only and (fixed_tp > 1 or shard not in ("auto", "none")):
+        raise AutopartitionError(
+            f"--ep {fixed_ep} with {f'--tp {fixed_tp}' if fixed_tp > 1 else f'--shard {shard}'}: the runtime runs "
+            "expert parallelism over replicated (DDP) stage groups of one GPU per replica, not yet with tensor "
+            "parallelism or sharded state; plan with --tp 1 --shard none (or auto), or --ep 1.")
     if fixed_tp > 1 and shard == "optimizer" and not priced_only and (dp or (gpus // fixed_tp // pp if pp else 1)) > 1:
         raise AutopartitionError(
             f"--tp {fixed_tp} with --shard optimizer: the runtime runs tensor parallelism with replicated or fully "
@@ -226,7 +236,7 @@ def compile(
         memory_limit=memory_per_gpu if memory_per_gpu is not None else default_memory_limit(device, spec, local),
         capture_method=capture_method, max_blocks=max_blocks, bucket_cap_mb=bucket_cap_mb, time_limit=time_limit,
         refine_simulations=refine_simulations, priced_only=priced_only,
-        calibration=_calibration(calibration), expert_imbalance=expert_imbalance,
+        calibration=_calibration(calibration), expert_imbalance=expert_imbalance, gpus_per_host=gpus_per_host,
     )
 
     reference = options.reference_microbatches
@@ -269,7 +279,8 @@ def compile(
     options = dataclasses.replace(options, ep_fixed=fixed_ep,
                                   expert_counts=tuple(layer.experts for layer in captured.experts))
     times = node_times(costs, spec, precision=options.precision, measure=measure)
-    blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()})
+    blocks = coarsen(captured.graph_module, max_blocks=max_blocks, times={k: f + b for k, (f, b) in times.items()},
+                     whole=[layer.nodes for layer in captured.experts])  # an experts layer is one exchange
     if not blocks:
         raise AutopartitionError(f"{type(model).__name__} has no compute to partition.")
     scaled = ScaledCosts(captured, blocks, costs, options, loss_s=found.loss_s,
@@ -309,8 +320,13 @@ def compile(
             assert tp_layout is not None
             scaled_t = TensorParallelCosts(scaled, tp_layout, degree, settings)
         say(f"tensor parallel {degree}: searching {plural(settings.gpus, 'group')} of {plural(degree, 'GPU')}")
+        beat = min((p.predicted.step_s for p, _ in plans), default=None)
         try:
-            layout = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say)
+            layout = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say, beat=beat)
+        except _NotBetter as slower:
+            say(f"tensor parallel {degree}: its best closed form, {format_seconds(slower.closed_s)}, loses by more "
+                f"than {TP_SIMULATION_MARGIN:.0%} to the best plan so far: not simulated")
+            continue
         except InfeasibleError as exc:
             failures.append((degree, exc))
             say(f"tensor parallel {degree}: nothing fits")
@@ -355,6 +371,26 @@ class _Layout(NamedTuple):
         )
 
 
+def nvlink_nodes(gpus: int, gpus_per_node: int | None, nvlink_domain: int | None) -> tuple[int | None, int | None]:
+    """``(gpus_per_node, gpus_per_host)`` as the planner prices them: the NVLink domain is the planner's node.
+
+    >>> nvlink_nodes(144, 4, 72), nvlink_nodes(64, 8, None)
+    ((72, 4), (8, None))
+    >>> nvlink_nodes(144, 8, 36)
+    Traceback (most recent call last):
+    ...
+    partitioner.errors.AutopartitionError: --nvlink-domain 36 must be a whole number of hosts of --gpus-per-node 8 and divide --gpus 144 (GB200 NVL72: --gpus-per-node 4 --nvlink-domain 72, --gpus a multiple of 72).
+    """
+    if nvlink_domain is None or gpus < 1:
+        return gpus_per_node, None
+    host = gpus_per_node or default_gpus_per_node(gpus)
+    if nvlink_domain < 1 or nvlink_domain % host or gpus % nvlink_domain:
+        raise AutopartitionError(
+            f"--nvlink-domain {nvlink_domain} must be a whole number of hosts of --gpus-per-node {host} and divide "
+            f"--gpus {gpus} (GB200 NVL72: --gpus-per-node 4 --nvlink-domain 72, --gpus a multiple of 72).")
+    return nvlink_domain, (host if host < nvlink_domain else None)
+
+
 def _check_ep(ep: int | str, imbalance: float) -> int | None:
     """The fixed expert-parallel degree (None: ``"auto"``), or an error saying what to pass."""
     if not imbalance >= 1.0:
@@ -382,6 +418,19 @@ def _check_fixed_ep(ep: int, captured: CapturedModel, model: str) -> None:
             f"use one of {', '.join(map(str, fits))} (or auto).")
 
 
+# Another tensor-parallel degree is simulated only when its best closed form comes within this share of the best
+# plan found so far: the closed form and the simulation of one plan differ by a few percent (candidate tables).
+TP_SIMULATION_MARGIN = 0.10
+
+
+class _NotBetter(Exception):
+    """A degree whose best closed-form step loses to the best plan so far by more than the margin."""
+
+    def __init__(self, closed_s: float) -> None:
+        super().__init__(closed_s)
+        self.closed_s = closed_s
+
+
 def _plan_layout(
     model: torch.nn.Module,
     captured: CapturedModel,
@@ -391,12 +440,16 @@ def _plan_layout(
     sized: _SizedGraphs,
     *,
     say: Status,
+    beat: float | None = None,
 ) -> _Layout:
     """Search every pp x dp x M x schedule for ``options.gpus`` devices, simulate the best, build the winner
     (:meth:`_Layout.finished` writes its stage code)."""
     trials, solved = search(scaled, options, say=say)
     if not solved:
         raise infeasible_error(scaled, options, trials)
+    closed = min(c.partition.objective for c in solved)
+    if beat is not None and closed > beat * (1 + TP_SIMULATION_MARGIN):
+        raise _NotBetter(closed)
     # The closed form ranks every combination; the best few are simulated and the simulation decides.
     by_key = {t.key: t for t in trials}
     refined: dict[CombinationKey, Refinement] = {}

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from partitioner.graph.ir import VALUE_KEY, ValueInfo, compute_nodes, module_path
@@ -30,13 +31,22 @@ if TYPE_CHECKING:  # types only: this module imports without torch
 __all__ = ["coarsen", "pinned_state"]
 
 
-def coarsen(gm: fx.GraphModule, *, max_blocks: int, times: dict[str, float] | None = None) -> list[tuple[str, ...]]:
-    """Blocks of compute-node names, in graph order, at most ``max_blocks`` of them."""
+def coarsen(gm: fx.GraphModule, *, max_blocks: int, times: dict[str, float] | None = None,
+            whole: Sequence[Iterable[str]] = ()) -> list[tuple[str, ...]]:
+    """Blocks of compute-node names, in graph order, at most ``max_blocks`` of them.
+
+    ``whole``: groups of nodes no cut may fall within (from a group's first node to its last): an experts
+    layer, which expert parallelism runs as one exchange (runtime/parallel/experts.py).
+    """
     nodes = compute_nodes(gm)
     if not nodes:
         return []
     position = {n.name: i for i, n in enumerate(nodes)}
     cuttable = _cuttable(gm, nodes, position)
+    for group in whole:
+        where = [position[name] for name in group if name in position]
+        for k in range(min(where, default=0), max(where, default=0)):
+            cuttable[k] = False
     paths = [module_path(n).split(".") if module_path(n) else [] for n in nodes]
     depth = max(len(p) for p in paths)
     runs: list[list[int]] = []
