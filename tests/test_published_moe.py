@@ -135,9 +135,11 @@ def test_validate_passes_ep_and_the_nvlink_domain(monkeypatch: pytest.MonkeyPatc
     row = validate.price_run(gb200)
     assert row["priced"] and row["predicted"] == pytest.approx(512 * 4096 / 2.0 / 64)
     layout, kwargs = seen[-1]
-    assert layout.ep == 64 and kwargs["gpus_per_node"] == 64 and kwargs["device"] == "gb200"
+    assert layout.ep == 64 and kwargs["device"] == "gb200"
+    assert (kwargs["gpus_per_node"], kwargs["nvlink_domain"]) == (4, 64)  # trays of 4 in one NVL72 domain
     validate.price_run(run_named("qwen3-235b-256-zoo-ep32-deepep"))  # selective: two plans, both at EP32
     assert [(lay.ep, lay.recompute, kw["gpus_per_node"]) for lay, kw in seen[-2:]] == [(32, "none", 8), (32, "full", 8)]
+    assert all("nvlink_domain" not in kw for _, kw in seen[-2:])
     # A run with tensor parallelism kept and its EP folded over DP (FP8 rows only are such; priced here regardless).
     folded = run_named("qwen3-235b-64-bridge-gb200-fp8")
     assert (Layout(gpus=64, **folded.layout).tp, Layout(gpus=64, **folded.layout).ep) == (2, 32)

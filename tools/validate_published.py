@@ -16,8 +16,9 @@ are listed, not priced (the cost model has no FP8).
 
 How a run is priced:
 
-* bf16 and fp16 alike as ``bf16-mixed`` with Adam; ``gpus_per_node`` the run's (8 unless it says
-  otherwise: a GB200 NVL72 rack is one NVLink domain); the layout's ``ep`` (expert parallelism); the device's memory
+* bf16 and fp16 alike as ``bf16-mixed`` with Adam; ``gpus_per_node`` the run's hosts' (8 unless it
+  says otherwise) and its ``nvlink_domain`` where NVLink joins several hosts (GB200 NVL72); the
+  layout's ``ep`` (expert parallelism); the device's memory
   limit, or none for a run marked ``unlimited`` (a layout our memory model says does not fit
   is priced anyway, as :func:`~partitioner.search.price.price_layout` does, and marked).
 * Selective recomputation (Korthikanti et al.'s attention core, torchtitan's per-op SAC) as
@@ -216,6 +217,8 @@ def price_run(run: PublishedRun, *, values: dict[str, dict[str, float]] | None =
     inputs = (torch.zeros(run.batch, run.seq, dtype=torch.long),)
     common: dict[str, Any] = {"device": run.device, "precision": "bf16-mixed", "optimizer": "adam",
                               "gpus_per_node": min(run.gpus_per_node, run.gpus)}
+    if run.nvlink_domain:
+        common["nvlink_domain"] = run.nvlink_domain
     keywords = dict(run.layout)
     if span is not None and run.shard_span:
         (common if span[0] == "call" else keywords)[span[1]] = run.shard_span

@@ -134,7 +134,7 @@ MOE_MODELZOO: tuple[PublishedRun, ...] = (
 
 def _bridge(name: str, spec: str, shape: ModelShape, family: str, device: str, gpus: int, *, gbs: int, mbs: int,
             tp: int, pp: int, vp: int, ep: int, figure: float, precision: str, note: str = "",
-            assumed: str = "", gpus_per_node: int = 8) -> PublishedRun:
+            assumed: str = "", gpus_per_node: int = 8, nvlink_domain: int | None = None) -> PublishedRun:
     dp = gpus // (tp * pp)
     ours, folded = _folded(ep, dp, family)
     lay = layout(f"Megatron-Bridge TP{tp} PP{pp} VP{vp} EP{ep}", tp=tp, pp=pp, dp=dp, microbatches=gbs // (dp * mbs),
@@ -144,7 +144,7 @@ def _bridge(name: str, spec: str, shape: ModelShape, family: str, device: str, g
         name, spec, gpus, gbs, 4096, lay, figure, "tokens/s/GPU", precision, device, True, "auto",
         "fp8" if precision == "fp8" else "held-out", f"{_BRIDGE}, DGX-{device.upper()}", note=note, shape=shape,
         micro_batch=mbs, counts="tokens", counting=_TOK, framework="Megatron-Bridge", zero_stage=1, zero_ranks=dp,
-        sequence_parallel=tp > 1, gpus_per_node=gpus_per_node,
+        sequence_parallel=tp > 1, gpus_per_node=gpus_per_node, nvlink_domain=nvlink_domain,
         assumed="; ".join(a for a in (folded, "distributed optimizer (ZeRO-1) and recomputation unpublished",
                                       assumed) if a))
 
@@ -161,7 +161,7 @@ MEGATRON_BRIDGE_MOE: tuple[PublishedRun, ...] = (
     _bridge("gpt-oss-120b-64-bridge-b200", *_OSS, "b200", 64, gbs=512, mbs=4, tp=1, pp=1, vp=1, ep=8, figure=8213.0,
             precision="bf16", note="B200 uncalibrated: the bare datasheet roofline"),
     _bridge("gpt-oss-120b-64-bridge-gb200", *_OSS, "gb200", 64, gbs=512, mbs=4, tp=1, pp=1, vp=1, ep=64,
-            figure=15754.0, precision="bf16", gpus_per_node=64,
+            figure=15754.0, precision="bf16", gpus_per_node=4, nvlink_domain=64,
             note="GB200 uncalibrated; the 64 GPUs priced as one NVLink domain (one NVL72 rack)",
             assumed="all 64 GPUs in one NVL72 NVLink domain"),
     _bridge("deepseek-v3-256-bridge-gb200-fp8", *_DS, "gb200", 256, gbs=2048, mbs=1, tp=1, pp=4, vp=4, ep=64,

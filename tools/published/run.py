@@ -91,7 +91,8 @@ class PublishedRun:
     of one published comparison (same model and GPUs, another layout, schedule or
     recomputation) share it.  ``assumed``: what the source does not publish and the layout
     assumes.  ``from_plot``: the figure was read off a plot (less precise).  ``gpus_per_node``:
-    GPUs that share NVLink (8 a DGX/HGX node; a GB200 NVL72 rack up to 72), priced as one node.
+    GPUs per host (8 a DGX/HGX node, 4 a GB200 tray); ``nvlink_domain``: GPUs one NVLink domain
+    joins across hosts (a GB200 NVL72 rack: up to 72; ``compile(nvlink_domain=...)``), None: the host.
     """
 
     name: str
@@ -124,6 +125,7 @@ class PublishedRun:
     assumed: str = ""
     from_plot: bool = False
     gpus_per_node: int = 8
+    nvlink_domain: int | None = None
 
     def cite(self) -> str:
         """The source with the figure, as a table cell.
