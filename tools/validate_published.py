@@ -16,7 +16,9 @@ are listed, not priced (the cost model has no FP8).
 
 How a run is priced:
 
-* bf16 and fp16 alike as ``bf16-mixed`` with Adam; ``gpus_per_node`` 8; the device's memory
+* bf16 and fp16 alike as ``bf16-mixed`` with Adam; ``gpus_per_node`` the run's hosts' (8 unless it
+  says otherwise) and its ``nvlink_domain`` where NVLink joins several hosts (GB200 NVL72); the
+  layout's ``ep`` (expert parallelism); the device's memory
   limit, or none for a run marked ``unlimited`` (a layout our memory model says does not fit
   is priced anyway, as :func:`~partitioner.search.price.price_layout` does, and marked).
 * Selective recomputation (Korthikanti et al.'s attention core, torchtitan's per-op SAC) as
@@ -83,6 +85,7 @@ __all__ = [
 FITTED = ("matmul", "attention")  # fitted per GPU generation (memory-bound ops stay at the datasheet)
 BOUNDS: dict[str, tuple[float, float]] = {"matmul": (0.2, 1.0), "attention": (0.1, 1.0)}
 _TIE = 0.02  # measured within 2%: a tie, not scored
+_SAME = 1e-3  # predicted within 0.1%: no difference predicted, so a measured one is not ordered right
 _models: dict[str, Any] = {}  # spec -> model built on meta (per process)
 
 
@@ -213,7 +216,9 @@ def price_run(run: PublishedRun, *, values: dict[str, dict[str, float]] | None =
     model = _model(run.spec)
     inputs = (torch.zeros(run.batch, run.seq, dtype=torch.long),)
     common: dict[str, Any] = {"device": run.device, "precision": "bf16-mixed", "optimizer": "adam",
-                              "gpus_per_node": min(8, run.gpus)}
+                              "gpus_per_node": min(run.gpus_per_node, run.gpus)}
+    if run.nvlink_domain:
+        common["nvlink_domain"] = run.nvlink_domain
     keywords = dict(run.layout)
     if span is not None and run.shard_span:
         (common if span[0] == "call" else keywords)[span[1]] = run.shard_span
@@ -327,7 +332,8 @@ def compare_groups(runs: list[PublishedRun], rows: list[dict[str, Any]]) -> list
     """Every pair of runs in a published comparison: is the faster measured also the faster predicted?
 
     Throughput is compared as tokens per second over the whole step (every run of a group has the
-    same model and GPUs).  Pairs measured within 2% of each other are ties (``agrees`` None).
+    same model and GPUs).  Pairs measured within 2% of each other are ties (``agrees`` None); a
+    pair measured apart but predicted within 0.1% is not ordered right (``agrees`` False).
     """
     by_name = {r["run"]: r for r in rows}
     groups: dict[str, list[PublishedRun]] = {}
@@ -345,9 +351,12 @@ def compare_groups(runs: list[PublishedRun], rows: list[dict[str, Any]]) -> list
                     continue
                 measured = (a.batch * a.seq / step_from_figure(a, a.figure)) / (b.batch * b.seq / step_from_figure(b, b.figure))
                 predicted = (a.batch * a.seq / ra["step_s"]) / (b.batch * b.seq / rb["step_s"])
-                agrees = None if abs(measured - 1) < _TIE else (measured > 1) == (predicted > 1)
+                # A pair predicted alike (the cost model sees no difference: a dispatcher, an overlap) is wrong,
+                # not right by the sign of a rounding error.
+                same = abs(predicted - 1) < _SAME
+                agrees = None if abs(measured - 1) < _TIE else (not same and (measured > 1) == (predicted > 1))
                 pairs.append({**pair, "measured": measured, "predicted": predicted, "agrees": agrees,
-                              "why": "tie" if agrees is None else ""})
+                              "why": "tie" if agrees is None else "predicted alike" if same else ""})
     return pairs
 
 

@@ -12,6 +12,9 @@ module                              runs  source
 :mod:`tools.published.bigscience`   13    BigScience BLOOM training and its layout search
 :mod:`tools.published.mosaicml`     18    MosaicML llm-foundry MPT benchmarks (FSDP)
 :mod:`tools.published.meta`         12    torchtitan benchmarks, Llama 3 paper, Megatron-Bridge (FP8)
+:mod:`tools.published.moe`          17    Mixture of experts: Megatron-MoE-ModelZoo (Qwen3-235B),
+                                          Megatron-Bridge (GPT OSS 120B; FP8 DeepSeekV3, Qwen3),
+                                          DeepSeek-V3 paper (FP8)
 ==================================  ====  ==========================================================
 
 ``role``: at most a third of the priced runs are ``"fit"`` (chosen across GPU generations and
@@ -27,6 +30,7 @@ from tools.published.bigscience import BIGSCIENCE
 from tools.published.megascale import MEGASCALE_2024
 from tools.published.megatron import KORTHIKANTI_2022, NARAYANAN_2021
 from tools.published.meta import META
+from tools.published.moe import DEEPSEEK_V3, MEGATRON_BRIDGE_MOE, MOE_MODELZOO
 from tools.published.mosaicml import MOSAICML
 from tools.published.run import (
     COUNTS,
@@ -60,6 +64,9 @@ SOURCES: dict[str, tuple[PublishedRun, ...]] = {
     "BigScience: BLOOM": BIGSCIENCE,
     "MosaicML: llm-foundry": MOSAICML,
     "Meta: torchtitan, Llama 3 (and NVIDIA Megatron-Bridge FP8)": META,
+    "NVIDIA: Megatron-MoE-ModelZoo (Qwen3-235B)": MOE_MODELZOO,
+    "NVIDIA: Megatron-Bridge (mixture of experts)": MEGATRON_BRIDGE_MOE,
+    "DeepSeek: DeepSeek-V3 report": DEEPSEEK_V3,
 }
 
 RUNS: tuple[PublishedRun, ...] = tuple(run for runs in SOURCES.values() for run in runs)

@@ -14,16 +14,22 @@ _SHARD = {0: "none", 1: "optimizer", 2: "optimizer", 3: "zero3"}
 
 
 def layout(name: str, *, tp: int, pp: int, dp: int, microbatches: int, schedule: str = "1f1b",
-           chunks: int | None = None, zero: int = 0, recompute: str = "full") -> dict[str, Any]:
+           chunks: int | None = None, zero: int = 0, recompute: str = "full", ep: int = 1) -> dict[str, Any]:
     """:class:`partitioner.search.price.Layout` keywords (``gpus`` aside) for a published layout.
+
+    ``ep``: the expert-parallel degree over the ``dp`` replicas (left out at 1, as for dense models).
 
     >>> layout("x", tp=8, pp=1, dp=4, microbatches=2, zero=2)["shard"]
     'optimizer'
+    >>> layout("x", tp=2, pp=8, dp=16, microbatches=128, ep=16)["ep"]
+    16
     """
     out: dict[str, Any] = {"name": name, "tp": tp, "pp": pp, "dp": dp, "microbatches": microbatches,
                            "schedule": schedule, "shard": _SHARD[zero], "recompute": recompute}
     if chunks is not None:
         out["chunks"] = chunks
+    if ep != 1:
+        out["ep"] = ep
     return out
 
 

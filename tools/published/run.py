@@ -90,7 +90,9 @@ class PublishedRun:
     :data:`COUNTS`; ``counting``: in words, exactly what the figure counts.  ``group``: runs
     of one published comparison (same model and GPUs, another layout, schedule or
     recomputation) share it.  ``assumed``: what the source does not publish and the layout
-    assumes.  ``from_plot``: the figure was read off a plot (less precise).
+    assumes.  ``from_plot``: the figure was read off a plot (less precise).  ``gpus_per_node``:
+    GPUs per host (8 a DGX/HGX node, 4 a GB200 tray); ``nvlink_domain``: GPUs one NVLink domain
+    joins across hosts (a GB200 NVL72 rack: up to 72; ``compile(nvlink_domain=...)``), None: the host.
     """
 
     name: str
@@ -122,6 +124,8 @@ class PublishedRun:
     selective_share: float = 0.0
     assumed: str = ""
     from_plot: bool = False
+    gpus_per_node: int = 8
+    nvlink_domain: int | None = None
 
     def cite(self) -> str:
         """The source with the figure, as a table cell.
@@ -158,7 +162,8 @@ class PublishedRun:
         chunks = f"x{lay['chunks']}v" if lay.get("chunks") and lay["chunks"] > 1 else ""
         zero = f" ZeRO-{self.zero_stage}/{self.zero_ranks}" if self.zero_stage else ""
         sp = " SP" if self.sequence_parallel else ""
-        return (f"TP{lay['tp']} PP{lay['pp']}{chunks} DP{lay['dp']}{zero}{sp} M{lay['microbatches']} x "
+        ep = f" EP{lay['ep']}" if lay.get("ep", 1) > 1 else ""
+        return (f"TP{lay['tp']} PP{lay['pp']}{chunks} DP{lay['dp']}{ep}{zero}{sp} M{lay['microbatches']} x "
                 f"{self.micro_batch} {lay['schedule']} AC {self.checkpointing}")
 
 
