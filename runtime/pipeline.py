@@ -479,27 +479,17 @@ class Pipeline:
     ) -> Path:
         """Every rank: write model, optimizer state, step and plan in the original names, atomically into
         ``directory/step-<step>``, keeping the newest ``keep`` steps (:mod:`runtime.state.checkpoint`); returns it."""
-        self._refuse_expert_checkpoint("save_checkpoint")
         return checkpoint.save_checkpoint(directory, modules=self.modules, plan=self.plan,
-                                          keys=self._state_keys, optimizer=optimizer, step=step, keep=keep)
+                                          keys=self._state_keys, optimizer=optimizer, step=step, keep=keep,
+                                          experts=self._experts_layer())
 
     def load_checkpoint(
         self, directory: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None
     ) -> int:
         """Every rank: load a checkpoint saved under any plan of this model (``directory``'s newest
         complete step, or one ``step-N`` folder); returns its step."""
-        self._refuse_expert_checkpoint("load_checkpoint")
         return checkpoint.load_checkpoint(directory, modules=self.modules, plan=self.plan,
-                                          keys=self._state_keys, optimizer=optimizer)
-
-    def _refuse_expert_checkpoint(self, call: str) -> None:
-        """Checkpoints hold whole tensors by original name; an EP member holds slices (and their optimizer state)."""
-        if self.plan.ep > 1:
-            raise AutopartitionError(
-                f"{call} does not handle expert parallelism yet (the plan has ep {self.plan.ep}: each rank holds a "
-                "slice of the experts and of their optimizer state). Save the model with pipe.state_dict() (whole "
-                "experts, gathered), or plan with ep 1 to checkpoint."
-            )
+                                          keys=self._state_keys, optimizer=optimizer, experts=self._experts_layer())
 
     def _aliases(self) -> dict[str, tuple[str, ...]]:
         """Each tied parameter this stage holds (by its name here) -> all of its names."""

@@ -27,27 +27,30 @@ MODELS = Path(__file__).parent / "models"
 USER_MOE = str(MODELS / "user_moe_routed.py")  # experts in a ModuleList ("list")
 USER_MOE_DEEP = str(MODELS / "user_moe_routed_deep.py")  # eight layers: stages of whole layers
 MIXTRAL = str(MODELS / "zoo_mixtral.py")  # Hugging Face Mixtral: experts stacked on dim 0 ("stacked")
+EXAMPLES = Path(__file__).parent.parent / "examples"
+QWEN3_MOE = str(EXAMPLES / "moe.py")  # tiny Qwen3-MoE: 2 layers of 8 stacked experts, top-2
+DEEPSEEK_V3 = str(EXAMPLES / "deepseek_v3.py")  # tiny DeepSeek-V3: dense first layer, then 8 experts + shared
 STEPS = 3
 TOLERANCE = 1e-5
 
 
 def _ep_plan(spec: str, directory: Path, *, ep: int, pp: int, dp: int, schedule: str, microbatches: int = 2,
-             chunks: int | None = None) -> Plan:
+             chunks: int | None = None, batch_size: int = 8) -> Plan:
     """The planner's plan at this layout with expert-parallel degree ``ep`` (predicted h100 costs), saved."""
     model_file = load_model_file(spec)
     torch.manual_seed(0)
     shape: dict[str, Any] = {} if chunks is None else {"chunks": chunks}
-    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=pp * dp, pp=pp, dp=dp, ep=ep,
+    plan = compile(model_file.build(), model_file.example_inputs(batch_size), gpus=pp * dp, pp=pp, dp=dp, ep=ep,
                    microbatches=microbatches, schedule=schedule, device="h100", **shape)
     assert (plan.pp, plan.dp, plan.ep) == (pp, dp, ep) and plan.experts, "the planner found no experts layer"
     plan.save(directory)
     return plan
 
 
-def _verified(directory: Path, spec: str) -> None:
-    result = verify(directory, spec, steps=STEPS, tolerance=TOLERANCE)
+def _verified(directory: Path, spec: str, *, steps: int = STEPS) -> None:
+    result = verify(directory, spec, steps=steps, tolerance=TOLERANCE)
     assert result.ok, result.report()
-    assert len(result.per_step) == STEPS
+    assert len(result.per_step) == steps
 
 
 def test_the_planner_records_the_experts_layers(tmp_path: Path) -> None:
@@ -86,7 +89,7 @@ def test_each_member_holds_its_experts_and_gives_whole_state(tmp_path: Path) -> 
             assert set(record[key]) == set(whole)
             assert all(torch.equal(record[key][k], whole[k]) for k in whole), key
         assert record["eval_loss"] is not None
-        assert "save_checkpoint does not handle expert parallelism yet" in record["checkpoint"]
+        assert record["checkpoint"] == "step-0"
         assert torch.allclose(record["clip_norm"], record["grad_norm"], rtol=1e-6), (record["clip_norm"],
                                                                                     record["grad_norm"])
     # After a step both members give the same whole state: the experts each trained, gathered.
@@ -137,6 +140,121 @@ def test_two_stages_per_rank_and_expert_parallel(tmp_path: Path, schedule: str) 
                     chunks=2 if schedule == "interleaved-1f1b" else None)
     assert plan.chunks == 2 and len(plan.stages) == 4
     _verified(tmp_path, USER_MOE_DEEP)
+
+
+@pytest.mark.slow  # Hugging Face models: ~25-40 s each
+@pytest.mark.parametrize("spec", [QWEN3_MOE, DEEPSEEK_V3], ids=["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("dp", [2, 4])
+def test_hf_moe_examples_over_replicas(tmp_path: Path, spec: str, dp: int) -> None:
+    """ep = dp: one EP group of every replica, each holding 8 / dp experts of every layer (DeepSeek-V3: its
+    shared expert and sigmoid gating outside the experts module, its first layer dense)."""
+    plan = _ep_plan(spec, tmp_path, ep=dp, pp=1, dp=dp, microbatches=1, schedule="1f1b", batch_size=dp)
+    assert {layer.experts for layer in plan.experts} == {8}
+    _verified(tmp_path, spec, steps=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [QWEN3_MOE, DEEPSEEK_V3], ids=["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", None), ("interleaved-1f1b", 2), ("zbv", None)])
+def test_hf_moe_examples_in_a_pipeline(tmp_path: Path, spec: str, schedule: str, chunks: int | None) -> None:
+    """pp 2 x dp 2, ep 2; two stages per rank under interleaved-1f1b and zbv."""
+    microbatches = 2 if chunks is None and schedule == "1f1b" else 4
+    plan = _ep_plan(spec, tmp_path, ep=2, pp=2, dp=2, microbatches=microbatches, schedule=schedule,
+                    chunks=chunks, batch_size=2 * microbatches)
+    assert plan.pp == 2 and len(plan.stages) == (2 if schedule == "1f1b" else 4)
+    _verified(tmp_path, spec, steps=2)
+
+
+def _checkpoint_reference(spec: str, batch_size: int) -> dict[str, Any]:
+    """The uninterrupted run on the whole model: Adam's state and the parameters after STEPS_BEFORE steps and
+    after one more (each with the loss of the step that follows and the parameters after it)."""
+    from expert_workers import LR, STEPS_BEFORE
+
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    model = model_file.build()
+    assert model_file.loss_fn is not None and model_file.example_target is not None
+    loss_fn = model_file.loss_fn
+    inputs, target = model_file.example_inputs(batch_size), model_file.example_target(batch_size)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    def record() -> dict[str, Any]:
+        return {"parameters": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "optimizer": {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}}
+
+    for _ in range(STEPS_BEFORE):
+        step()
+    out: dict[int, dict[str, Any]] = {}
+    for at in (STEPS_BEFORE, STEPS_BEFORE + 1):
+        out[at] = record()
+        out[at]["next_loss"] = step()
+        out[at]["after_next"] = record()["parameters"]
+    return out
+
+
+def _check_resumed(records: list[dict[str, Any]], want: dict[str, Any], what: str) -> None:
+    def close(got: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((got.float() - ref.float()).abs().max()) if got.numel() else 0.0
+
+    for rank, record in enumerate(records):
+        for key in ("parameters", "after_next"):
+            assert set(record[key]) == set(want[key]), (what, rank, key)
+            for name, value in record[key].items():
+                diff = close(value, want[key][name])
+                assert diff <= TOLERANCE, f"{what} rank {rank}: {key} {name} differs by {diff:.2e}"
+        assert set(record["optimizer"]) == set(want["optimizer"]), (what, rank)
+        for name, state in record["optimizer"].items():
+            assert set(state) == set(want["optimizer"][name]), (what, rank, name)
+            for key, value in state.items():
+                diff = close(value, want["optimizer"][name][key])
+                assert diff <= TOLERANCE, f"{what} rank {rank}: Adam {key} of {name} differs by {diff:.2e}"
+        assert record["next_loss"] == pytest.approx(want["next_loss"], abs=TOLERANCE), (what, rank)
+
+
+@pytest.mark.parametrize("spec", [USER_MOE, pytest.param(QWEN3_MOE, marks=pytest.mark.slow)])
+def test_checkpoints_resume_under_another_ep(tmp_path: Path, spec: str) -> None:
+    """Saved under ep 2, resumed under ep 1 (which saves again), that resumed under ep 2, and the first under
+    ep 4: each equals the uninterrupted run (parameters, Adam's state of every expert, the next loss)."""
+    import expert_workers
+    from expert_workers import STEPS_BEFORE
+    from rank_workers import spawn_and_wait
+
+    from runtime.state.checkpoint import read_checkpoint_info
+
+    plans = {name: _ep_plan(spec, tmp_path / name, ep=ep, pp=1, dp=dp, microbatches=1, schedule="1f1b")
+             for name, ep, dp in (("ep2", 2, 2), ("ep1", 1, 2), ("ep4", 4, 4))}
+    out = tmp_path / "out"
+    out.mkdir()
+    first, second = str(tmp_path / "ckpt_ep2"), str(tmp_path / "ckpt_ep1")
+    runs = [  # tag, plan, load, save before, save after, the step it resumes at
+        ("save", "ep2", None, first, None, STEPS_BEFORE),
+        ("ep2_to_ep1", "ep1", first, None, second, STEPS_BEFORE),
+        ("ep1_to_ep2", "ep2", second, None, None, STEPS_BEFORE + 1),
+        ("ep2_to_ep4", "ep4", first, None, None, STEPS_BEFORE),
+    ]
+    reference = _checkpoint_reference(spec, plans["ep2"].batch_size)
+    for tag, name, load, before, after, step in runs:
+        plan = plans[name]
+        codes = spawn_and_wait(expert_workers.checkpoint_worker, plan.gpus,
+                               (plan.gpus, free_port(), str(tmp_path / name), spec, str(out), tag, load, before,
+                                after), limit_s=180)
+        assert codes == [0] * plan.gpus, (tag, codes)
+        records = [torch.load(out / f"checkpoint{tag}_rank{r}.pt", weights_only=True) for r in range(plan.gpus)]
+        assert all(record["step"] == step for record in records), tag
+        _check_resumed(records, reference[step], tag)
+    # The experts are stored whole, in their original names.
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    whole = model_file.build().state_dict()
+    entries = read_checkpoint_info(first).model_entries()
+    assert entries == {k: tuple(v.shape) for k, v in whole.items()}
 
 
 def test_refusals_name_what_to_change() -> None:

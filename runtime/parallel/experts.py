@@ -203,6 +203,8 @@ class ExpertsLayer(StackLayer):
                 if name not in values:
                     continue
                 value = values[name].detach()
+                if layer.layout == "stacked" and (value.dim() < 1 or value.shape[0] != self._per_member(layer)):
+                    continue  # not per expert (e.g. an optimizer's step count): equal on every member
                 parts = [torch.empty_like(value) for _ in range(self._ep)]
                 dist.all_gather(parts, value.contiguous(), group=self.groups.ep)
                 if layer.layout == "stacked":
@@ -213,6 +215,24 @@ class ExpertsLayer(StackLayer):
                 position = _entry(rel) - _span(layer, self._ep, self.groups.member)[0]
                 for member, part in enumerate(parts):
                     out[f"{path}.{_renumber(rel, member * per + position)}"] = part
+        return out
+
+    def _per_member(self, layer: ExpertLayer) -> int:
+        return layer.experts // self._ep
+
+    def stacked_spans(self) -> dict[str, tuple[int, int, int]]:
+        """Each stacked expert parameter this rank holds (original name) -> (first, end, experts) on dim 0.
+
+        A listed layer's parameters are whole tensors already (one per expert, original names).
+        """
+        out: dict[str, tuple[int, int, int]] = {}
+        for path, wrapper in self.wrappers:
+            layer = wrapper.layer
+            if layer.layout != "stacked":
+                continue
+            start, stop = _span(layer, self._ep, self.groups.member)
+            for rel in wrapper.local_names():
+                out[f"{path}.{rel}"] = (start, stop, layer.experts)
         return out
 
     def local(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -79,7 +79,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,7 @@ __all__ = [
     "DEFAULT_KEEP",
     "CheckpointError",
     "CheckpointInfo",
+    "ExpertSlices",
     "canonical_names",
     "check_save_directory",
     "load_checkpoint",
@@ -125,6 +126,20 @@ __all__ = [
 ]
 
 OPTIM_PREFIX = "optim.state."
+
+
+class ExpertSlices(Protocol):
+    """Expert parallelism's view for checkpoints (:class:`runtime.parallel.experts.ExpertsLayer`)."""
+
+    def gather(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole experts in original names from this rank's slices (collective over the EP group)."""
+        ...
+
+    def stacked_spans(self) -> dict[str, tuple[int, int, int]]:
+        """Stacked expert parameter -> (first, end, experts) of dim 0 this rank holds."""
+        ...
+
+
 # The newest steps a save keeps: the one just written and the one before it, in case the newest is
 # damaged later (a disk, a copy); twice a checkpoint's room on disk.
 DEFAULT_KEEP = 2
@@ -235,12 +250,15 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     step: int = 0,
     keep: int | None = DEFAULT_KEEP,
+    experts: ExpertSlices | None = None,
 ) -> Path:
     """Every rank writes its stages' entries into ``directory/step-<step>``, atomically (collective).
 
     ``modules``: this rank's stage modules; ``keys``: the whole model's
     state-dict keys (which entries are persistent); ``keep``: how many of the
-    newest steps to keep (None: all).  Returns the step's folder.
+    newest steps to keep (None: all); ``experts``: under expert parallelism, the
+    experts layers (their slices and optimizer state are written whole, gathered over
+    each EP group, so that any ``ep`` resumes).  Returns the step's folder.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -257,8 +275,8 @@ def save_checkpoint(
             raise CheckpointError(f"step={step!r}: pass the number of steps trained, an integer >= 0.")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise CheckpointError(f"keep={keep!r}: pass how many of the newest steps to keep (>= 1), or None for all.")
-        for name, items in _local_entries(modules, keys=keys, canon=canon).items():
-            flat[MODEL_PREFIX + name] = items[0][2].detach()
+        model = {name: items[0][2].detach() for name, items in _local_entries(modules, keys=keys, canon=canon).items()}
+        flat.update({MODEL_PREFIX + name: value for name, value in model.items()})
         if optimizer is not None:
             state, hyper = _optimizer_entries(optimizer, _parameter_names(modules, canon))
             flat.update(state)
@@ -270,6 +288,8 @@ def save_checkpoint(
     except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised
         failure = exc
     temporary = _agree(failure, "save the checkpoint", temporary)[0]
+    if experts is not None:  # collective over each EP group: every member has agreed to save
+        flat = _whole_experts(flat, experts)
     folder = path / temporary
     _at("shards")
     try:
@@ -315,6 +335,30 @@ def save_checkpoint(
         failure = exc
     _agree(failure, "save the checkpoint")
     return final
+
+
+def _whole_experts(flat: dict[str, torch.Tensor], experts: ExpertSlices) -> dict[str, torch.Tensor]:
+    """``flat``'s model and optimizer entries with each expert slice replaced by the whole tensor.
+
+    Every EP member holds the same dense entries and optimizer state keys, so each calls the
+    gathers in one order: the model first, then each optimizer state key (sorted).
+    """
+    kinds: dict[str, dict[str, torch.Tensor]] = {"": {}}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in flat.items():
+        if key.startswith(MODEL_PREFIX):
+            kinds[""][key[len(MODEL_PREFIX):]] = value
+        elif key.startswith(OPTIM_PREFIX):
+            name, _, state_key = key[len(OPTIM_PREFIX):].rpartition(".")
+            kinds.setdefault(state_key, {})[name] = value
+        else:
+            out[key] = value
+    for state_key in sorted(kinds):
+        prefix = MODEL_PREFIX if state_key == "" else OPTIM_PREFIX
+        suffix = "" if state_key == "" else f".{state_key}"
+        for name, value in experts.gather(kinds[state_key]).items():
+            out[f"{prefix}{name}{suffix}"] = value
+    return out
 
 
 def _at(point: str) -> None:
@@ -411,7 +455,7 @@ def _manifest(plan: Plan, step: int, optimizer: tuple[str, list[dict[str, dict[s
         "step": int(step),
         "model": plan.model.class_name,
         "saved_by": {"pp": plan.pp, "dp": plan.dp, "chunks": plan.chunks, "schedule": plan.schedule,
-                     "gpus": plan.gpus, "tp": plan.tp},
+                     "gpus": plan.gpus, "tp": plan.tp, "ep": plan.ep},
         "tied": [sorted(t.aliases) for t in plan.tied],
         "optimizer": saved,
     }
@@ -467,6 +511,7 @@ def load_checkpoint(
     plan: Plan,
     keys: Collection[str],
     optimizer: torch.optim.Optimizer | None = None,
+    experts: ExpertSlices | None = None,
 ) -> int:
     """Fill this rank's stages (and ``optimizer``) from a checkpoint; returns its step.
 
@@ -474,7 +519,9 @@ def load_checkpoint(
     ``step-N`` folder, or a single-folder checkpoint of earlier versions.
     Collective only to agree: any rank's problem (another model, no optimizer
     state, a missing, truncated or corrupt file) raises on every rank before
-    anything is read.
+    anything is read.  ``experts``: under expert parallelism, the experts layers: a
+    stacked expert parameter (and its optimizer state) is read whole and this member's
+    experts kept; listed experts are whole tensors of their own names already.
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -483,10 +530,11 @@ def load_checkpoint(
     info: CheckpointInfo | None = None
     entries: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
     names: dict[int, str] = {}
+    spans = {} if experts is None else experts.stacked_spans()
     try:
         info = read_checkpoint_info(directory)
         entries = _local_entries(modules, keys=keys, canon=canon)
-        _check_model(info, entries, keys=keys, canon=canon)
+        _check_model(info, entries, keys=keys, canon=canon, spans=spans)
         names = _parameter_names(modules, canon)
         if optimizer is not None:
             _check_optimizer(info, optimizer, names)
@@ -499,6 +547,8 @@ def load_checkpoint(
         for name, items in entries.items():
             real = next((t for _, _, t in items if not t.is_meta), None)
             shape, _ = info.tensors[MODEL_PREFIX + name]
+            if name in spans:  # read whole, this member's experts kept below
+                real = None
             targets[MODEL_PREFIX + name] = real.detach() if real is not None else torch.empty(
                 shape, dtype=items[0][2].dtype)
         optim_keys = [k for k in info.tensors if k.startswith(OPTIM_PREFIX)] if optimizer is not None else []
@@ -513,6 +563,11 @@ def load_checkpoint(
         # The files this rank reads: there, long enough, and (with a manifest) their CRC-32s match.
         check_reads(info.path, info.storage, targets, info.files, fix=damage_advice(info.path, info.step))
         read_dcp(info.path, targets)
+        for key, value in list(targets.items()):
+            name = key[len(MODEL_PREFIX):] if key.startswith(MODEL_PREFIX) else key[len(OPTIM_PREFIX):].rpartition(".")[0]
+            span = spans.get(name)
+            if span is not None and value.dim() >= 1 and value.shape[0] == span[2]:
+                targets[key] = value[span[0]:span[1]].clone()
         _apply_model(modules, entries, targets)
         if optimizer is not None:
             optimizer.load_state_dict(_torch_optimizer_state(info, optimizer, names, targets))
@@ -528,16 +583,26 @@ def _check_model(
     *,
     keys: Collection[str],
     canon: dict[str, str],
+    spans: dict[str, tuple[int, int, int]] | None = None,
 ) -> None:
-    """The checkpoint holds this model: every name it holds is the model's, every entry here fits."""
+    """The checkpoint holds this model: every name it holds is the model's, every entry here fits.
+
+    ``spans``: stacked expert slices this rank holds, stored whole (``experts`` on dim 0).
+    """
     stored = info.model_entries()
     known = {canon.get(k, k) for k in keys}
     unexpected = sorted(k for k in stored if canon.get(k, k) not in known)
     missing = sorted(name for name in entries if name not in stored)
+    spans = spans or {}
+
+    def whole(name: str, shape: Sequence[int]) -> tuple[int, ...]:
+        span = spans.get(name)
+        return tuple(shape) if span is None or not shape else (span[2], *shape[1:])
+
     misshapen = [
-        f"{name} {_shape(stored[name])} there, {_shape(items[0][2].shape)} here"
+        f"{name} {_shape(stored[name])} there, {_shape(whole(name, items[0][2].shape))} here"
         for name, items in sorted(entries.items())
-        if name in stored and tuple(stored[name]) != tuple(items[0][2].shape)
+        if name in stored and tuple(stored[name]) != whole(name, items[0][2].shape)
     ]
     if not (unexpected or missing or misshapen):
         return
