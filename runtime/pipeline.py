@@ -59,7 +59,12 @@ from runtime.execute.stage import build_local_stages
 from runtime.execute.wire import group_rank
 from runtime.launch.failure import reports_failures
 from runtime.parallel.clip import clip_gradients
-from runtime.parallel.experts import ExpertsLayer, apply_experts, expert_parallel_refusal
+from runtime.parallel.experts import (
+    ExpertsLayer,
+    ExpertSplitOptimizer,
+    apply_experts,
+    expert_parallel_refusal,
+)
 from runtime.parallel.parallelize import (
     ReplicaLayer,
     ShardingLayer,
@@ -311,7 +316,18 @@ class Pipeline:
         (``opt.step()`` updates this replica's share of the parameters and broadcasts them); under ``full``
         the parameters are already shards, so the plain optimizer is; under ``none`` it is the plain one.
         """
-        return self._sharding.optimizer(self.parameters(), optimizer_class, **defaults)
+        experts = self._experts_layer()
+        if experts is None or self._sharding.mode != "optimizer":
+            return self._sharding.optimizer(self.parameters(), optimizer_class, **defaults)
+        # ep > 1 under ZeRO-1: the dense parameters' state split over the replicas, the experts' kept whole.
+        held = {id(p) for p in experts.parameters}
+        dense = [p for p in self.parameters() if id(p) not in held]
+        expert = [p for p in self.parameters() if id(p) in held]
+        if not expert or not dense:
+            return self._sharding.optimizer(dense, optimizer_class, **defaults) if dense else optimizer_class(
+                expert, **defaults)
+        return ExpertSplitOptimizer(self._sharding.optimizer(dense, optimizer_class, **defaults),
+                                    optimizer_class(expert, **defaults))
 
     @property
     def dp_rank(self) -> int:

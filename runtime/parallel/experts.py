@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ from runtime.execute.stack import StackLayer, StageStack
 __all__ = [
     "ExpertGroups",
     "ExpertParallel",
+    "ExpertSplitOptimizer",
     "ExpertsLayer",
     "apply_experts",
     "expert_parallel_refusal",
@@ -72,10 +74,10 @@ def expert_parallel_refusal(plan: Plan, *, engine: str) -> str | None:
         return f"expert parallelism (ep {plan.ep}) with tensor parallelism (tp {plan.tp}) is not supported yet. {fix}"
     if engine != "ours":
         return f"expert parallelism (ep {plan.ep}) runs on the 'ours' engine only, not {engine!r}. {fix}"
-    sharded = sorted({s.shard for s in plan.stages if s.shard != "none"})
+    sharded = sorted({s.shard for s in plan.stages if s.shard not in ("none", "optimizer")})
     if sharded:
         return (f"expert parallelism (ep {plan.ep}) with sharded stages (shard {', '.join(sharded)}) is not "
-                f"supported yet: each EP member holds different experts. {fix}")
+                f"supported yet: each EP member holds different experts. Plan shard none or optimizer, or {fix[0].lower()}{fix[1:]}")
     return None
 
 
@@ -250,6 +252,65 @@ class ExpertsLayer(StackLayer):
                 elif _entry(name[len(path) + 1:]) not in held:
                     del out[name]
         return out
+
+
+class ExpertSplitOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 under expert parallelism: the dense parameters' optimizer (state split over the stage group) and
+    the experts' own plain one, stepped together.
+
+    The replicas' ZeRO-1 steps each dense parameter on one replica and broadcasts it; an expert slice differs
+    from member to member, so it cannot be broadcast from one: every rank steps its own experts (their
+    gradients are already summed over the expert-data-parallel group, so copies step alike).
+    ``param_groups`` are the dense optimizer's then the experts' (the same dicts: a scheduler's changes
+    reach both); ``load_state_dict`` takes that order's indices.
+    """
+
+    def __init__(self, dense: torch.optim.Optimizer, experts: torch.optim.Optimizer) -> None:
+        # Not Optimizer.__init__: the parts hold the parameters, groups and state.
+        self.parts = (dense, experts)
+        self.defaults = dense.defaults
+        self.param_groups = [*dense.param_groups, *experts.param_groups]
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+
+    @property
+    def state(self) -> dict[torch.Tensor, Any]:  # type: ignore[override]
+        """Every parameter's state this rank keeps (the dense ones' share, its experts')."""
+        out: dict[torch.Tensor, Any] = {}
+        for part in self.parts:
+            inner = getattr(part, "optim", part)  # ZeRO-1 keeps this replica's share in its wrapped optimizer
+            out.update(inner.state)
+        return out
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = self.parts[0].step(closure)
+        self.parts[1].step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            "ExpertSplitOptimizer has no state_dict: save it with pipe.save_checkpoint(dir, optimizer=opt) "
+            "(every parameter's state in original names, experts whole).")
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        dense, experts = self.parts
+        count = len(dense.param_groups)
+        parts: list[dict[str, Any]] = []
+        first = 0
+        for groups in (state_dict["param_groups"][:count], state_dict["param_groups"][count:]):
+            indices = [i for g in groups for i in g["params"]]
+            renumber = {i: n for n, i in enumerate(indices)}
+            parts.append({
+                "state": {renumber[i]: v for i, v in state_dict["state"].items() if i in renumber},
+                "param_groups": [{**g, "params": [renumber[i] for i in g["params"]]} for g in groups],
+            })
+            first += len(indices)
+        dense.load_state_dict(parts[0])
+        experts.load_state_dict(parts[1])
 
 
 def expert_parameters(stack: StageStack) -> set[int]:

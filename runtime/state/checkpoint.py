@@ -740,6 +740,9 @@ def _local_entries(
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     """The optimizer's class; ZeRO-1's ``ZeroRedundancyOptimizer`` by the class it wraps (its state is that one's)."""
+    parts = getattr(optimizer, "parts", None)  # expert parallelism under ZeRO-1 (ExpertSplitOptimizer)
+    if parts is not None:
+        return _optimizer_kind(parts[1])
     inner = getattr(optimizer, "optim", None)
     return type(inner if _is_zero(optimizer) else optimizer).__name__
 
@@ -747,6 +750,9 @@ def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> Any:
     """Per-parameter state; under ZeRO-1 this replica's share (the replicas' shares make the whole, DCP
     writing each key once)."""
+    parts = getattr(optimizer, "parts", None)  # expert parallelism under ZeRO-1: the dense share, the experts
+    if parts is not None:
+        return {p: state for part in parts for p, state in _optimizer_state(part).items()}
     return optimizer.optim.state if _is_zero(optimizer) else optimizer.state  # type: ignore[attr-defined]
 
 

@@ -59,7 +59,8 @@ def holdings_worker(rank: int, world: int, port: int, plan_dir: str, spec: str, 
 
 
 def _whole_optimizer_state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """Adam's state by original name, expert slices gathered whole (collective over the EP group)."""
+    """Adam's state by original name, expert slices gathered whole (collective over the EP group); under
+    ZeRO-1 the dense parameters' state is this replica's share."""
     by_key: dict[str, dict[str, torch.Tensor]] = {}
     for name, param in pipe.named_parameters():
         for key, value in opt.state.get(param, {}).items():
@@ -85,7 +86,7 @@ def checkpoint_worker(rank: int, world: int, port: int, plan_dir: str, spec: str
     plan = Plan.load(plan_dir)
     pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=60)
     inputs, target = model_file.example_inputs(plan.batch_size), model_file.example_target(plan.batch_size)
-    opt = torch.optim.Adam(pipe.parameters(), lr=LR)
+    opt = pipe.optimizer(torch.optim.Adam, lr=LR)  # shard "optimizer": ZeRO-1 for the dense parameters
 
     def train() -> float | None:
         opt.zero_grad()
