@@ -423,7 +423,7 @@ class Pipeline:
             # Shards count once: HSDP's other nodes hold copies of the first node's shards.
             sharded=self._sharding.counts_shards_once(self.replica, self.pipeline_rank),
             max_norm=max_norm, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite,
-            experts=set() if experts is None else {id(p) for p in experts.parameters},
+            experts=set() if experts is None else {id(p) for p in experts.parameters}, tp_rank=self.rank % self.plan.tp,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -35,14 +35,14 @@ TOLERANCE = 1e-5
 
 
 def _ep_plan(spec: str, directory: Path, *, ep: int, pp: int, dp: int, schedule: str, microbatches: int = 2,
-             chunks: int | None = None, batch_size: int = 8) -> Plan:
+             chunks: int | None = None, batch_size: int = 8, tp: int = 1) -> Plan:
     """The planner's plan at this layout with expert-parallel degree ``ep`` (predicted h100 costs), saved."""
     model_file = load_model_file(spec)
     torch.manual_seed(0)
     shape: dict[str, Any] = {} if chunks is None else {"chunks": chunks}
-    plan = compile(model_file.build(), model_file.example_inputs(batch_size), gpus=pp * dp, pp=pp, dp=dp, ep=ep,
+    plan = compile(model_file.build(), model_file.example_inputs(batch_size), gpus=pp * dp * tp, pp=pp, dp=dp, ep=ep, tp=tp,
                    microbatches=microbatches, schedule=schedule, device="h100", **shape)
-    assert (plan.pp, plan.dp, plan.ep) == (pp, dp, ep) and plan.experts, "the planner found no experts layer"
+    assert (plan.pp, plan.dp, plan.ep, plan.tp) == (pp, dp, ep, tp) and plan.experts, "the planner found no experts layer"
     plan.save(directory)
     return plan
 
@@ -153,6 +153,42 @@ def test_zero1_with_expert_parallel_matches_the_whole_model(tmp_path: Path, dp: 
     _verified(tmp_path, USER_MOE)
 
 
+def test_tensor_and_expert_parallel_listed_experts(tmp_path: Path) -> None:
+    """tp 2 x dp 2, ep 2 (4 ranks): the experts whole on each tensor-parallel rank (Megatron's expert-tensor-
+    parallel 1), each tensor-parallel rank exchanging the same tokens with its own EP group."""
+    import expert_workers
+    from rank_workers import spawn_and_wait
+
+    plan = _ep_plan(USER_MOE, tmp_path, ep=2, pp=1, dp=2, tp=2, microbatches=2, schedule="1f1b")
+    _verified(tmp_path, USER_MOE, steps=2)
+    # clip_grad_norm_ counts each expert once (not once per tensor-parallel rank); state dicts hold them whole.
+    out = tmp_path / "out"
+    out.mkdir()
+    codes = spawn_and_wait(expert_workers.clip_worker, plan.gpus,
+                           (plan.gpus, free_port(), str(tmp_path), USER_MOE, str(out)), limit_s=120)
+    assert codes == [0] * plan.gpus, codes
+    model_file = load_model_file(USER_MOE)
+    torch.manual_seed(0)
+    model = model_file.build()
+    whole = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert model_file.loss_fn is not None and model_file.example_target is not None
+    model_file.loss_fn(model(*model_file.example_inputs(plan.batch_size)),
+                       model_file.example_target(plan.batch_size)).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    for rank in range(plan.gpus):
+        record = torch.load(out / f"clip{rank}.pt", weights_only=True)
+        assert torch.allclose(record["clip_norm"], norm, rtol=1e-5), (rank, record["clip_norm"], norm)
+        assert set(record["state"]) == set(whole) and all(torch.equal(record["state"][k], whole[k]) for k in whole)
+
+
+@pytest.mark.slow  # Hugging Face Mixtral: ~50 s
+def test_tensor_and_expert_parallel_mixtral(tmp_path: Path) -> None:
+    """tp 2 x dp 2, ep 2: attention split by heads under sequence parallelism, the stacked experts not split."""
+    plan = _ep_plan(MIXTRAL, tmp_path, ep=2, pp=1, dp=2, tp=2, microbatches=2, schedule="1f1b")
+    assert {layer.layout for layer in plan.experts} == {"stacked"}
+    _verified(tmp_path, MIXTRAL, steps=2)
+
+
 @pytest.mark.slow  # Hugging Face models: ~25-40 s each
 @pytest.mark.parametrize("spec", [QWEN3_MOE, DEEPSEEK_V3], ids=["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("dp", [2, 4])
@@ -179,7 +215,7 @@ def test_hf_moe_examples_in_a_pipeline(tmp_path: Path, spec: str, schedule: str,
 def _checkpoint_reference(spec: str, batch_size: int) -> dict[str, Any]:
     """The uninterrupted run on the whole model: Adam's state and the parameters after STEPS_BEFORE steps and
     after one more (each with the loss of the step that follows and the parameters after it)."""
-    from expert_workers import LR, STEPS_BEFORE
+    from expert_workers import ADAM_EPS, LR, STEPS_BEFORE
 
     model_file = load_model_file(spec)
     torch.manual_seed(0)
@@ -187,7 +223,7 @@ def _checkpoint_reference(spec: str, batch_size: int) -> dict[str, Any]:
     assert model_file.loss_fn is not None and model_file.example_target is not None
     loss_fn = model_file.loss_fn
     inputs, target = model_file.example_inputs(batch_size), model_file.example_target(batch_size)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    opt = torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS)
 
     def step() -> float:
         opt.zero_grad()
@@ -287,6 +323,6 @@ def test_refusals_name_what_to_change() -> None:
 
     assert expert_parallel_refusal(plan(), engine="ours") is None
     assert expert_parallel_refusal(plan(ep=1, tp=2), engine="torch") is None
-    assert "tensor parallelism (tp 2)" in str(expert_parallel_refusal(plan(tp=2), engine="ours"))
+    assert expert_parallel_refusal(plan(tp=2), engine="ours") is None  # tp x ep: the experts not split
     assert "'ours' engine" in str(expert_parallel_refusal(plan(), engine="torch"))
     assert "shard full" in str(expert_parallel_refusal(plan(stages=[SimpleNamespace(shard="full")]), engine="ours"))

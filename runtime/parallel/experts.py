@@ -70,8 +70,6 @@ def expert_parallel_refusal(plan: Plan, *, engine: str) -> str | None:
     if plan.ep == 1:
         return None
     fix = f"Plan with ep 1, or drop what the plan combines with ep {plan.ep}."
-    if plan.tp > 1:
-        return f"expert parallelism (ep {plan.ep}) with tensor parallelism (tp {plan.tp}) is not supported yet. {fix}"
     if engine != "ours":
         return f"expert parallelism (ep {plan.ep}) runs on the 'ours' engine only, not {engine!r}. {fix}"
     sharded = sorted({s.shard for s in plan.stages if s.shard not in ("none", "optimizer")})
@@ -93,24 +91,30 @@ class ExpertGroups:
 
 
 def make_expert_groups(plan: Plan, rank: int) -> ExpertGroups:
-    """Every rank creates every EP and expert-data-parallel group, in one order (torch.distributed requires it)."""
+    """Every rank creates every EP and expert-data-parallel group, in one order (torch.distributed requires it).
+
+    Under tensor parallelism each tensor-parallel rank ``t`` has its own groups: the ranks ``t`` of the
+    replicas' groups (global rank ``group x tp + t``), which exchange every token of their replicas.
+    """
     replica = plan.rank_layout()[rank][1]
-    dp, ep = plan.dp, plan.ep
+    dp, ep, tp = plan.dp, plan.ep, plan.tp
     ep_group: tuple[dist.ProcessGroup, tuple[int, ...]] | None = None
     for p in range(plan.pp):
         for g in range(dp // ep):
-            ranks = tuple(p * dp + r for r in range(g * ep, (g + 1) * ep))
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                ep_group = (group, ranks)
+            for t in range(tp):
+                ranks = tuple((p * dp + r) * tp + t for r in range(g * ep, (g + 1) * ep))
+                group = dist.new_group(list(ranks))
+                if rank in ranks:
+                    ep_group = (group, ranks)
     edp: tuple[dist.ProcessGroup | None, tuple[int, ...]] = (None, (rank,))
     if dp > ep:
         for p in range(plan.pp):
             for j in range(ep):
-                ranks = tuple(p * dp + r for r in range(j, dp, ep))
-                group = dist.new_group(list(ranks))
-                if rank in ranks:
-                    edp = (group, ranks)
+                for t in range(tp):
+                    ranks = tuple((p * dp + r) * tp + t for r in range(j, dp, ep))
+                    group = dist.new_group(list(ranks))
+                    if rank in ranks:
+                        edp = (group, ranks)
     assert ep_group is not None  # every rank is in one EP group
     return ExpertGroups(ep=ep_group[0], ep_ranks=ep_group[1], member=replica % ep, edp=edp[0], edp_ranks=edp[1])
 
@@ -121,7 +125,14 @@ class ExpertParallel(nn.Module):
     Holds this member's slice of the layer's parameters under their original names (relative to the
     module), and a copy of the model's experts module reduced to the local experts (not registered:
     its parameters are on the meta device and replaced by the held ones at each call).
+
+    Under tensor parallelism the experts are not split (Megatron's expert-tensor-parallel size 1): their
+    parameters stay plain tensors (:data:`PLAIN_UNDER_TENSOR_PARALLEL`), the DTensor inputs are made whole
+    on every tensor-parallel rank, each runs the same exchange with its own EP group (the same routed
+    tokens), and the output re-enters the stage replicated.
     """
+
+    plain_under_tensor_parallel = True  # runtime.parallel.tensorparallel leaves these parameters alone
 
     def __init__(self, layer: ExpertLayer, template: nn.Module, names: Mapping[str, str], groups: ExpertGroups,
                  *, ep: int) -> None:
@@ -134,6 +145,17 @@ class ExpertParallel(nn.Module):
         self._local = layer.experts // ep
 
     def forward(self, tokens: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = next((t.device_mesh for t in (tokens, index, weights) if isinstance(t, DTensor)), None)
+        if mesh is None:
+            return self._exchange(tokens, index, weights)
+        from runtime.parallel.tensorparallel import gathered
+
+        out = self._exchange(gathered(tokens), gathered(index), gathered(weights))
+        return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    def _exchange(self, tokens: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n, k = index.shape
         group = self._groups.ep
         flat = index.reshape(-1).long()

@@ -20,10 +20,13 @@ from rank_workers import set_rank_env
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
 
-__all__ = ["LR", "STEPS_BEFORE", "checkpoint_worker", "holdings_worker"]
+__all__ = ["ADAM_EPS", "LR", "STEPS_BEFORE", "checkpoint_worker", "clip_worker", "holdings_worker"]
 
 LR = 0.01
 STEPS_BEFORE = 2  # Adam steps before the first checkpoint
+# Adam's eps: tiny Qwen3-MoE's experts have gradients of ~1e-8 where Adam's g / sqrt(v) (eps 1e-8) would turn
+# last-bit differences of the summation order (micro-batches, replicas) into 1e-5 of the parameters.
+ADAM_EPS = 1e-6
 
 
 def holdings_worker(rank: int, world: int, port: int, plan_dir: str, spec: str, out_dir: str) -> None:
@@ -86,7 +89,7 @@ def checkpoint_worker(rank: int, world: int, port: int, plan_dir: str, spec: str
     plan = Plan.load(plan_dir)
     pipe = Pipeline(plan, model, model_file.loss_fn, device=torch.device("cpu"), timeout=60)
     inputs, target = model_file.example_inputs(plan.batch_size), model_file.example_target(plan.batch_size)
-    opt = pipe.optimizer(torch.optim.Adam, lr=LR)  # shard "optimizer": ZeRO-1 for the dense parameters
+    opt = pipe.optimizer(torch.optim.Adam, lr=LR, eps=ADAM_EPS)  # shard "optimizer": ZeRO-1 for the dense parameters
 
     def train() -> float | None:
         opt.zero_grad()
@@ -111,5 +114,22 @@ def checkpoint_worker(rank: int, world: int, port: int, plan_dir: str, spec: str
     if save_after is not None:
         pipe.save_checkpoint(save_after, optimizer=opt, step=record["step"] + 1)
     torch.save(record, Path(out_dir) / f"checkpoint{tag}_rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def clip_worker(rank: int, world: int, port: int, plan_dir: str, spec: str, out_dir: str) -> None:
+    """One step, then ``clip_grad_norm_``'s whole-model norm and the state dict (``clip{R}.pt``)."""
+    from runtime.pipeline import Pipeline
+
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    plan = Plan.load(plan_dir)
+    pipe = Pipeline(plan, model_file.build(), model_file.loss_fn, device=torch.device("cpu"), timeout=60)
+    pipe.step(model_file.example_inputs(plan.batch_size), model_file.example_target(plan.batch_size))
+    record = {"clip_norm": pipe.clip_grad_norm_(1e9), "state": pipe.state_dict()}
+    torch.save(record, Path(out_dir) / f"clip{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
