@@ -181,6 +181,13 @@ def test_tensor_and_expert_parallel_listed_experts(tmp_path: Path) -> None:
         assert set(record["state"]) == set(whole) and all(torch.equal(record["state"][k], whole[k]) for k in whole)
 
 
+@pytest.mark.slow  # 8 ranks: ~20 s
+def test_pipeline_tensor_and_expert_parallel(tmp_path: Path) -> None:
+    """pp 2 x dp 2 x tp 2, ep 2: each stage's four EP groups (one per tensor-parallel rank and stage)."""
+    _ep_plan(USER_MOE, tmp_path, ep=2, pp=2, dp=2, tp=2, microbatches=2, schedule="1f1b")
+    _verified(tmp_path, USER_MOE, steps=2)
+
+
 @pytest.mark.slow  # Hugging Face Mixtral: ~50 s
 def test_tensor_and_expert_parallel_mixtral(tmp_path: Path) -> None:
     """tp 2 x dp 2, ep 2: attention split by heads under sequence parallelism, the stacked experts not split."""

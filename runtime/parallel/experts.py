@@ -21,7 +21,14 @@ Gradients (:class:`ExpertsLayer`): an expert parameter's gradient already sums i
 tokens, so it is summed over the expert-data-parallel group (replicas ``j, j+ep, j+2ep, ...``)
 and divided by ``dp``; the replicas' DDP / reducer / broadcast leave expert parameters alone
 (:func:`expert_parameters`).  :meth:`ExpertsLayer.gather` gives whole tensors in the original
-names (all-gathered over the EP group) for state dicts and verification.
+names (all-gathered over the EP group) for state dicts, checkpoints (parameters and their
+optimizer state: :mod:`runtime.state.checkpoint` writes them whole, so any ``ep`` resumes) and
+verification.
+
+Under shard ``optimizer`` (ZeRO-1) :class:`ExpertSplitOptimizer` splits the dense parameters' state
+over the stage group and steps the experts with a plain optimizer.  Under tensor parallelism the
+experts are not split (expert-tensor-parallel size 1, as Megatron's default): every
+tensor-parallel rank ``t`` runs the whole tokens through its own EP group (ranks ``g x tp + t``).
 
 Example (what a rank holds)::
 
