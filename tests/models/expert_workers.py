@@ -64,10 +64,12 @@ def holdings_worker(rank: int, world: int, port: int, plan_dir: str, spec: str, 
 def _whole_optimizer_state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
     """Adam's state by original name, expert slices gathered whole (collective over the EP group); under
     ZeRO-1 the dense parameters' state is this replica's share."""
+    from runtime.parallel.shard import plain_tensor
+
     by_key: dict[str, dict[str, torch.Tensor]] = {}
     for name, param in pipe.named_parameters():
         for key, value in opt.state.get(param, {}).items():
-            by_key.setdefault(key, {})[name] = value.detach().clone()
+            by_key.setdefault(key, {})[name] = plain_tensor(value.detach()).clone()  # tp: DTensors whole
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key in sorted(by_key):
         for name, value in pipe.whole_experts(by_key[key]).items():
