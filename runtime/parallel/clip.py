@@ -15,7 +15,7 @@ Tensor-parallel stages (:mod:`runtime.parallel.tensorparallel`) likewise: a spli
 parameter's shards count on every rank of the group, a replicated one (a norm)
 on the group's first rank only.  Expert-parallel slices count on the first EP group's
 ``ep`` replicas, each holding other experts (under tensor parallelism on their groups' first
-ranks: every tensor-parallel rank holds the same whole experts).
+ranks: every tensor-parallel rank holds the same whole experts; FSDP2 never shards them).
 
 Example (one process; a pipeline passes its stages and a process group)::
 
@@ -70,8 +70,9 @@ def local_gradients(
             seen.add(id(param))
             grad = _local(param.grad)
             held.append(grad)
-            first = replica < plan.ep and tp_rank == 0 if id(param) in experts else replica == 0
-            if (sharded or first) and owner.get(name, index) == index and _first_copy(param.grad):
+            # Expert slices are whole (never FSDP2 shards): the first EP group's, on tensor-parallel rank 0.
+            counts = replica < plan.ep and tp_rank == 0 if id(param) in experts else sharded or replica == 0
+            if counts and owner.get(name, index) == index and _first_copy(param.grad):
                 counted.append(grad)
     return counted, held
 

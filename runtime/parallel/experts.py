@@ -79,10 +79,6 @@ def expert_parallel_refusal(plan: Plan, *, engine: str) -> str | None:
     fix = f"Plan with ep 1, or drop what the plan combines with ep {plan.ep}."
     if engine != "ours":
         return f"expert parallelism (ep {plan.ep}) runs on the 'ours' engine only, not {engine!r}. {fix}"
-    sharded = sorted({s.shard for s in plan.stages if s.shard not in ("none", "optimizer")})
-    if sharded:
-        return (f"expert parallelism (ep {plan.ep}) with sharded stages (shard {', '.join(sharded)}) is not "
-                f"supported yet: each EP member holds different experts. Plan shard none or optimizer, or {fix[0].lower()}{fix[1:]}")
     return None
 
 
@@ -134,12 +130,13 @@ class ExpertParallel(nn.Module):
     its parameters are on the meta device and replaced by the held ones at each call).
 
     Under tensor parallelism the experts are not split (Megatron's expert-tensor-parallel size 1): their
-    parameters stay plain tensors (:data:`PLAIN_UNDER_TENSOR_PARALLEL`), the DTensor inputs are made whole
+    parameters stay plain tensors (``keeps_whole_parameters``), the DTensor inputs are made whole
     on every tensor-parallel rank, each runs the same exchange with its own EP group (the same routed
     tokens), and the output re-enters the stage replicated.
     """
 
-    plain_under_tensor_parallel = True  # runtime.parallel.tensorparallel leaves these parameters alone
+    # Tensor parallelism and FSDP2 leave these parameters alone: whole, plain, reduced by ExpertsLayer.
+    keeps_whole_parameters = True
 
     def __init__(self, layer: ExpertLayer, template: nn.Module, names: Mapping[str, str], groups: ExpertGroups,
                  *, ep: int) -> None:

@@ -195,7 +195,7 @@ def parallelize_stages(modules: Sequence[fx.GraphModule], mesh: DeviceMesh) -> l
     for gm in modules:
         placements = parameter_placements(gm, mesh.size())
         # Modules that keep their parameters whole and plain on every rank (expert parallelism's experts).
-        plain = [path + "." for path, m in gm.named_modules() if getattr(m, "plain_under_tensor_parallel", False)]
+        plain = [path + "." for path, m in gm.named_modules() if getattr(m, "keeps_whole_parameters", False)]
         for name, param in list(gm.named_parameters(remove_duplicate=False)):
             if any(name.startswith(prefix) for prefix in plain):
                 continue
