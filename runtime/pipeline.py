@@ -63,7 +63,6 @@ from runtime.parallel.experts import (
     ExpertsLayer,
     ExpertSplitOptimizer,
     apply_experts,
-    expert_parallel_refusal,
 )
 from runtime.parallel.parallelize import (
     ReplicaLayer,
@@ -227,9 +226,6 @@ class Pipeline:
             raise AutopartitionError(refusal)
         self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
         check_shard_plan(plan)  # a shard mode the runtime cannot run: refused on every rank alike
-        refusal = expert_parallel_refusal(plan, engine=self.engine)
-        if refusal is not None:
-            raise AutopartitionError(refusal)
         if self.engine == "torch":
             refusal = torch_engine_refusal(plan, trace=self.trace)
         if refusal is not None:

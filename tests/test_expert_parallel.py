@@ -47,8 +47,8 @@ def _ep_plan(spec: str, directory: Path, *, ep: int, pp: int, dp: int, schedule:
     return plan
 
 
-def _verified(directory: Path, spec: str, *, steps: int = STEPS) -> None:
-    result = verify(directory, spec, steps=steps, tolerance=TOLERANCE)
+def _verified(directory: Path, spec: str, *, steps: int = STEPS, engine: str = "ours") -> None:
+    result = verify(directory, spec, steps=steps, tolerance=TOLERANCE, engine=engine)
     assert result.ok, result.report()
     assert len(result.per_step) == steps
 
@@ -343,17 +343,18 @@ def test_checkpoints_resume_under_another_ep(tmp_path: Path, spec: str) -> None:
     assert entries == {k: tuple(v.shape) for k, v in whole.items()}
 
 
-def test_refusals_name_what_to_change() -> None:
-    from types import SimpleNamespace
+def test_torch_engine_with_expert_parallel(tmp_path: Path) -> None:
+    """--engine torch (torch.distributed.pipelining): its DDP and reducer leave the experts alone."""
+    _ep_plan(USER_MOE, tmp_path, ep=2, pp=1, dp=2, microbatches=2, schedule="1f1b")
+    _verified(tmp_path, USER_MOE, steps=2, engine="torch")
 
-    from runtime.parallel.experts import expert_parallel_refusal
 
-    def plan(**changes: Any) -> Any:
-        fields = {"ep": 2, "tp": 1, "stages": [SimpleNamespace(shard="none")], **changes}
-        return SimpleNamespace(**fields)
-
-    assert expert_parallel_refusal(plan(), engine="ours") is None
-    assert expert_parallel_refusal(plan(ep=1, tp=2), engine="torch") is None
-    assert expert_parallel_refusal(plan(tp=2), engine="ours") is None  # tp x ep: the experts not split
-    assert "'ours' engine" in str(expert_parallel_refusal(plan(), engine="torch"))
-    assert expert_parallel_refusal(plan(stages=[SimpleNamespace(shard="full")]), engine="ours") is None
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b", "zbv"])
+def test_torch_engine_pipeline_and_expert_parallel(tmp_path: Path, schedule: str) -> None:
+    """pp 2 x dp 2, ep 2 under torch's schedules (two stages per rank for interleaved-1f1b and zbv)."""
+    two = schedule in ("interleaved-1f1b", "zbv")
+    spec = USER_MOE_DEEP if two else USER_MOE
+    _ep_plan(spec, tmp_path, ep=2, pp=2, dp=2, microbatches=4 if two else 2, schedule=schedule,
+             chunks=2 if schedule == "interleaved-1f1b" else None)
+    _verified(tmp_path, spec, steps=2, engine="torch")

@@ -59,7 +59,6 @@ __all__ = [
     "ExpertSplitOptimizer",
     "ExpertsLayer",
     "apply_experts",
-    "expert_parallel_refusal",
     "expert_parameters",
     "local_experts",
     "make_expert_groups",
@@ -70,16 +69,6 @@ def local_experts(experts: int, *, ep: int, member: int) -> range:
     """The experts member ``member`` of an EP group of ``ep`` holds (consecutive, ``experts / ep`` of them)."""
     per = experts // ep
     return range(member * per, (member + 1) * per)
-
-
-def expert_parallel_refusal(plan: Plan, *, engine: str) -> str | None:
-    """Why the runtime cannot run ``plan``'s expert parallelism (None: it can, or ``ep == 1``)."""
-    if plan.ep == 1:
-        return None
-    fix = f"Plan with ep 1, or drop what the plan combines with ep {plan.ep}."
-    if engine != "ours":
-        return f"expert parallelism (ep {plan.ep}) runs on the 'ours' engine only, not {engine!r}. {fix}"
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
