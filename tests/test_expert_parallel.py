@@ -205,11 +205,14 @@ def test_pipeline_tensor_and_expert_parallel(tmp_path: Path) -> None:
     _verified(tmp_path, USER_MOE, steps=2)
 
 
-@pytest.mark.slow  # Hugging Face Mixtral: ~50 s
-def test_tensor_and_expert_parallel_mixtral(tmp_path: Path) -> None:
-    """tp 2 x dp 2, ep 2: attention split by heads under sequence parallelism, the stacked experts not split."""
+@pytest.mark.slow  # Hugging Face Mixtral: ~15-50 s
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_tensor_and_expert_parallel_mixtral(tmp_path: Path, shard: str) -> None:
+    """tp 2 x dp 2, ep 2: attention split by heads under sequence parallelism, the stacked experts not split;
+    shard "full": FSDP2 over the replicas shards the tensor-parallel dense parameters again, not the experts."""
     plan = _ep_plan(MIXTRAL, tmp_path, ep=2, pp=1, dp=2, tp=2, microbatches=2, schedule="1f1b")
     assert {layer.layout for layer in plan.experts} == {"stacked"}
+    dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=shard) for s in plan.stages)).save(tmp_path)
     _verified(tmp_path, MIXTRAL, steps=2)
 
 
