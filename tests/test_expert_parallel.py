@@ -26,6 +26,7 @@ from runtime.verify import free_port, verify
 MODELS = Path(__file__).parent / "models"
 USER_MOE = str(MODELS / "user_moe_routed.py")  # experts in a ModuleList ("list")
 USER_MOE_DEEP = str(MODELS / "user_moe_routed_deep.py")  # eight layers: stages of whole layers
+META_MOE = str(MODELS / "meta_moe_routed.py")  # USER_MOE built on meta, with init_weights
 MIXTRAL = str(MODELS / "zoo_mixtral.py")  # Hugging Face Mixtral: experts stacked on dim 0 ("stacked")
 EXAMPLES = Path(__file__).parent.parent / "examples"
 QWEN3_MOE = str(EXAMPLES / "moe.py")  # tiny Qwen3-MoE: 2 layers of 8 stacked experts, top-2
@@ -164,6 +165,15 @@ def test_fsdp2_with_expert_parallel_matches_the_whole_model(tmp_path: Path, dp: 
     _verified(tmp_path, USER_MOE, steps=2)
     if dp == 4 and not reshard:  # dense shards count on every replica, experts on the first EP group's
         _check_clip_and_state(tmp_path, plan)
+
+
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_a_meta_model_with_expert_parallel(tmp_path: Path, shard: str) -> None:
+    """Materialised per stage, then each member keeps its experts (under "full" whole first, not straight
+    into FSDP2's shards: a slice of a shard is no expert)."""
+    plan = _ep_plan(META_MOE, tmp_path, ep=2, pp=2, dp=2, microbatches=2, schedule="1f1b")
+    dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=shard) for s in plan.stages)).save(tmp_path)
+    _verified(tmp_path, META_MOE, steps=2)
 
 
 def test_tensor_and_expert_parallel_listed_experts(tmp_path: Path) -> None:
