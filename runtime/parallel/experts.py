@@ -21,9 +21,9 @@ Gradients (:class:`ExpertsLayer`): an expert parameter's gradient already sums i
 tokens, so it is summed over the expert-data-parallel group (replicas ``j, j+ep, j+2ep, ...``)
 and divided by ``dp``; the replicas' DDP / reducer / broadcast leave expert parameters alone
 (:func:`expert_parameters`).  :meth:`ExpertsLayer.gather` gives whole tensors in the original
-names (all-gathered over the EP group) for state dicts, checkpoints (parameters and their
-optimizer state: :mod:`runtime.state.checkpoint` writes them whole, so any ``ep`` resumes) and
-verification.
+names (all-gathered over the EP group) for state dicts and verification;
+:meth:`ExpertsLayer.for_checkpoint` gives checkpoints each stacked slice (parameters and their
+optimizer state) as its chunk of the whole entry, so any ``ep`` resumes.
 
 Under shard ``optimizer`` (ZeRO-1) :class:`ExpertSplitOptimizer` splits the dense parameters' state
 over the stage group and steps the experts with a plain optimizer.  Under tensor parallelism the
@@ -196,6 +196,7 @@ class ExpertsLayer(StackLayer):
         self._dp = dp
         self._ep = ep
         self.parameters = [p for _, w in self.wrappers for p in w.parameters()]
+        self._ep_mesh: Any = None  # the EP group as a DeviceMesh (checkpoints' chunks), made on first use
 
     def reduce(self) -> None:
         for p in self.parameters:
@@ -233,6 +234,38 @@ class ExpertsLayer(StackLayer):
                 for member, part in enumerate(parts):
                     out[f"{path}.{_renumber(rel, member * per + position)}"] = part
         return out
+
+    def for_checkpoint(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``values`` (this rank's, original names) as a checkpoint writes them, without gathering anything.
+
+        A listed expert's tensors are whole already (each member writes its own experts); a stacked slice
+        becomes a ``DTensor`` sharded on dim 0 over the EP group, so DCP records it as its chunk of the
+        whole tensor (copies from other EP groups hold the same chunks: DCP keeps one of each).  Entries
+        that are not per expert (an optimizer's step count) stay as they are.
+        """
+        from torch.distributed.tensor import DTensor, Shard
+
+        out = dict(values)
+        for path, wrapper in self.wrappers:
+            layer = wrapper.layer
+            if layer.layout != "stacked":
+                continue
+            for rel in wrapper.local_names():
+                name = f"{path}.{rel}"
+                value = out.get(name)
+                if value is None or value.dim() < 1 or value.shape[0] != self._per_member(layer):
+                    continue
+                shape, stride = (layer.experts, *value.shape[1:]), _contiguous_stride((layer.experts, *value.shape[1:]))
+                out[name] = DTensor.from_local(value.detach().contiguous(), self._mesh(value.device), [Shard(0)],
+                                               run_check=False, shape=torch.Size(shape), stride=stride)
+        return out
+
+    def _mesh(self, device: torch.device) -> Any:
+        if self._ep_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._ep_mesh = DeviceMesh.from_group(self.groups.ep, device.type)
+        return self._ep_mesh
 
     def _per_member(self, layer: ExpertLayer) -> int:
         return layer.experts // self._ep
@@ -487,6 +520,14 @@ def _renumber(rel: str, entry: int) -> str:
     parts = rel.split(".")
     parts[1] = str(entry)
     return ".".join(parts)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
 
 
 def _natural(name: str) -> tuple[object, ...]:

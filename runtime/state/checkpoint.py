@@ -52,6 +52,11 @@ entries (a replica reads only its shard); under ZeRO-1 each replica writes the s
 of the parameters it steps and the manifest names the wrapped optimizer's class, so a
 checkpoint resumes under any other shard mode as well.
 
+Expert parallelism (:mod:`runtime.parallel.experts`): entries hold every expert, in the original
+names.  Listed experts are whole tensors on the member holding them; a stacked experts tensor's
+slice (and its optimizer state) is written as a ``DTensor`` chunk over the EP group, and a load
+reads the whole entry and keeps its member's experts, so a checkpoint resumes under any ``ep``.
+
 Every rank reads the small files and its own entries, so the directory must be
 on a file system all ranks see (as DCP itself needs).  DCP's ``.metadata`` is a
 pickle: resume only from checkpoints you trust.
@@ -131,8 +136,8 @@ OPTIM_PREFIX = "optim.state."
 class ExpertSlices(Protocol):
     """Expert parallelism's view for checkpoints (:class:`runtime.parallel.experts.ExpertsLayer`)."""
 
-    def gather(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole experts in original names from this rank's slices (collective over the EP group)."""
+    def for_checkpoint(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's values in original names, each stacked expert slice its chunk of the whole (no collective)."""
         ...
 
     def stacked_spans(self) -> dict[str, tuple[int, int, int]]:
@@ -257,8 +262,8 @@ def save_checkpoint(
     ``modules``: this rank's stage modules; ``keys``: the whole model's
     state-dict keys (which entries are persistent); ``keep``: how many of the
     newest steps to keep (None: all); ``experts``: under expert parallelism, the
-    experts layers (their slices and optimizer state are written whole, gathered over
-    each EP group, so that any ``ep`` resumes).  Returns the step's folder.
+    experts layers (each member writes its slices and their optimizer state as chunks
+    of the whole entries, so that any ``ep`` resumes).  Returns the step's folder.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -288,8 +293,8 @@ def save_checkpoint(
     except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised
         failure = exc
     temporary = _agree(failure, "save the checkpoint", temporary)[0]
-    if experts is not None:  # collective over each EP group: every member has agreed to save
-        flat = _whole_experts(flat, experts)
+    if experts is not None:  # each stacked expert slice written as its chunk of the whole tensor
+        flat = _expert_chunks(flat, experts)
     folder = path / temporary
     _at("shards")
     try:
@@ -337,12 +342,9 @@ def save_checkpoint(
     return final
 
 
-def _whole_experts(flat: dict[str, torch.Tensor], experts: ExpertSlices) -> dict[str, torch.Tensor]:
-    """``flat``'s model and optimizer entries with each expert slice replaced by the whole tensor.
-
-    Every EP member holds the same dense entries and optimizer state keys, so each calls the
-    gathers in one order: the model first, then each optimizer state key (sorted).
-    """
+def _expert_chunks(flat: dict[str, torch.Tensor], experts: ExpertSlices) -> dict[str, torch.Tensor]:
+    """``flat``'s model and optimizer entries with each stacked expert slice as its chunk of the whole tensor
+    (DCP stores one whole entry under the original name; listed experts are whole tensors already)."""
     kinds: dict[str, dict[str, torch.Tensor]] = {"": {}}
     out: dict[str, torch.Tensor] = {}
     for key, value in flat.items():
@@ -356,7 +358,7 @@ def _whole_experts(flat: dict[str, torch.Tensor], experts: ExpertSlices) -> dict
     for state_key in sorted(kinds):
         prefix = MODEL_PREFIX if state_key == "" else OPTIM_PREFIX
         suffix = "" if state_key == "" else f".{state_key}"
-        for name, value in experts.gather(kinds[state_key]).items():
+        for name, value in experts.for_checkpoint(kinds[state_key]).items():
             out[f"{prefix}{name}{suffix}"] = value
     return out
 
