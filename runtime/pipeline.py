@@ -59,7 +59,11 @@ from runtime.execute.stage import build_local_stages
 from runtime.execute.wire import group_rank
 from runtime.launch.failure import reports_failures
 from runtime.parallel.clip import clip_gradients
-from runtime.parallel.experts import ExpertsLayer, apply_experts, expert_parallel_refusal
+from runtime.parallel.experts import (
+    ExpertsLayer,
+    ExpertSplitOptimizer,
+    apply_experts,
+)
 from runtime.parallel.parallelize import (
     ReplicaLayer,
     ShardingLayer,
@@ -227,9 +231,6 @@ class Pipeline:
             raise AutopartitionError(refusal)
         self.pipeline_rank, self.replica = _place(plan, self.rank, dist.get_world_size())
         check_shard_plan(plan)  # a shard mode the runtime cannot run: refused on every rank alike
-        refusal = expert_parallel_refusal(plan, engine=self.engine)
-        if refusal is not None:
-            raise AutopartitionError(refusal)
         if self.engine == "torch":
             refusal = torch_engine_refusal(plan, trace=self.trace)
         if refusal is not None:
@@ -316,7 +317,18 @@ class Pipeline:
         (``opt.step()`` updates this replica's share of the parameters and broadcasts them); under ``full``
         the parameters are already shards, so the plain optimizer is; under ``none`` it is the plain one.
         """
-        return self._sharding.optimizer(self.parameters(), optimizer_class, **defaults)
+        experts = self._experts_layer()
+        if experts is None or self._sharding.mode != "optimizer":
+            return self._sharding.optimizer(self.parameters(), optimizer_class, **defaults)
+        # ep > 1 under ZeRO-1: the dense parameters' state split over the replicas, the experts' kept whole.
+        held = {id(p) for p in experts.parameters}
+        dense = [p for p in self.parameters() if id(p) not in held]
+        expert = [p for p in self.parameters() if id(p) in held]
+        if not expert or not dense:
+            return self._sharding.optimizer(dense, optimizer_class, **defaults) if dense else optimizer_class(
+                expert, **defaults)
+        return ExpertSplitOptimizer(self._sharding.optimizer(dense, optimizer_class, **defaults),
+                                    optimizer_class(expert, **defaults))
 
     @property
     def dp_rank(self) -> int:
@@ -412,7 +424,7 @@ class Pipeline:
             # Shards count once: HSDP's other nodes hold copies of the first node's shards.
             sharded=self._sharding.counts_shards_once(self.replica, self.pipeline_rank),
             max_norm=max_norm, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite,
-            experts=set() if experts is None else {id(p) for p in experts.parameters},
+            experts=set() if experts is None else {id(p) for p in experts.parameters}, tp_rank=self.rank % self.plan.tp,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -484,27 +496,17 @@ class Pipeline:
     ) -> Path:
         """Every rank: write model, optimizer state, step and plan in the original names, atomically into
         ``directory/step-<step>``, keeping the newest ``keep`` steps (:mod:`runtime.state.checkpoint`); returns it."""
-        self._refuse_expert_checkpoint("save_checkpoint")
         return checkpoint.save_checkpoint(directory, modules=self.modules, plan=self.plan,
-                                          keys=self._state_keys, optimizer=optimizer, step=step, keep=keep)
+                                          keys=self._state_keys, optimizer=optimizer, step=step, keep=keep,
+                                          experts=self._experts_layer())
 
     def load_checkpoint(
         self, directory: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None
     ) -> int:
         """Every rank: load a checkpoint saved under any plan of this model (``directory``'s newest
         complete step, or one ``step-N`` folder); returns its step."""
-        self._refuse_expert_checkpoint("load_checkpoint")
         return checkpoint.load_checkpoint(directory, modules=self.modules, plan=self.plan,
-                                          keys=self._state_keys, optimizer=optimizer)
-
-    def _refuse_expert_checkpoint(self, call: str) -> None:
-        """Checkpoints hold whole tensors by original name; an EP member holds slices (and their optimizer state)."""
-        if self.plan.ep > 1:
-            raise AutopartitionError(
-                f"{call} does not handle expert parallelism yet (the plan has ep {self.plan.ep}: each rank holds a "
-                "slice of the experts and of their optimizer state). Save the model with pipe.state_dict() (whole "
-                "experts, gathered), or plan with ep 1 to checkpoint."
-            )
+                                          keys=self._state_keys, optimizer=optimizer, experts=self._experts_layer())
 
     def _aliases(self) -> dict[str, tuple[str, ...]]:
         """Each tied parameter this stage holds (by its name here) -> all of its names."""

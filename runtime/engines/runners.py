@@ -12,6 +12,7 @@ from __future__ import annotations
 from runtime.engines.torch_engine import TorchEngine
 from runtime.execute.runner import StepRunner
 from runtime.execute.stack import StageStack
+from runtime.parallel.experts import expert_parameters
 from runtime.parallel.parallelize import ShardingLayer
 
 __all__ = ["apply_runner"]
@@ -22,7 +23,7 @@ def apply_runner(stack: StageStack) -> StageStack:
     if stack.engine == "torch":
         engine = TorchEngine(stack.plan, stack.stages, stack.runnables, stack.replica_groups, loss_fn=stack.loss_fn,
                              device=stack.device, timeout=stack.timeout,
-                             sharded=stack.layer(ShardingLayer).sharded is not None)
+                             sharded=stack.layer(ShardingLayer).sharded is not None, skip=expert_parameters(stack))
         return stack.replace(runner=engine)
     runner = StepRunner(stack.plan, stack.stages, stack.modules, replica=stack.replica, rank=stack.rank,
                         loss_fn=stack.loss_fn, device=stack.device, timeout=stack.timeout,

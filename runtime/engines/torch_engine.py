@@ -46,6 +46,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -141,7 +142,9 @@ class TorchEngine:
     def __init__(
         self, plan: Plan, stages: Sequence[LocalStage], runnables: Sequence[torch.nn.Module], groups: Groups, *,
         loss_fn: Any, device: torch.device, timeout: float, sharded: bool = False,
+        skip: AbstractSet[int] = frozenset(),
     ) -> None:
+        """``skip``: ids of parameters the replicas leave alone (expert parallelism's: ExpertsLayer reduces them)."""
         self.plan = plan
         self.device = device
         self.records: list[Any] = []  # torch's schedules time no actions (see run)
@@ -161,17 +164,18 @@ class TorchEngine:
         self._reducer: ReplicaReducer | None = None
         modules: list[torch.nn.Module] = list(flats)
         if uses_ddp:  # torch's stage runs DDP's no_sync / prepare_for_backward (before the last backward) itself
-            modules = [wrap_replicas(f, groups, bucket_cap_mb=plan.bucket_cap_mb, device=device) for f in flats]
+            modules = [wrap_replicas(f, groups, bucket_cap_mb=plan.bucket_cap_mb, device=device, skip=skip)
+                       for f in flats]
             for module in modules:
                 if isinstance(module, DistributedDataParallel):
                     # Every forward outside no_sync too: torch's shape inference calls the module directly, and a
                     # synced forward whose backward never reaches the parameters leaves DDP's reducer broken.
                     module.require_backward_grad_sync = False
         elif plan.dp > 1 and not sharded:  # sharded: FSDP2 reduce-scatters (Pipeline's ShardedStep drives it)
-            broadcast_replicas([local.module for local in stages], groups)
+            broadcast_replicas([local.module for local in stages], groups, skip=skip)
             self._reducer = replica_reducer({local.plan.index: local.module for local in stages},
                                             [local.plan.index for local in stages], groups,
-                                            bucket_cap_mb=plan.bucket_cap_mb, timeout=timeout)
+                                            bucket_cap_mb=plan.bucket_cap_mb, timeout=timeout, skip=skip)
         self._stage_indices = [local.plan.index for local in stages]
         self._has_last = any(local.is_last for local in stages)
         self._stages = [

@@ -14,7 +14,8 @@ so replicas and tied copies stay equal.  A fully sharded stage's gradients are
 Tensor-parallel stages (:mod:`runtime.parallel.tensorparallel`) likewise: a split
 parameter's shards count on every rank of the group, a replicated one (a norm)
 on the group's first rank only.  Expert-parallel slices count on the first EP group's
-``ep`` replicas, each holding other experts.
+``ep`` replicas, each holding other experts (under tensor parallelism on their groups' first
+ranks: every tensor-parallel rank holds the same whole experts; FSDP2 never shards them).
 
 Example (one process; a pipeline passes its stages and a process group)::
 
@@ -46,7 +47,7 @@ __all__ = ["clip_gradients", "local_gradients", "scale_gradients", "total_norm"]
 
 def local_gradients(
     plan: Plan, stages: Sequence[tuple[int, nn.Module]], *, replica: int, sharded: bool = False,
-    experts: AbstractSet[int] = frozenset(),
+    experts: AbstractSet[int] = frozenset(), tp_rank: int = 0,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(gradients this rank counts in the whole model's norm, every gradient it holds).
 
@@ -55,7 +56,8 @@ def local_gradients(
     parameter on the lowest stage holding it only; a parameter shared by two
     local stage modules once.  Sharded gradients come as their local tensors.
     ``experts``: ids of expert-parallel parameters, whose slices count on the first EP group's
-    ``ep`` replicas (each holds different experts; :mod:`runtime.parallel.experts`).
+    ``ep`` replicas (each holds different experts; :mod:`runtime.parallel.experts`), on tensor-parallel
+    rank ``tp_rank`` 0 only (plain tensors, the same on each).
     """
     owner = {alias: min(t.stages) for t in plan.tied for alias in t.aliases}
     counted: list[torch.Tensor] = []
@@ -68,8 +70,9 @@ def local_gradients(
             seen.add(id(param))
             grad = _local(param.grad)
             held.append(grad)
-            first = replica < plan.ep if id(param) in experts else replica == 0
-            if (sharded or first) and owner.get(name, index) == index and _first_copy(param.grad):
+            # Expert slices are whole (never FSDP2 shards): the first EP group's, on tensor-parallel rank 0.
+            counts = replica < plan.ep and tp_rank == 0 if id(param) in experts else sharded or replica == 0
+            if counts and owner.get(name, index) == index and _first_copy(param.grad):
                 counted.append(grad)
     return counted, held
 
@@ -119,9 +122,10 @@ def clip_gradients(
     group: dist.ProcessGroup | None = None,
     error_if_nonfinite: bool = False,
     experts: AbstractSet[int] = frozenset(),
+    tp_rank: int = 0,
 ) -> torch.Tensor:
     """Clip every gradient of the pipelined model to a whole-model norm of ``max_norm``; returns that norm."""
-    counted, held = local_gradients(plan, stages, replica=replica, sharded=sharded, experts=experts)
+    counted, held = local_gradients(plan, stages, replica=replica, sharded=sharded, experts=experts, tp_rank=tp_rank)
     total = total_norm(counted, norm_type, device=device, group=group)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise AutopartitionError(

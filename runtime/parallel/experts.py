@@ -21,7 +21,14 @@ Gradients (:class:`ExpertsLayer`): an expert parameter's gradient already sums i
 tokens, so it is summed over the expert-data-parallel group (replicas ``j, j+ep, j+2ep, ...``)
 and divided by ``dp``; the replicas' DDP / reducer / broadcast leave expert parameters alone
 (:func:`expert_parameters`).  :meth:`ExpertsLayer.gather` gives whole tensors in the original
-names (all-gathered over the EP group) for state dicts and verification.
+names (all-gathered over the EP group) for state dicts and verification;
+:meth:`ExpertsLayer.for_checkpoint` gives checkpoints each stacked slice (parameters and their
+optimizer state) as its chunk of the whole entry, so any ``ep`` resumes.
+
+Under shard ``optimizer`` (ZeRO-1) :class:`ExpertSplitOptimizer` splits the dense parameters' state
+over the stage group and steps the experts with a plain optimizer.  Under tensor parallelism the
+experts are not split (expert-tensor-parallel size 1, as Megatron's default): every
+tensor-parallel rank ``t`` runs the whole tokens through its own EP group (ranks ``g x tp + t``).
 
 Example (what a rank holds)::
 
@@ -34,6 +41,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,9 +56,9 @@ from runtime.execute.stack import StackLayer, StageStack
 __all__ = [
     "ExpertGroups",
     "ExpertParallel",
+    "ExpertSplitOptimizer",
     "ExpertsLayer",
     "apply_experts",
-    "expert_parallel_refusal",
     "expert_parameters",
     "local_experts",
     "make_expert_groups",
@@ -61,22 +69,6 @@ def local_experts(experts: int, *, ep: int, member: int) -> range:
     """The experts member ``member`` of an EP group of ``ep`` holds (consecutive, ``experts / ep`` of them)."""
     per = experts // ep
     return range(member * per, (member + 1) * per)
-
-
-def expert_parallel_refusal(plan: Plan, *, engine: str) -> str | None:
-    """Why the runtime cannot run ``plan``'s expert parallelism (None: it can, or ``ep == 1``)."""
-    if plan.ep == 1:
-        return None
-    fix = f"Plan with ep 1, or drop what the plan combines with ep {plan.ep}."
-    if plan.tp > 1:
-        return f"expert parallelism (ep {plan.ep}) with tensor parallelism (tp {plan.tp}) is not supported yet. {fix}"
-    if engine != "ours":
-        return f"expert parallelism (ep {plan.ep}) runs on the 'ours' engine only, not {engine!r}. {fix}"
-    sharded = sorted({s.shard for s in plan.stages if s.shard != "none"})
-    if sharded:
-        return (f"expert parallelism (ep {plan.ep}) with sharded stages (shard {', '.join(sharded)}) is not "
-                f"supported yet: each EP member holds different experts. {fix}")
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,24 +83,30 @@ class ExpertGroups:
 
 
 def make_expert_groups(plan: Plan, rank: int) -> ExpertGroups:
-    """Every rank creates every EP and expert-data-parallel group, in one order (torch.distributed requires it)."""
+    """Every rank creates every EP and expert-data-parallel group, in one order (torch.distributed requires it).
+
+    Under tensor parallelism each tensor-parallel rank ``t`` has its own groups: the ranks ``t`` of the
+    replicas' groups (global rank ``group x tp + t``), which exchange every token of their replicas.
+    """
     replica = plan.rank_layout()[rank][1]
-    dp, ep = plan.dp, plan.ep
+    dp, ep, tp = plan.dp, plan.ep, plan.tp
     ep_group: tuple[dist.ProcessGroup, tuple[int, ...]] | None = None
     for p in range(plan.pp):
         for g in range(dp // ep):
-            ranks = tuple(p * dp + r for r in range(g * ep, (g + 1) * ep))
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                ep_group = (group, ranks)
+            for t in range(tp):
+                ranks = tuple((p * dp + r) * tp + t for r in range(g * ep, (g + 1) * ep))
+                group = dist.new_group(list(ranks))
+                if rank in ranks:
+                    ep_group = (group, ranks)
     edp: tuple[dist.ProcessGroup | None, tuple[int, ...]] = (None, (rank,))
     if dp > ep:
         for p in range(plan.pp):
             for j in range(ep):
-                ranks = tuple(p * dp + r for r in range(j, dp, ep))
-                group = dist.new_group(list(ranks))
-                if rank in ranks:
-                    edp = (group, ranks)
+                for t in range(tp):
+                    ranks = tuple((p * dp + r) * tp + t for r in range(j, dp, ep))
+                    group = dist.new_group(list(ranks))
+                    if rank in ranks:
+                        edp = (group, ranks)
     assert ep_group is not None  # every rank is in one EP group
     return ExpertGroups(ep=ep_group[0], ep_ranks=ep_group[1], member=replica % ep, edp=edp[0], edp_ranks=edp[1])
 
@@ -119,7 +117,15 @@ class ExpertParallel(nn.Module):
     Holds this member's slice of the layer's parameters under their original names (relative to the
     module), and a copy of the model's experts module reduced to the local experts (not registered:
     its parameters are on the meta device and replaced by the held ones at each call).
+
+    Under tensor parallelism the experts are not split (Megatron's expert-tensor-parallel size 1): their
+    parameters stay plain tensors (``keeps_whole_parameters``), the DTensor inputs are made whole
+    on every tensor-parallel rank, each runs the same exchange with its own EP group (the same routed
+    tokens), and the output re-enters the stage replicated.
     """
+
+    # Tensor parallelism and FSDP2 leave these parameters alone: whole, plain, reduced by ExpertsLayer.
+    keeps_whole_parameters = True
 
     def __init__(self, layer: ExpertLayer, template: nn.Module, names: Mapping[str, str], groups: ExpertGroups,
                  *, ep: int) -> None:
@@ -132,6 +138,17 @@ class ExpertParallel(nn.Module):
         self._local = layer.experts // ep
 
     def forward(self, tokens: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = next((t.device_mesh for t in (tokens, index, weights) if isinstance(t, DTensor)), None)
+        if mesh is None:
+            return self._exchange(tokens, index, weights)
+        from runtime.parallel.tensorparallel import gathered
+
+        out = self._exchange(gathered(tokens), gathered(index), gathered(weights))
+        return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    def _exchange(self, tokens: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n, k = index.shape
         group = self._groups.ep
         flat = index.reshape(-1).long()
@@ -179,6 +196,7 @@ class ExpertsLayer(StackLayer):
         self._dp = dp
         self._ep = ep
         self.parameters = [p for _, w in self.wrappers for p in w.parameters()]
+        self._ep_mesh: Any = None  # the EP group as a DeviceMesh (checkpoints' chunks), made on first use
 
     def reduce(self) -> None:
         for p in self.parameters:
@@ -203,6 +221,8 @@ class ExpertsLayer(StackLayer):
                 if name not in values:
                     continue
                 value = values[name].detach()
+                if layer.layout == "stacked" and (value.dim() < 1 or value.shape[0] != self._per_member(layer)):
+                    continue  # not per expert (e.g. an optimizer's step count): equal on every member
                 parts = [torch.empty_like(value) for _ in range(self._ep)]
                 dist.all_gather(parts, value.contiguous(), group=self.groups.ep)
                 if layer.layout == "stacked":
@@ -213,6 +233,56 @@ class ExpertsLayer(StackLayer):
                 position = _entry(rel) - _span(layer, self._ep, self.groups.member)[0]
                 for member, part in enumerate(parts):
                     out[f"{path}.{_renumber(rel, member * per + position)}"] = part
+        return out
+
+    def for_checkpoint(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``values`` (this rank's, original names) as a checkpoint writes them, without gathering anything.
+
+        A listed expert's tensors are whole already (each member writes its own experts); a stacked slice
+        becomes a ``DTensor`` sharded on dim 0 over the EP group, so DCP records it as its chunk of the
+        whole tensor (copies from other EP groups hold the same chunks: DCP keeps one of each).  Entries
+        that are not per expert (an optimizer's step count) stay as they are.
+        """
+        from torch.distributed.tensor import DTensor, Shard
+
+        out = dict(values)
+        for path, wrapper in self.wrappers:
+            layer = wrapper.layer
+            if layer.layout != "stacked":
+                continue
+            for rel in wrapper.local_names():
+                name = f"{path}.{rel}"
+                value = out.get(name)
+                if value is None or value.dim() < 1 or value.shape[0] != self._per_member(layer):
+                    continue
+                shape, stride = (layer.experts, *value.shape[1:]), _contiguous_stride((layer.experts, *value.shape[1:]))
+                out[name] = DTensor.from_local(value.detach().contiguous(), self._mesh(value.device), [Shard(0)],
+                                               run_check=False, shape=torch.Size(shape), stride=stride)
+        return out
+
+    def _mesh(self, device: torch.device) -> Any:
+        if self._ep_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._ep_mesh = DeviceMesh.from_group(self.groups.ep, device.type)
+        return self._ep_mesh
+
+    def _per_member(self, layer: ExpertLayer) -> int:
+        return layer.experts // self._ep
+
+    def stacked_spans(self) -> dict[str, tuple[int, int, int]]:
+        """Each stacked expert parameter this rank holds (original name) -> (first, end, experts) on dim 0.
+
+        A listed layer's parameters are whole tensors already (one per expert, original names).
+        """
+        out: dict[str, tuple[int, int, int]] = {}
+        for path, wrapper in self.wrappers:
+            layer = wrapper.layer
+            if layer.layout != "stacked":
+                continue
+            start, stop = _span(layer, self._ep, self.groups.member)
+            for rel in wrapper.local_names():
+                out[f"{path}.{rel}"] = (start, stop, layer.experts)
         return out
 
     def local(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -230,6 +300,65 @@ class ExpertsLayer(StackLayer):
                 elif _entry(name[len(path) + 1:]) not in held:
                     del out[name]
         return out
+
+
+class ExpertSplitOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 under expert parallelism: the dense parameters' optimizer (state split over the stage group) and
+    the experts' own plain one, stepped together.
+
+    The replicas' ZeRO-1 steps each dense parameter on one replica and broadcasts it; an expert slice differs
+    from member to member, so it cannot be broadcast from one: every rank steps its own experts (their
+    gradients are already summed over the expert-data-parallel group, so copies step alike).
+    ``param_groups`` are the dense optimizer's then the experts' (the same dicts: a scheduler's changes
+    reach both); ``load_state_dict`` takes that order's indices.
+    """
+
+    def __init__(self, dense: torch.optim.Optimizer, experts: torch.optim.Optimizer) -> None:
+        # Not Optimizer.__init__: the parts hold the parameters, groups and state.
+        self.parts = (dense, experts)
+        self.defaults = dense.defaults
+        self.param_groups = [*dense.param_groups, *experts.param_groups]
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+
+    @property
+    def state(self) -> dict[torch.Tensor, Any]:  # type: ignore[override]
+        """Every parameter's state this rank keeps (the dense ones' share, its experts')."""
+        out: dict[torch.Tensor, Any] = {}
+        for part in self.parts:
+            inner = getattr(part, "optim", part)  # ZeRO-1 keeps this replica's share in its wrapped optimizer
+            out.update(inner.state)
+        return out
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = self.parts[0].step(closure)
+        self.parts[1].step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            "ExpertSplitOptimizer has no state_dict: save it with pipe.save_checkpoint(dir, optimizer=opt) "
+            "(every parameter's state in original names, experts whole).")
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        dense, experts = self.parts
+        count = len(dense.param_groups)
+        parts: list[dict[str, Any]] = []
+        first = 0
+        for groups in (state_dict["param_groups"][:count], state_dict["param_groups"][count:]):
+            indices = [i for g in groups for i in g["params"]]
+            renumber = {i: n for n, i in enumerate(indices)}
+            parts.append({
+                "state": {renumber[i]: v for i, v in state_dict["state"].items() if i in renumber},
+                "param_groups": [{**g, "params": [renumber[i] for i in g["params"]]} for g in groups],
+            })
+            first += len(indices)
+        dense.load_state_dict(parts[0])
+        experts.load_state_dict(parts[1])
 
 
 def expert_parameters(stack: StageStack) -> set[int]:
@@ -391,6 +520,14 @@ def _renumber(rel: str, entry: int) -> str:
     parts = rel.split(".")
     parts[1] = str(entry)
     return ".".join(parts)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
 
 
 def _natural(name: str) -> tuple[object, ...]:

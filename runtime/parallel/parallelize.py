@@ -89,7 +89,8 @@ def shard_while_loading(stack: StageStack, *, weights_given: bool) -> Keep | Non
     """How a fully sharded rank keeps only its shard of each value of a meta model, one module at a time
     (None: it materialises whole): read by :func:`runtime.state.values.load_values`, put in by :func:`apply_fsdp`."""
     plan = stack.plan
-    if stack.shard_mode != "full" or weights_given or plan.tp != 1 or not shardable_on_meta(stack.held):
+    # ep > 1: whole first, then apply_experts keeps this member's experts (a slice of a shard is no expert).
+    if stack.shard_mode != "full" or weights_given or plan.tp != 1 or plan.ep != 1 or not shardable_on_meta(stack.held):
         return None
     parts = shard_layout(plan, stack.pipeline_rank)[1]  # HSDP: a node's replicas split it
     part = stack.replica % parts
@@ -194,8 +195,8 @@ def apply_fsdp(stack: StageStack) -> StageStack:
     """shard "full": each stage's runnable becomes one FSDP2 unit over its stage group (runtime.parallel.shard)."""
     if stack.shard_mesh is None:
         return stack.with_layer(ShardingLayer(stack, None, []))
-    if stack.deferred is None:
-        broadcast_replicas(stack.held, stack.replica_groups)  # every replica keeps its shard of equal values
+    if stack.deferred is None:  # every replica keeps its shard of equal values (experts: equal per their group)
+        broadcast_replicas(stack.held, stack.replica_groups, skip=expert_parameters(stack))
     policy = [local.plan.reshard_after_forward for local in stack.stages]
     runnables = shard_modules(stack.runnables, policy, stack.shard_mesh, precision=stack.plan.precision)
     if stack.deferred is not None:

@@ -478,14 +478,17 @@ def shard_modules(
     policy = fsdp_policy(precision)
     units = []
     for runnable, reshard in zip(runnables, reshard_after_forward):
-        ignored: set[nn.Parameter] = set()
+        # Expert parallelism's slices stay whole and plain (runtime.parallel.experts reduces them).
+        whole = {p for m in runnable.modules() if getattr(m, "keeps_whole_parameters", False) for p in m.parameters()}
+        ignored: set[nn.Parameter] = set(whole)
         if reshard:
             runnable, layered = _layered(runnable)
             if layered is not None:
                 for layer in layered.units:  # bottom-up: each layer's unit before the stage's root
-                    fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=policy,
+                                ignored_params={p for p in layer.parameters() if p in whole} or None)
                 # The stage module still registers the layers' parameters (one object each): the root leaves them.
-                ignored = layered.layer_parameters()
+                ignored |= layered.layer_parameters()
         unit = ShardUnit(runnable)
         fully_shard(unit, mesh=mesh, reshard_after_forward=bool(reshard), ignored_params=ignored or None,
                     mp_policy=policy)

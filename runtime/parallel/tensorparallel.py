@@ -194,7 +194,11 @@ def parallelize_stages(modules: Sequence[fx.GraphModule], mesh: DeviceMesh) -> l
     placed = []
     for gm in modules:
         placements = parameter_placements(gm, mesh.size())
+        # Modules that keep their parameters whole and plain on every rank (expert parallelism's experts).
+        plain = [path + "." for path, m in gm.named_modules() if getattr(m, "keeps_whole_parameters", False)]
         for name, param in list(gm.named_parameters(remove_duplicate=False)):
+            if any(name.startswith(prefix) for prefix in plain):
+                continue
             if id(param) not in made:
                 value = distribute_tensor(param.detach(), mesh, [placements.get(name, Replicate())])
                 made[id(param)] = _carrying_hooks(param, nn.Parameter(value, requires_grad=param.requires_grad))

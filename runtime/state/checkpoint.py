@@ -52,6 +52,11 @@ entries (a replica reads only its shard); under ZeRO-1 each replica writes the s
 of the parameters it steps and the manifest names the wrapped optimizer's class, so a
 checkpoint resumes under any other shard mode as well.
 
+Expert parallelism (:mod:`runtime.parallel.experts`): entries hold every expert, in the original
+names.  Listed experts are whole tensors on the member holding them; a stacked experts tensor's
+slice (and its optimizer state) is written as a ``DTensor`` chunk over the EP group, and a load
+reads the whole entry and keeps its member's experts, so a checkpoint resumes under any ``ep``.
+
 Every rank reads the small files and its own entries, so the directory must be
 on a file system all ranks see (as DCP itself needs).  DCP's ``.metadata`` is a
 pickle: resume only from checkpoints you trust.
@@ -79,7 +84,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -117,6 +122,7 @@ __all__ = [
     "DEFAULT_KEEP",
     "CheckpointError",
     "CheckpointInfo",
+    "ExpertSlices",
     "canonical_names",
     "check_save_directory",
     "load_checkpoint",
@@ -125,6 +131,20 @@ __all__ = [
 ]
 
 OPTIM_PREFIX = "optim.state."
+
+
+class ExpertSlices(Protocol):
+    """Expert parallelism's view for checkpoints (:class:`runtime.parallel.experts.ExpertsLayer`)."""
+
+    def for_checkpoint(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's values in original names, each stacked expert slice its chunk of the whole (no collective)."""
+        ...
+
+    def stacked_spans(self) -> dict[str, tuple[int, int, int]]:
+        """Stacked expert parameter -> (first, end, experts) of dim 0 this rank holds."""
+        ...
+
+
 # The newest steps a save keeps: the one just written and the one before it, in case the newest is
 # damaged later (a disk, a copy); twice a checkpoint's room on disk.
 DEFAULT_KEEP = 2
@@ -235,12 +255,15 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     step: int = 0,
     keep: int | None = DEFAULT_KEEP,
+    experts: ExpertSlices | None = None,
 ) -> Path:
     """Every rank writes its stages' entries into ``directory/step-<step>``, atomically (collective).
 
     ``modules``: this rank's stage modules; ``keys``: the whole model's
     state-dict keys (which entries are persistent); ``keep``: how many of the
-    newest steps to keep (None: all).  Returns the step's folder.
+    newest steps to keep (None: all); ``experts``: under expert parallelism, the
+    experts layers (each member writes its slices and their optimizer state as chunks
+    of the whole entries, so that any ``ep`` resumes).  Returns the step's folder.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -257,8 +280,8 @@ def save_checkpoint(
             raise CheckpointError(f"step={step!r}: pass the number of steps trained, an integer >= 0.")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise CheckpointError(f"keep={keep!r}: pass how many of the newest steps to keep (>= 1), or None for all.")
-        for name, items in _local_entries(modules, keys=keys, canon=canon).items():
-            flat[MODEL_PREFIX + name] = items[0][2].detach()
+        model = {name: items[0][2].detach() for name, items in _local_entries(modules, keys=keys, canon=canon).items()}
+        flat.update({MODEL_PREFIX + name: value for name, value in model.items()})
         if optimizer is not None:
             state, hyper = _optimizer_entries(optimizer, _parameter_names(modules, canon))
             flat.update(state)
@@ -270,6 +293,8 @@ def save_checkpoint(
     except Exception as exc:  # noqa: BLE001 - shared with every rank, then raised
         failure = exc
     temporary = _agree(failure, "save the checkpoint", temporary)[0]
+    if experts is not None:  # each stacked expert slice written as its chunk of the whole tensor
+        flat = _expert_chunks(flat, experts)
     folder = path / temporary
     _at("shards")
     try:
@@ -315,6 +340,27 @@ def save_checkpoint(
         failure = exc
     _agree(failure, "save the checkpoint")
     return final
+
+
+def _expert_chunks(flat: dict[str, torch.Tensor], experts: ExpertSlices) -> dict[str, torch.Tensor]:
+    """``flat``'s model and optimizer entries with each stacked expert slice as its chunk of the whole tensor
+    (DCP stores one whole entry under the original name; listed experts are whole tensors already)."""
+    kinds: dict[str, dict[str, torch.Tensor]] = {"": {}}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in flat.items():
+        if key.startswith(MODEL_PREFIX):
+            kinds[""][key[len(MODEL_PREFIX):]] = value
+        elif key.startswith(OPTIM_PREFIX):
+            name, _, state_key = key[len(OPTIM_PREFIX):].rpartition(".")
+            kinds.setdefault(state_key, {})[name] = value
+        else:
+            out[key] = value
+    for state_key in sorted(kinds):
+        prefix = MODEL_PREFIX if state_key == "" else OPTIM_PREFIX
+        suffix = "" if state_key == "" else f".{state_key}"
+        for name, value in experts.for_checkpoint(kinds[state_key]).items():
+            out[f"{prefix}{name}{suffix}"] = value
+    return out
 
 
 def _at(point: str) -> None:
@@ -411,7 +457,7 @@ def _manifest(plan: Plan, step: int, optimizer: tuple[str, list[dict[str, dict[s
         "step": int(step),
         "model": plan.model.class_name,
         "saved_by": {"pp": plan.pp, "dp": plan.dp, "chunks": plan.chunks, "schedule": plan.schedule,
-                     "gpus": plan.gpus, "tp": plan.tp},
+                     "gpus": plan.gpus, "tp": plan.tp, "ep": plan.ep},
         "tied": [sorted(t.aliases) for t in plan.tied],
         "optimizer": saved,
     }
@@ -467,6 +513,7 @@ def load_checkpoint(
     plan: Plan,
     keys: Collection[str],
     optimizer: torch.optim.Optimizer | None = None,
+    experts: ExpertSlices | None = None,
 ) -> int:
     """Fill this rank's stages (and ``optimizer``) from a checkpoint; returns its step.
 
@@ -474,7 +521,9 @@ def load_checkpoint(
     ``step-N`` folder, or a single-folder checkpoint of earlier versions.
     Collective only to agree: any rank's problem (another model, no optimizer
     state, a missing, truncated or corrupt file) raises on every rank before
-    anything is read.
+    anything is read.  ``experts``: under expert parallelism, the experts layers: a
+    stacked expert parameter (and its optimizer state) is read whole and this member's
+    experts kept; listed experts are whole tensors of their own names already.
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -483,10 +532,11 @@ def load_checkpoint(
     info: CheckpointInfo | None = None
     entries: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
     names: dict[int, str] = {}
+    spans = {} if experts is None else experts.stacked_spans()
     try:
         info = read_checkpoint_info(directory)
         entries = _local_entries(modules, keys=keys, canon=canon)
-        _check_model(info, entries, keys=keys, canon=canon)
+        _check_model(info, entries, keys=keys, canon=canon, spans=spans)
         names = _parameter_names(modules, canon)
         if optimizer is not None:
             _check_optimizer(info, optimizer, names)
@@ -499,6 +549,8 @@ def load_checkpoint(
         for name, items in entries.items():
             real = next((t for _, _, t in items if not t.is_meta), None)
             shape, _ = info.tensors[MODEL_PREFIX + name]
+            if name in spans:  # read whole, this member's experts kept below
+                real = None
             targets[MODEL_PREFIX + name] = real.detach() if real is not None else torch.empty(
                 shape, dtype=items[0][2].dtype)
         optim_keys = [k for k in info.tensors if k.startswith(OPTIM_PREFIX)] if optimizer is not None else []
@@ -513,6 +565,11 @@ def load_checkpoint(
         # The files this rank reads: there, long enough, and (with a manifest) their CRC-32s match.
         check_reads(info.path, info.storage, targets, info.files, fix=damage_advice(info.path, info.step))
         read_dcp(info.path, targets)
+        for key, value in list(targets.items()):
+            name = key[len(MODEL_PREFIX):] if key.startswith(MODEL_PREFIX) else key[len(OPTIM_PREFIX):].rpartition(".")[0]
+            span = spans.get(name)
+            if span is not None and value.dim() >= 1 and value.shape[0] == span[2]:
+                targets[key] = value[span[0]:span[1]].clone()
         _apply_model(modules, entries, targets)
         if optimizer is not None:
             optimizer.load_state_dict(_torch_optimizer_state(info, optimizer, names, targets))
@@ -528,16 +585,26 @@ def _check_model(
     *,
     keys: Collection[str],
     canon: dict[str, str],
+    spans: dict[str, tuple[int, int, int]] | None = None,
 ) -> None:
-    """The checkpoint holds this model: every name it holds is the model's, every entry here fits."""
+    """The checkpoint holds this model: every name it holds is the model's, every entry here fits.
+
+    ``spans``: stacked expert slices this rank holds, stored whole (``experts`` on dim 0).
+    """
     stored = info.model_entries()
     known = {canon.get(k, k) for k in keys}
     unexpected = sorted(k for k in stored if canon.get(k, k) not in known)
     missing = sorted(name for name in entries if name not in stored)
+    spans = spans or {}
+
+    def whole(name: str, shape: Sequence[int]) -> tuple[int, ...]:
+        span = spans.get(name)
+        return tuple(shape) if span is None or not shape else (span[2], *shape[1:])
+
     misshapen = [
-        f"{name} {_shape(stored[name])} there, {_shape(items[0][2].shape)} here"
+        f"{name} {_shape(stored[name])} there, {_shape(whole(name, items[0][2].shape))} here"
         for name, items in sorted(entries.items())
-        if name in stored and tuple(stored[name]) != tuple(items[0][2].shape)
+        if name in stored and tuple(stored[name]) != whole(name, items[0][2].shape)
     ]
     if not (unexpected or missing or misshapen):
         return
@@ -675,6 +742,9 @@ def _local_entries(
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     """The optimizer's class; ZeRO-1's ``ZeroRedundancyOptimizer`` by the class it wraps (its state is that one's)."""
+    parts = getattr(optimizer, "parts", None)  # expert parallelism under ZeRO-1 (ExpertSplitOptimizer)
+    if parts is not None:
+        return _optimizer_kind(parts[1])
     inner = getattr(optimizer, "optim", None)
     return type(inner if _is_zero(optimizer) else optimizer).__name__
 
@@ -682,6 +752,9 @@ def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> Any:
     """Per-parameter state; under ZeRO-1 this replica's share (the replicas' shares make the whole, DCP
     writing each key once)."""
+    parts = getattr(optimizer, "parts", None)  # expert parallelism under ZeRO-1: the dense share, the experts
+    if parts is not None:
+        return {p: state for part in parts for p, state in _optimizer_state(part).items()}
     return optimizer.optim.state if _is_zero(optimizer) else optimizer.state  # type: ignore[attr-defined]
 
 
