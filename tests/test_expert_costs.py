@@ -142,10 +142,18 @@ def test_no_stage_boundary_falls_inside_an_experts_layer(schedule: str):
         assert len(holders) == 1, (layer.module, holders)
 
 
-def test_layouts_the_runtime_does_not_run_with_experts_are_refused_or_not_searched():
+def test_sharded_stage_groups_keep_their_experts_whole_as_the_runtime_does():
+    """ZeRO-1 and FSDP2 shard the dense parameters; each member's experts stay whole (runtime/parallel/experts.py)."""
+    from partitioner.cost.precision import state_bytes
+
+    spec = DEVICES["h100"]
+    for shard in ("optimizer", "full", "zero3"):
+        plain = formulate(_graph(), dp=8, spec=spec, memory_limit=None, gpus_per_node=8, ep=4)
+        sharded = formulate(_graph(), dp=8, spec=spec, memory_limit=None, gpus_per_node=8, ep=4, shard=shard)
+        whole = state_bytes("fp32", 2, elements=2e9 / 4 / 4, model_bytes=2e9 / 4)  # a quarter of 2 GB of fp32
+        assert plain.static_bytes[1] == sharded.static_bytes[1] == pytest.approx(whole), shard
+        assert sharded.static_bytes[0] < plain.static_bytes[0], shard  # the dense parameters are sharded
     model, inputs = _mixtral()
-    with pytest.raises(AutopartitionError, match="--ep 2 with --shard full: the runtime runs expert parallelism"):
-        partitioner.compile(model, inputs, gpus=4, device="h100", ep=2, tp=1, shard="full")
-    searched = partitioner.compile(model, inputs, gpus=4, device="h100", ep="auto", tp=1, shard="auto",
-                                   memory_per_gpu=1e12)
-    assert all(c.shard in (None, "none") for c in searched.candidates if c.ep > 1)
+    plan = partitioner.compile(model, inputs, ep=2, gpus=4, device="h100", pp=1, tp=1, microbatches=1,
+                               schedule="1f1b", shard="full")
+    assert plan.ep == 2 and plan.stages[0].shard == "full" and plan.stages[0].predicted.expert_parameter_bytes > 0

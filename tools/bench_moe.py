@@ -11,10 +11,7 @@ Each case plans one model on meta for ``--device h100`` (bf16-mixed, Adam, 8 GPU
 recomputation, micro-batches, schedule, sharding and tensor parallelism searched) twice, in
 one process, side by side: ``--ep 1`` (what the planner did before it knew experts: the
 experts planned as dense weights every replica holds) and ``--ep auto`` (expert-parallel
-degrees searched with the rest, :mod:`partitioner.cost.experts`, in the layouts the runtime runs
-with experts: replicated stage groups at tp 1), then a third time with ``priced_only`` (expert
-parallelism also with sharded state and tensor parallelism, as Megatron runs it, which our
-runtime does not yet: a prediction, not a plan to run).  It prints the chosen
+degrees searched with the rest, :mod:`partitioner.cost.experts`).  It prints the chosen
 layout, the predicted step, the tokens per second per GPU, the peak memory per GPU and the
 planner's wall time, and the ratio of the two steps.  A plan that does not fit says so.
 
@@ -74,7 +71,7 @@ CASES = (
 )
 
 
-def _plan(case: Case, ep: int | str, *, priced_only: bool = False) -> dict[str, Any]:
+def _plan(case: Case, ep: int | str) -> dict[str, Any]:
     """One plan of ``case`` at ``ep``: layout, step, tokens/s/GPU, peak memory, wall time (or why nothing fits)."""
     import partitioner
     from partitioner.errors import InfeasibleError
@@ -89,7 +86,7 @@ def _plan(case: Case, ep: int | str, *, priced_only: bool = False) -> dict[str, 
         plan = partitioner.compile(
             model, inputs, gpus=case.gpus, device="h100", precision="bf16-mixed", gpus_per_node=8, tp="auto",
             microbatches="auto", schedule="auto", recompute="auto",
-            ep=ep, loss_fn=model_file.loss_fn, target=model_file.example_target(case.batch), priced_only=priced_only)
+            ep=ep, loss_fn=model_file.loss_fn, target=model_file.example_target(case.batch))
     except InfeasibleError as exc:
         return {"ep": ep, "fits": False, "why": str(exc).splitlines()[0], "wall_s": time.perf_counter() - start}
     step = plan.predicted.step_s
@@ -160,16 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only names none of {', '.join(c.name for c in CASES)}")
     results: dict[str, Any] = {}
     for case in chosen:
-        without, with_ep, priced = _plan(case, 1), _plan(case, "auto"), _plan(case, "auto", priced_only=True)
-        results[case.name] = {"case": dataclasses.asdict(case), "ep1": without, "ep_auto": with_ep,
-                              "ep_auto_priced_only": priced}
+        without, with_ep = _plan(case, 1), _plan(case, "auto")
+        results[case.name] = {"case": dataclasses.asdict(case), "ep1": without, "ep_auto": with_ep}
         print(f"{case.name}: {case.spec} on {case.gpus} H100s, batch {case.batch}")
         print(_row("ep 1", without))
         print(_row("ep auto", with_ep))
-        print(_row("priced", priced))
-        for label, r in (("ep auto", with_ep), ("priced", priced)):
-            if without["fits"] and r["fits"]:
-                print(f"  step {label} / ep 1: {r['step_s'] / without['step_s']:.3f}")
+        if without["fits"] and with_ep["fits"]:
+            print(f"  step ep auto / ep 1: {with_ep['step_s'] / without['step_s']:.3f}")
         sys.stdout.flush()
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

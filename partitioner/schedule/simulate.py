@@ -436,10 +436,12 @@ def stage_static_bytes(plan: Plan) -> list[float]:
     out = []
     for st in plan.stages:
         experts = getattr(st.predicted, "expert_parameter_bytes", 0.0) if ep > 1 else 0.0
-        # The experts: 1 / ep of them per GPU, sharded (in the stage's mode) over the dp / ep replicas holding them.
+        # The experts: 1 / ep of them per GPU.
         held = _held(plan, st, st.predicted.parameter_bytes - experts, per_element, plan.shard_degree(st))
-        if experts:
-            held += _held(plan, st, experts / ep, per_element, max(1, min(plan.shard_degree(st), plan.dp // ep)))
+        if experts:  # whole on their member whatever the stage's mode (runtime/parallel/experts.py)
+            precision: str = getattr(plan, "precision", "fp32")
+            held += float(state_bytes(precision, plan.cost_model.optimizer_states, elements=experts / ep / per_element,
+                                      model_bytes=experts / ep))
         if st.shard == "full" and st.reshard_after_forward and _sharded(plan, st.shard):
             held += getattr(st.predicted, "gathered_bytes", 0.0)
         out.append(float(held))

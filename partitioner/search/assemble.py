@@ -238,7 +238,7 @@ def _stages(
     exposed_f, exposed_b = [0.0] * count, [0.0] * count
     if zero3:
         z = zero3_costs(graph, dp=dp, spec=options.spec, precision=options.precision, gpus_per_node=per_node,
-                        span=span, unit=options.zero3_unit)
+                        span=span, unit=options.zero3_unit, ep=solved.ep)
         for b, s in enumerate(partition.stage_of):
             exposed_f[s] += z.forward_s[b]
             exposed_b[s] += z.backward_s[b]

@@ -109,8 +109,9 @@ REFINED_CANDIDATES = 4  # best screened combinations solved again by the full so
 # chunked schedule: from the whole GPU down towards the share; the first split that fits exactly wins.
 CAP_LADDER = (0.0, 0.25, 0.5, 0.75)
 
-# How stage groups may hold their state under expert parallelism: what runtime/parallel/experts.py runs with it.
-EP_SHARD_MODES = ("none",)
+# How stage groups may hold their state under expert parallelism where the runtime runs only some (None: every
+# mode: runtime/parallel/experts.py runs DDP, ZeRO-1 and FSDP2 around whole expert slices).
+EP_SHARD_MODES: tuple[str, ...] | None = None
 
 
 
@@ -326,7 +327,7 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
             if reshards(mode) and limit is not None:
                 room[mode] = limit - zero3_costs(sc.at(choices[0]), dp=d, spec=options.spec,
                                                  precision=options.precision, gpus_per_node=options.gpus_per_node,
-                                                 unit=options.zero3_unit, span=mode_parts(mode)[2]).transient_bytes
+                                                 unit=options.zero3_unit, span=mode_parts(mode)[2], ep=e).transient_bytes
         state = {mode: whole if mode == "none" or (room_of := room[mode]) is None or whole <= room_of else
                  _state_bound(sc.problem(d, choices[0], mode), p) for mode in modes}
         fitting = [mode for mode in modes if (room_of := room[mode]) is None or state[mode] <= room_of]
@@ -366,7 +367,8 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                     if reshards(mode):  # its collectives' least exposure: the bound loses sooner (formulate)
                         z = z3.get((m, mode)) or z3.setdefault((m, mode), zero3_costs(
                             sc.at(m), dp=d, spec=options.spec, precision=options.precision,
-                            gpus_per_node=options.gpus_per_node, unit=options.zero3_unit, span=mode_parts(mode)[2]))
+                            gpus_per_node=options.gpus_per_node, unit=options.zero3_unit, span=mode_parts(mode)[2],
+                            ep=e))
                         bound = _time_bound(problem, p, m, schedule=k, chunks=v, added=sum(z.forward_s)
                                             + sum(z.backward_s) + 2 * p * v * z.first_gather_s)
                     # A sharded trial's problem is formulated when it is screened (most are not needed).
@@ -398,7 +400,7 @@ def _policies(options: PlanOptions, schedule: ScheduleKind, dp: int, ep: int = 1
     Under expert parallelism (``ep`` > 1) only the modes the runtime runs with it (:data:`EP_SHARD_MODES`),
     unless the plan is priced only.
     """
-    if ep > 1 and not options.priced_only:
+    if ep > 1 and not options.priced_only and EP_SHARD_MODES is not None:
         return tuple(m for m in _policies(options, schedule, dp) if m in EP_SHARD_MODES)
     modes = options.shard_modes(schedule, dp)
     if dp > 1 and options.shard in ("auto", "full", ZERO3) and not splits_backward(schedule) \
@@ -513,7 +515,8 @@ def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, 
             if reshards(t.shard):
                 o = options
                 t.gathered = zero3_costs(scaled.at(t.microbatches), dp=t.dp, spec=o.spec, precision=o.precision,
-                                         gpus_per_node=o.gpus_per_node, unit=options.zero3_unit, span=mode_parts(t.shard)[2]).transient_bytes
+                                         gpus_per_node=o.gpus_per_node, unit=options.zero3_unit, span=mode_parts(t.shard)[2],
+                                         ep=t.ep).transient_bytes
         if (t.pp, t.dp) not in announced:
             announced.add((t.pp, t.dp))
             say(f"solving {plural(t.pp, 'stage')} x {plural(t.dp, 'replica')}")

@@ -132,7 +132,7 @@ class PlanOptions:
 
     def ep_choices(self, dp: int) -> tuple[int, ...]:
         """Expert-parallel degrees to try for ``dp`` replicas: 1 for a model without experts."""
-        if not self.expert_counts or (self.tp > 1 and not self.priced_only):  # the runtime: experts at tp 1
+        if not self.expert_counts:
             return (1,) if self.ep_fixed in (None, 1) else ()
         return ep_choices(math.gcd(*self.expert_counts), dp, fixed=self.ep_fixed, per_node=self.gpus_per_node)
 

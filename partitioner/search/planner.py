@@ -228,11 +228,6 @@ def compile(
                 "tensor-parallel group yet; plan with --tp 1 (or auto), or price the layout only (priced_only).")
         tp = 1
         say("fp8: tensor parallelism stays 1 (the runtime's FP8 matmuls are not split over tensor-parallel groups)")
-    if fixed_ep is not None and fixed_ep > 1 and not priced_only and (fixed_tp > 1 or shard not in ("auto", "none")):
-        raise AutopartitionError(
-            f"--ep {fixed_ep} with {f'--tp {fixed_tp}' if fixed_tp > 1 else f'--shard {shard}'}: the runtime runs "
-            "expert parallelism over replicated (DDP) stage groups of one GPU per replica, not yet with tensor "
-            "parallelism or sharded state; plan with --tp 1 --shard none (or auto), or --ep 1.")
     if fixed_tp > 1 and shard == "optimizer" and not priced_only and (dp or (gpus // fixed_tp // pp if pp else 1)) > 1:
         raise AutopartitionError(
             f"--tp {fixed_tp} with --shard optimizer: the runtime runs tensor parallelism with replicated or fully "

@@ -565,33 +565,17 @@ def formulate(
     for p, blocks in readers.items():
         nbytes: float = graph.parameter_bytes[p]
         elements: float = graph.parameter_elements.get(p, nbytes / 4)
-        group, group_shards, group_ring, group_hsdp = dp, shards, ring, hsdp
-        if p in experts:  # this member's E / ep experts, reduced over the expert-data-parallel group
+        if p in experts:
+            # This member's E / ep experts, whole whatever the stage's shard mode (the runtime shards only the
+            # dense parameters: runtime/parallel/experts.py), all-reduced over the expert-data-parallel group.
             nbytes, elements = nbytes / ep, elements / ep
-            group, group_ring = edp, edp_ring
-            group_shards = max(1, min(shards, edp))
-            group_hsdp = hsdp and group_shards < edp
-        held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=nbytes)
-        grads = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
-        if zero3:  # everything sharded; its collectives are per micro-batch (zero3_costs, below)
-            held = shard_state_bytes(precision, optimizer_states, "full", group_shards, elements=elements,
-                                     model_bytes=nbytes)
-            fast = slow = 0.0
-        elif sharded and group > 1:
-            held = shard_state_bytes(precision, optimizer_states, base, group_shards, elements=elements,
-                                     model_bytes=nbytes)
-            if base == "full":
-                held += gathered_bytes(precision, elements=elements, model_bytes=nbytes)
-            once = functools.partial(
-                shard_step_seconds, base, gradient_bytes=grads,
-                weight_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes),
-                gathered_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True))
-            fast = once(group, intra)
-            # HSDP: gathered and reduce-scattered inside the node, the shard's gradients all-reduced across nodes.
-            slow = once(group_shards, intra) + inter.allreduce_seconds(grads / group_shards, group // group_shards) \
-                if group_hsdp else once(group, group_ring)
+            held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=nbytes)
+            grads = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
+            fast, slow = (_allreduce(grads, edp, on, bucket_cap_mb) for on in (intra, edp_ring))
         else:
-            fast, slow = (_allreduce(grads, group, on, bucket_cap_mb) for on in (intra, group_ring))
+            held, fast, slow = _dense_state(
+                precision, optimizer_states, elements=elements, nbytes=nbytes, dp=dp, base=base, zero3=zero3,
+                sharded=sharded, shards=shards, hsdp=hsdp, links=(intra, inter, ring), bucket_cap_mb=bucket_cap_mb)
         if len(blocks) == 1:
             static[blocks[0]] += held
             allreduce[blocks[0]] += fast
@@ -634,7 +618,7 @@ def formulate(
         times = [t + f + b for t, f, b in zip(times, *added, strict=True)]
     if zero3:
         z = zero3_costs(graph, dp=dp, spec=spec, precision=precision, gpus_per_node=gpus_per_node, span=span,
-                        unit=zero3_unit)
+                        unit=zero3_unit, ep=ep)
         times = [t + f + b for t, f, b in zip(times, z.forward_s, z.backward_s, strict=True)]
         optional["action_s"] = graph.action_s + z.first_gather_s  # every F and B waits for its first unit
         if memory_limit is not None:
@@ -655,6 +639,31 @@ def formulate(
 
 
 _PROBLEM_FIELDS = frozenset(f.name for f in dataclasses.fields(PartitionProblem))
+
+
+def _dense_state(precision: str, optimizer_states: int, *, elements: float, nbytes: float, dp: int, base: str,
+                 zero3: bool, sharded: bool, shards: int, hsdp: bool, links: tuple[Link, Link, Link],
+                 bucket_cap_mb: float) -> tuple[float, float, float]:
+    """(bytes held, collective seconds inside a node, across nodes) of one parameter under the stage's mode."""
+    intra, inter, ring = links
+    held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=nbytes)
+    grads = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
+    if zero3:  # everything sharded; its collectives are per micro-batch (zero3_costs)
+        return shard_state_bytes(precision, optimizer_states, "full", shards, elements=elements,
+                                 model_bytes=nbytes), 0.0, 0.0
+    if not sharded:
+        fast, slow = (_allreduce(grads, dp, on, bucket_cap_mb) for on in (intra, ring))
+        return held, fast, slow
+    held = shard_state_bytes(precision, optimizer_states, base, shards, elements=elements, model_bytes=nbytes)
+    if base == "full":
+        held += gathered_bytes(precision, elements=elements, model_bytes=nbytes)
+    once = functools.partial(
+        shard_step_seconds, base, gradient_bytes=grads,
+        weight_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes),
+        gathered_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True))
+    # HSDP: gathered and reduce-scattered inside the node, the shard's gradients all-reduced across nodes.
+    slow = once(shards, intra) + inter.allreduce_seconds(grads / shards, dp // shards) if hsdp else once(dp, ring)
+    return held, once(dp, intra), slow
 
 
 def expert_seconds(graph: GraphCosts, *, dp: int, ep: int, imbalance: float, precision: str, spec: DeviceSpec,
@@ -738,7 +747,7 @@ def _kept_per_graph(function: Callable[..., _Costs]) -> Callable[..., _Costs]:
 @_kept_per_graph
 def zero3_costs(
     graph: GraphCosts, *, dp: int, spec: DeviceSpec, precision: str, gpus_per_node: int | None,
-    span: str = "world", unit: str = "layer",
+    span: str = "world", unit: str = "layer", ep: int = 1,
 ) -> Zero3Costs:
     """ZeRO-3's exposed collectives and transient memory for ``graph`` on ``dp`` replicas (see :class:`Zero3Costs`).
 
@@ -759,6 +768,11 @@ def zero3_costs(
     """
     if unit not in ZERO3_UNITS:
         raise ValueError(f"unit is {unit!r}, expected one of {', '.join(ZERO3_UNITS)}")
+    if ep > 1 and graph.expert_parameters:  # the experts stay whole on their members: FSDP2 gathers none of them
+        graph = dataclasses.replace(
+            graph, parameter_bytes={k: v for k, v in graph.parameter_bytes.items() if k not in graph.expert_parameters},
+            block_parameters=tuple(tuple(p for p in ps if p not in graph.expert_parameters)
+                                   for ps in graph.block_parameters))
     shards = shard_degree("full", dp, gpus_per_node, span=span)
     crosses = gpus_per_node is not None and (dp > gpus_per_node or gpus_per_node % dp != 0)
     hsdp = shards < dp
