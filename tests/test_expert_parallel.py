@@ -123,8 +123,10 @@ def test_stacked_mixtral_experts_match_the_whole_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "recompute"), [("1f1b", "none"), ("zb-h1", "none"), ("1f1b", "full"),
-                                                     ("zb-h1", "full")])
+@pytest.mark.parametrize(("schedule", "recompute"), [
+    ("1f1b", "none"), ("zb-h1", "full"),
+    pytest.param("zb-h1", "none", marks=pytest.mark.exhaustive),  # the rest of the grid: the exhaustive tier
+    pytest.param("1f1b", "full", marks=pytest.mark.exhaustive)])
 def test_pipeline_and_expert_parallel(tmp_path: Path, schedule: str, recompute: str) -> None:
     """pp 2 x dp 2, ep 2: each stage's replicas exchange tokens; zb-h1 splits the backward into B and W;
     recompute "full" runs the exchanges again in the backward."""
@@ -135,7 +137,7 @@ def test_pipeline_and_expert_parallel(tmp_path: Path, schedule: str, recompute: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+@pytest.mark.parametrize("schedule", [pytest.param("interleaved-1f1b", marks=pytest.mark.exhaustive), "zbv"])
 def test_two_stages_per_rank_and_expert_parallel(tmp_path: Path, schedule: str) -> None:
     plan = _ep_plan(USER_MOE_DEEP, tmp_path, ep=2, pp=2, dp=2, microbatches=4, schedule=schedule,
                     chunks=2 if schedule == "interleaved-1f1b" else None)
@@ -208,7 +210,7 @@ def _check_clip_and_state(tmp_path: Path, plan: Plan) -> None:
         assert set(record["state"]) == set(whole) and all(torch.equal(record["state"][k], whole[k]) for k in whole)
 
 
-@pytest.mark.slow  # 8 ranks: ~20 s
+@pytest.mark.exhaustive  # 8 ranks: ~20 s
 def test_pipeline_tensor_and_expert_parallel(tmp_path: Path) -> None:
     """pp 2 x dp 2 x tp 2, ep 2: each stage's four EP groups (one per tensor-parallel rank and stage)."""
     _ep_plan(USER_MOE, tmp_path, ep=2, pp=2, dp=2, tp=2, microbatches=2, schedule="1f1b")
@@ -216,7 +218,7 @@ def test_pipeline_tensor_and_expert_parallel(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # Hugging Face Mixtral: ~15-50 s
-@pytest.mark.parametrize("shard", ["none", "full"])
+@pytest.mark.parametrize("shard", ["none", pytest.param("full", marks=pytest.mark.exhaustive)])
 def test_tensor_and_expert_parallel_mixtral(tmp_path: Path, shard: str) -> None:
     """tp 2 x dp 2, ep 2: attention split by heads under sequence parallelism, the stacked experts not split;
     shard "full": FSDP2 over the replicas shards the tensor-parallel dense parameters again, not the experts."""
@@ -227,8 +229,10 @@ def test_tensor_and_expert_parallel_mixtral(tmp_path: Path, shard: str) -> None:
 
 
 @pytest.mark.slow  # Hugging Face models: ~25-40 s each
-@pytest.mark.parametrize("spec", [QWEN3_MOE, DEEPSEEK_V3], ids=["qwen3_moe", "deepseek_v3"])
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize(("spec", "dp"), [
+    pytest.param(QWEN3_MOE, 2, id="2-qwen3_moe"), pytest.param(DEEPSEEK_V3, 4, id="4-deepseek_v3"),
+    pytest.param(QWEN3_MOE, 4, id="4-qwen3_moe", marks=pytest.mark.exhaustive),
+    pytest.param(DEEPSEEK_V3, 2, id="2-deepseek_v3", marks=pytest.mark.exhaustive)])
 def test_hf_moe_examples_over_replicas(tmp_path: Path, spec: str, dp: int) -> None:
     """ep = dp: one EP group of every replica, each holding 8 / dp experts of every layer (DeepSeek-V3: its
     shared expert and sigmoid gating outside the experts module, its first layer dense)."""
@@ -238,8 +242,13 @@ def test_hf_moe_examples_over_replicas(tmp_path: Path, spec: str, dp: int) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [QWEN3_MOE, DEEPSEEK_V3], ids=["qwen3_moe", "deepseek_v3"])
-@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", None), ("interleaved-1f1b", 2), ("zbv", None)])
+@pytest.mark.parametrize(("spec", "schedule", "chunks"), [
+    pytest.param(QWEN3_MOE, "interleaved-1f1b", 2, id="interleaved-1f1b-2-qwen3_moe"),
+    pytest.param(QWEN3_MOE, "zbv", None, id="zbv-None-qwen3_moe"),
+    *(pytest.param(spec, schedule, chunks, id=f"{schedule}-{chunks}-{name}", marks=pytest.mark.exhaustive)
+      for spec, name in ((QWEN3_MOE, "qwen3_moe"), (DEEPSEEK_V3, "deepseek_v3"))
+      for schedule, chunks in (("1f1b", None), ("interleaved-1f1b", 2), ("zbv", None))
+      if (name, schedule) not in (("qwen3_moe", "interleaved-1f1b"), ("qwen3_moe", "zbv")))])
 def test_hf_moe_examples_in_a_pipeline(tmp_path: Path, spec: str, schedule: str, chunks: int | None) -> None:
     """pp 2 x dp 2, ep 2; two stages per rank under interleaved-1f1b and zbv."""
     microbatches = 2 if chunks is None and schedule == "1f1b" else 4
@@ -303,7 +312,7 @@ def _check_resumed(records: list[dict[str, Any]], want: dict[str, Any], what: st
         assert record["next_loss"] == pytest.approx(want["next_loss"], abs=TOLERANCE), (what, rank)
 
 
-@pytest.mark.parametrize("spec", [USER_MOE, pytest.param(QWEN3_MOE, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("spec", [USER_MOE, pytest.param(QWEN3_MOE, marks=pytest.mark.exhaustive)])
 def test_checkpoints_resume_under_another_ep(tmp_path: Path, spec: str) -> None:
     """Saved under ep 2, resumed under ep 1 (which saves again), that resumed under ep 2, under ep 2 with ZeRO-1
     (which saves again, resumed under ep 1), and the first under ep 4, ep 2 with FSDP2 and tp 2 x ep 2; saved
@@ -372,7 +381,8 @@ def test_torch_engine_with_expert_parallel(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b", "zbv"])
+@pytest.mark.parametrize("schedule", ["1f1b", *(pytest.param(k, marks=pytest.mark.exhaustive)
+                                              for k in ("zb-h1", "interleaved-1f1b", "zbv"))])
 def test_torch_engine_pipeline_and_expert_parallel(tmp_path: Path, schedule: str) -> None:
     """pp 2 x dp 2, ep 2 under torch's schedules (two stages per rank for interleaved-1f1b and zbv)."""
     two = schedule in ("interleaved-1f1b", "zbv")

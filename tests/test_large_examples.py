@@ -268,7 +268,7 @@ def test_tiny_deepseek_v3_plans_on_meta() -> None:
         ("model.layers.1.mlp.experts", 8, 2), ("model.layers.2.mlp.experts", 8, 2)]  # layer 0 is dense
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # ~20 s: the tiny DeepSeek-V3 on meta covers the same capture path
 def test_deepseek_v3_671b_captures_on_meta() -> None:
     """About 25 s: the 671B shape exports on meta at one sample, its values propagate and 58 layers of 256
     experts (top 8) are found."""

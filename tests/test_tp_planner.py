@@ -139,9 +139,15 @@ def test_tp_auto_searches_the_degrees_and_keeps_the_fastest() -> None:
     said: list[str] = []
     plan = compile(gpt.build_model(), gpt.example_inputs(16), gpus=8, tp="auto", microbatches="auto",
                    schedule="1f1b", device="h100", status=said.append)
-    tried = [m for m in said if m.startswith("tensor parallel ") and "best step" in m]
-    assert len(tried) == 4, said  # the MLPs' 256 units on 8 GPUs per node: 1, 2, 4, 8 (attention whole: issue 29)
+    # The MLPs' 256 units on 8 GPUs per node: 1, 2, 4, 8 (attention whole: issue 29).  Each degree is searched;
+    # one whose best closed form loses by more than the margin to the best plan so far is not simulated.
+    searched = [m for m in said if m.startswith("tensor parallel ") and "searching" in m]
+    simulated = [m for m in said if m.startswith("tensor parallel ") and "best step" in m]
+    skipped = [m for m in said if m.startswith("tensor parallel ") and "not simulated" in m]
+    assert len(searched) == 4 and len(simulated) + len(skipped) == 4 and simulated, said
+    best = min(float(m.split("best step ")[1].split()[0]) for m in simulated)
     assert plan.tp in (1, 2, 4, 8) and plan.gpus == 8
+    assert plan.predicted.step_s * 1e6 == pytest.approx(best, rel=0.01)  # µs, as printed
 
 
 def test_bad_degrees_are_refused_with_what_works() -> None:
