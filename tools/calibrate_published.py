@@ -249,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated run names (prefixes)")
     parser.add_argument("--iterations", type=int, default=2, help="Gauss-Newton steps of --fit (default 2)")
     args = parser.parse_args(argv)
-    runs = [r for r in RUNS if r.role != "fp8" and r.name in CALIBRATION_RUNS
+    runs = [r for r in RUNS if not r.fp8 and r.name in CALIBRATION_RUNS
             and (not args.only or any(r.name.startswith(o) for o in args.only.split(",")))]
     if not runs:
-        parser.error(f"--only {args.only!r} names no bf16 run; runs: {', '.join(r.name for r in RUNS if r.role != 'fp8')}")
+        parser.error(f"--only {args.only!r} names no bf16 run; runs: {', '.join(r.name for r in RUNS if not r.fp8)}")
     models: dict[str, Any] = {}
     params = {**current_parameters(), **args.set}
     if args.fit:

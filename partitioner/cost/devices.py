@@ -191,8 +191,18 @@ class DeviceSpec:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
 
     def efficiency_of(self, op_class: str) -> float:
-        """The share of the peak (FLOPs or bandwidth) an op of ``op_class`` reaches; 1.0 unless calibrated."""
-        return dict(self.efficiency).get(op_class, 1.0)
+        """The share of the peak (FLOPs or bandwidth) an op of ``op_class`` reaches; 1.0 unless calibrated.
+
+        ``fp8-matmul`` falls back to ``matmul`` where the device gives no share of its own.
+
+        >>> spec = dataclasses.replace(DEVICES["cpu"], efficiency=(("matmul", 0.5),))
+        >>> spec.efficiency_of("fp8-matmul"), spec.efficiency_of("attention")
+        (0.5, 1.0)
+        """
+        shares = dict(self.efficiency)
+        if op_class == "fp8-matmul" and op_class not in shares:
+            op_class = "matmul"
+        return shares.get(op_class, 1.0)
 
 
 def _gpu(
