@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from partitioner.cost.devices import DEVICES, device_spec
-from partitioner.cost.precision import FP8_RECIPES, fp8_peak
 from partitioner.cost.nodecost import NodeCost
 from partitioner.cost.nodes import profile
+from partitioner.cost.precision import FP8_RECIPES, fp8_peak
 from partitioner.graph.capture import capture
 from partitioner.graph.tensorparallel import find_tensor_parallel
 from partitioner.graph.values import propagate_values
