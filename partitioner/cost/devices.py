@@ -167,7 +167,7 @@ A100_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 0.647), ("attention
 # Blackwell: fitted to 3 of its 12 priced runs (Megatron-Bridge's dense Llama 3 FP8 rows; the other 7 dense FP8
 # rows and the 2 bf16 GPT OSS rows held out), all FP8: one matmul share for FP8 and bf16 matmuls alike.
 BLACKWELL_RUNS = ("8b-8-bridge-gb200-fp8cs", "70b-64-bridge-gb200-mxfp8", "405b-128-bridge-b200-fp8cs")
-BLACKWELL_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 1.0), ("attention", 1.0), ("memory", 1.0))
+BLACKWELL_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 0.533), ("attention", 0.933), ("memory", 1.0))
 # The 500 W Grand Teton H100's tensor-core peak over the SXM datasheet's, in [835 / 989, 1] (see above):
 # the fit runs into the lower end, the H100 NVL's 835 TFLOP/s, so that is what it is.
 H100_500W_PEAK_SHARE = 835e12 / 989e12
