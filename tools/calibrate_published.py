@@ -36,8 +36,8 @@ FlashAttention's published utilisation; the memory-bound efficiency stays at 1.0
 ``partitioner/cost/devices.py`` (``H100_EFFICIENCY``, ``H100_500W_PEAK_SHARE``).
 
 Model TFLOP/s (the Llama 3 paper's unit) are compared each by its own FLOP count.
-FP8 runs (Megatron-Bridge, torchtitan's Float8) are not priced here: the cost model
-has no FP8; ``tools/bench_large.py --published`` prices their layouts.
+FP8 runs (Megatron-Bridge, torchtitan's Float8) are not priced here (bf16 only):
+``tools/validate_published.py`` prices them at ``--precision fp8``.
 """
 
 from __future__ import annotations
