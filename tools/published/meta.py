@@ -25,7 +25,7 @@ Sources (checked 2026-12-02; the two compiled torchtitan rows 2026-12-03):
 
 >>> [r.name for r in META if not r.fp8][:2]
 ['8b-8-torchtitan', '8b-128-torchtitan']
->>> sorted({r.fp8_recipe for r in META if r.fp8})
+>>> sorted({r.fp8_recipe for r in META + BRIDGE_DENSE_FP8 if r.fp8})
 ['mxfp8', 'tensorwise']
 """
 
