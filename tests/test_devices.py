@@ -63,7 +63,8 @@ def test_the_devices_of_2026_carry_their_datasheet_numbers(name: str) -> None:
     name if name in ("b200", "mi300x", "l40s") else pytest.param(name, marks=pytest.mark.exhaustive)
     for name in sorted(NEW_DEVICES)])
 def test_each_device_of_2026_plans_a_small_gpt(name: str) -> None:
-    """examples/gpt.py on 8 of them, priced at the bare roofline, its report saying no run calibrates it."""
+    """examples/gpt.py on 8 of them; the report names what calibrates the device: Blackwell's FP8 runs, or none
+    (the bare roofline)."""
     from partitioner.modelfile import load_model_file
     from partitioner.report.table import device_summary
     from partitioner.search.planner import compile
@@ -73,7 +74,10 @@ def test_each_device_of_2026_plans_a_small_gpt(name: str) -> None:
                    precision="bf16-mixed", time_limit=5.0)
     assert plan.device == name and plan.predicted.step_s > 0
     assert plan.cost_model.peak_flops == pytest.approx(DEVICES[name].peak("bfloat16"))
-    assert "no published run calibrates it" in device_summary(plan)
+    if DEVICES[name].calibrated_by:  # Blackwell: fitted to published FP8 runs (tools/published)
+        assert "fitted to 3 published runs" in device_summary(plan) and "405b-128-bridge-b200-fp8cs" in device_summary(plan)
+    else:
+        assert "no published run calibrates it" in device_summary(plan)
 
 
 def test_the_cli_offers_every_named_device() -> None:

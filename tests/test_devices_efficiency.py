@@ -9,6 +9,8 @@ import pytest
 from partitioner.cost.devices import (
     A100_EFFICIENCY,
     AMPERE_RUNS,
+    BLACKWELL_EFFICIENCY,
+    BLACKWELL_RUNS,
     DEVICES,
     H100_500W_PEAK_SHARE,
     H100_EFFICIENCY,
@@ -36,6 +38,20 @@ def test_each_class_scales_only_its_own_ops() -> None:
     assert [op_class(c) for c in (MATMUL, ATTENTION)] == ["matmul", "attention"]
 
 
+def test_fp8_matmuls_take_their_own_share_or_the_matmul_one() -> None:
+    """Under --precision fp8 a linear layer's matmul is priced at the FP8 peak times ``fp8-matmul``'s share, and
+    at ``matmul``'s where the device gives none; bf16 matmuls never take the FP8 share."""
+    fp8 = dataclasses.replace(MATMUL, dtype="float8_e4m3fn")
+    assert op_class(fp8) == "fp8-matmul"
+    bare = dataclasses.replace(DEVICES["h100"], efficiency=())
+    base = predicted_times(fp8, bare)[0] - bare.kernel_overhead
+    for efficiency, share in (((("matmul", 0.5),), 0.5), ((("matmul", 0.5), ("fp8-matmul", 0.25)), 0.25)):
+        spec = dataclasses.replace(bare, efficiency=efficiency)
+        assert predicted_times(fp8, spec)[0] - spec.kernel_overhead == pytest.approx(base / share)
+        assert predicted_times(MATMUL, spec)[0] - spec.kernel_overhead == pytest.approx(
+            (predicted_times(MATMUL, bare)[0] - bare.kernel_overhead) / 0.5)
+
+
 def test_measured_times_ignore_the_efficiencies() -> None:
     measured = {"mm": dataclasses.replace(MATMUL, forward_s=0.25, backward_s=0.5)}
     assert node_times(measured, DEVICES["h100"], measure=True) == {"mm": (0.25, 0.5)}
@@ -47,32 +63,36 @@ def test_each_generation_carries_its_fitted_efficiencies_and_names_the_runs() ->
     from tools.published import RUNS
 
     for efficiency, runs, names in ((H100_EFFICIENCY, HOPPER_RUNS, ("h100", "h100-500w", "h200")),
-                                    (A100_EFFICIENCY, AMPERE_RUNS, ("a100", "a100-40gb", "a100-opa"))):
-        assert {k for k, _ in efficiency} == set(OP_CLASSES)
+                                    (A100_EFFICIENCY, AMPERE_RUNS, ("a100", "a100-40gb", "a100-opa")),
+                                    (BLACKWELL_EFFICIENCY, BLACKWELL_RUNS, ("b200", "gb200", "b300"))):
+        # Every class but fp8-matmul, which falls back to matmul where not fitted apart.
+        assert set(OP_CLASSES) - {"fp8-matmul"} <= {k for k, _ in efficiency} <= set(OP_CLASSES)
         for name in names:
             assert DEVICES[name].efficiency == efficiency and DEVICES[name].calibrated_by == runs
         generation = {r.name: r for r in RUNS}
         assert all(generation[r].role == "fit" and generation[r].device in names for r in runs)
-        priced = [r for r in RUNS if r.device in names and r.precision != "fp8"]
+        priced = [r for r in RUNS if r.device in names and not r.unpriced]
         assert 3 * len(runs) <= len(priced), (len(runs), len(priced))
+    # Blackwell's only dense runs are FP8 (Megatron-Bridge): its shares are fitted to FP8 runs.
+    assert all(r.fp8 for r in RUNS if r.name in BLACKWELL_RUNS)
     assert all(DEVICES["cpu"].efficiency_of(c) == 1.0 for c in OP_CLASSES) and not DEVICES["cpu"].calibrated_by
 
 
 def test_every_other_gpu_is_the_bare_roofline_and_says_so() -> None:
-    """The accelerators no published run calibrates (Blackwell, AMD Instinct, L40S): no efficiencies, no runs named,
-    none borrowed from Hopper or Ampere, and a report that says so; no run on them is fitted (held out at most)."""
+    """The accelerators no published run calibrates (AMD Instinct, L40S): no efficiencies, no runs named,
+    none borrowed from Hopper, Ampere or Blackwell, and a report that says so; no run on them is fitted."""
     from partitioner.plan import example_plan
     from partitioner.report.table import device_summary
     from tools.published import GENERATIONS, RUNS
 
-    fitted = {"a100", "a100-40gb", "a100-opa", "h100", "h100-500w", "h200", "h800", "cpu"}
+    fitted = {"a100", "a100-40gb", "a100-opa", "h100", "h100-500w", "h200", "h800", "b200", "gb200", "b300", "cpu"}
     others = sorted(set(DEVICES) - fitted)
-    assert {"b200", "gb200", "b300", "mi300x", "mi325x", "mi355x", "l40s"} <= set(others)
+    assert {"mi300x", "mi325x", "mi355x", "l40s"} <= set(others)
     for name in others:
         spec = DEVICES[name]
         assert spec.efficiency == () and spec.calibrated_by == (), name
         assert all(spec.efficiency_of(c) == 1.0 for c in OP_CLASSES)
-        assert GENERATIONS.get(name) not in ("ampere", "hopper")
+        assert GENERATIONS.get(name) not in ("ampere", "hopper", "blackwell")
         assert not any(r.device == name and r.role == "fit" for r in RUNS)
         plan = example_plan()
         plan = dataclasses.replace(plan, device=name, cost_model=dataclasses.replace(

@@ -66,7 +66,7 @@ def test_each_moe_run_says_where_it_comes_from_and_what_it_counts(run: Published
     assert run.counting and run.framework and run.device in GENERATIONS and device_spec(run.device).name == run.device
     assert run.shape is not None and run.shape.seq == run.seq == 4096
     # FP8 listed, not priced; everything else held out: never fitted, nor calibrated to.
-    assert run.role == ("fp8" if run.precision == "fp8" else "held-out")
+    assert run.role == "held-out" and bool(run.unpriced) == run.fp8  # FP8 MoE: listed, not priced
     assert run.name not in CALIBRATION_RUNS
     assert run.batch == run.layout["dp"] * run.micro_batch * run.microbatches
 
@@ -78,7 +78,7 @@ def test_moe_sources_are_registered() -> None:
     priced = [r for r in MOE if r.role == "held-out"]
     assert {r.generation for r in priced} == {"hopper", "blackwell"} and len(priced) >= 8
     # Every FP8 MoE row of the 25.11 tables with a device of ours (GB300 has none), and DeepSeek's own run.
-    fp8 = {r.name for r in MOE if r.role == "fp8"}
+    fp8 = {r.name for r in MOE if r.unpriced}
     assert len(fp8) == 9 and "deepseek-v3-2048-h800-fp8" in fp8
 
 
@@ -144,7 +144,15 @@ def test_validate_passes_ep_and_the_nvlink_domain(monkeypatch: pytest.MonkeyPatc
     folded = run_named("qwen3-235b-64-bridge-gb200-fp8")
     assert (Layout(gpus=64, **folded.layout).tp, Layout(gpus=64, **folded.layout).ep) == (2, 32)
     fp8 = validate._task((run_named("deepseek-v3-2048-h800-fp8"), None))
-    assert not fp8["priced"] and fp8["why"] == "FP8: not priced"
+    assert not fp8["priced"] and fp8["why"].startswith("FP8 MoE: listed, not priced")
+    # A dense FP8 run: priced at --precision fp8 with its recipe, on trays of 4 in its NVLink domain.
+    validate.price_run(run_named("70b-64-bridge-gb200-mxfp8"))
+    _, kwargs = seen[-1]
+    assert (kwargs["precision"], kwargs["fp8_recipe"], kwargs["gpus_per_node"], kwargs["nvlink_domain"]) == (
+        "fp8", "mxfp8", 4, 64)
+    validate.price_run(run_named("70b-64-megatron"))
+    assert (seen[-1][1]["precision"], seen[-1][1]["fp8_recipe"]) == ("fp8", "tensorwise")
+    assert seen[-3][1]["precision"] == "bf16-mixed" and "fp8_recipe" not in seen[-3][1]
 
 
 def test_a_pair_predicted_alike_is_not_ordered_right() -> None:

@@ -18,6 +18,7 @@ import torch
 from partitioner.cost.devices import DEVICES, device_spec
 from partitioner.cost.nodecost import NodeCost
 from partitioner.cost.nodes import profile
+from partitioner.cost.precision import FP8_RECIPES, fp8_peak
 from partitioner.graph.capture import capture
 from partitioner.graph.tensorparallel import find_tensor_parallel
 from partitioner.graph.values import propagate_values
@@ -54,7 +55,10 @@ def test_each_run_is_a_consistent_layout(run: object) -> None:
     assert device_spec(run.device).name == run.device
     assert run.counts in COUNTS and run.unit == COUNTS[run.counts] and run.figure > 0
     assert run.source and run.counting and run.framework  # where it comes from and exactly what it counts
-    assert (run.role == "fp8") == (run.precision == "fp8")  # FP8 is not priced by the cost model: never fitted
+    assert run.role in ("fit", "held-out") and not (run.unpriced and run.role == "fit")  # a listed run is not fitted
+    # An FP8 run names its scaling, one the device has (MXFP8: Blackwell only); a bf16 run none.
+    assert bool(run.fp8_recipe) == run.fp8 and (not run.fp8 or run.fp8_recipe in FP8_RECIPES)
+    assert not run.fp8 or fp8_peak(device_spec(run.device).peak_flops, run.fp8_recipe) is not None
     assert run.precision in ("bf16", "fp16", "fp8") and run.device in GENERATIONS
     assert run.checkpointing in ("none", "selective", "full", "auto")
     if run.checkpointing in ("none", "full"):
@@ -85,12 +89,18 @@ def test_fit_and_held_out_runs_both_exist() -> None:
 
 
 def test_the_set_is_large_varied_and_mostly_held_out() -> None:
-    priced = [r for r in RUNS if r.precision != "fp8"]
+    priced = [r for r in RUNS if not r.unpriced]
     assert len(RUNS) >= 40 and len({r.name for r in RUNS}) == len(RUNS)
-    assert sum(any(r.precision != "fp8" for r in runs) for runs in SOURCES.values()) >= 4
-    assert {r.generation for r in priced} >= {"ampere", "hopper"}
+    assert sum(any(not r.unpriced for r in runs) for runs in SOURCES.values()) >= 4
+    assert {r.generation for r in priced} >= {"ampere", "hopper", "blackwell"}
     fit = [r for r in priced if r.role == "fit"]
     assert 3 * len(fit) <= len(priced)  # at most a third fitted
+    for generation in ("ampere", "hopper", "blackwell"):  # and at most a third of each generation's
+        assert 3 * sum(r.generation == generation for r in fit) <= sum(r.generation == generation for r in priced)
+    # FP8: priced on H100 and Blackwell, mostly held out (Blackwell's fit runs are FP8: its only dense runs).
+    fp8 = [r for r in priced if r.fp8]
+    assert {r.generation for r in fp8} == {"hopper", "blackwell"} and 3 * sum(r.role == "fit" for r in fp8) <= len(fp8)
+    assert {r.fp8_recipe for r in fp8} == {"tensorwise", "mxfp8"}
     for generation in ("ampere", "hopper"):  # a few per generation, of more than one layout kind
         mine = [r for r in fit if r.generation == generation]
         assert len(mine) >= 3 and len({(r.layout["pp"] > 1, r.layout["shard"]) for r in mine}) >= 2
@@ -188,8 +198,8 @@ def test_validate_prices_a_small_run(tmp_path: Path) -> None:
     assert validate.main(["--only", "megatron2021-t1-1.7b", "--jobs", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert [r["run"] for r in data["rows"]] == ["megatron2021-t1-1.7b"] and data["summary"]["fit"]["all"]["runs"] == 1
-    fp8 = validate._task((run_named("70b-64-megatron"), None))
-    assert not fp8["priced"] and fp8["why"] == "FP8: not priced"
+    listed = validate._task((run_named("deepseek-v3-2048-h800-fp8"), None))  # FP8 MoE: listed, not priced
+    assert not listed["priced"] and listed["why"].startswith("FP8 MoE: listed, not priced") and listed["fp8"]
 
 
 def test_bench_large_prices_the_same_layouts() -> None:
@@ -199,6 +209,9 @@ def test_bench_large_prices_the_same_layouts() -> None:
         assert {k: v for k, v in layout.items() if k != "source"} == run.layout
         assert (group.gpus, group.batch, group.seq, group.spec) == (run.gpus, run.batch, run.seq, run.spec)
         assert layout["source"] == run.cite()
+        # A published FP8 run's layout is priced at --precision fp8 with its recipe, a bf16 one at bf16-mixed.
+        assert (group.precision, group.fp8_recipe) == (("fp8", run.fp8_recipe) if run.fp8 else ("bf16-mixed", ""))
+    assert sum(g.precision == "fp8" for g in PUBLISHED) >= 3
 
 
 def test_calibration_parameters_are_set_and_restored() -> None:

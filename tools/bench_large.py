@@ -61,7 +61,9 @@ Published layouts (``--published``, issue 22): the layouts practitioners chose b
 each priced by our own cost model (``partitioner.search.price.price_layout``: every
 degree fixed, the split solved for it, simulated as any plan) beside the best plan
 ``--tp auto`` finds and today's best (``--tp 1``), at the published GPUs, batch and
-sequence length, bf16-mixed with Adam on 80 GB H100s (a layout that does not fit is
+sequence length, bf16-mixed with Adam on 80 GB H100s, or at ``--precision fp8`` with the
+run's FP8 recipe where the run trained in FP8 (Megatron-Bridge's FP8-CS, torchtitan's Float8:
+``tensorwise``; the searches beside it alike) (a layout that does not fit is
 priced without the limit and marked).  What is priced (:data:`PUBLISHED`, from
 ``tools/published_runs.py``, which also holds each published figure):
 
@@ -191,6 +193,8 @@ class PublishedGroup:
     layouts: tuple[dict[str, Any], ...]  # partitioner.search.price.Layout keywords
     note: str = ""
     search_tp: bool = True  # also plan it ourselves with --tp auto and --tp 1 (the larger ones take minutes)
+    precision: str = "bf16-mixed"  # the run's: "fp8" for a published FP8 run (searches priced alike)
+    fp8_recipe: str = ""  # its FP8 scaling (tools/published: PublishedRun.fp8_recipe)
 
 
 # The layouts are tools/published_runs.py's (one list for this tool and tools/calibrate_published.py).
@@ -205,7 +209,8 @@ _PUBLISHED_HERE: tuple[tuple[str, str, bool], ...] = (  # (run, note, search_tp)
 )
 PUBLISHED: tuple[PublishedGroup, ...] = tuple(
     PublishedGroup(run.name, run.spec, run.gpus, run.batch, run.seq, ({**run.layout, "source": run.cite()},),
-                   note=note, search_tp=search_tp)
+                   note=note, search_tp=search_tp, precision="fp8" if run.fp8 else "bf16-mixed",
+                   fp8_recipe=run.fp8_recipe)
     for run, note, search_tp in ((run_named(name), note, search_tp) for name, note, search_tp in _PUBLISHED_HERE))
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)")
@@ -614,8 +619,10 @@ def run_published_child(group: PublishedGroup) -> dict[str, Any]:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     model = load_model_file(str(ROOT / group.spec)).build()
     inputs = (torch.zeros(group.batch, group.seq, dtype=torch.long),)
-    common: dict[str, Any] = {"device": "h100", "precision": "bf16-mixed", "optimizer": "adam",
-                                  "gpus_per_node": min(8, group.gpus)}
+    common: dict[str, Any] = {"device": "h100", "precision": group.precision, "optimizer": "adam",
+                              "gpus_per_node": min(8, group.gpus)}
+    if group.fp8_recipe:  # a published FP8 run: its layout and our searches priced at --precision fp8
+        common["fp8_recipe"] = group.fp8_recipe
     rows: list[dict[str, Any]] = []
 
     def say(message: str) -> None:

@@ -36,8 +36,8 @@ FlashAttention's published utilisation; the memory-bound efficiency stays at 1.0
 ``partitioner/cost/devices.py`` (``H100_EFFICIENCY``, ``H100_500W_PEAK_SHARE``).
 
 Model TFLOP/s (the Llama 3 paper's unit) are compared each by its own FLOP count.
-FP8 runs (Megatron-Bridge, torchtitan's Float8) are not priced here: the cost model
-has no FP8; ``tools/bench_large.py --published`` prices their layouts.
+FP8 runs (Megatron-Bridge, torchtitan's Float8) are not priced here (bf16 only):
+``tools/validate_published.py`` prices them at ``--precision fp8``.
 """
 
 from __future__ import annotations
@@ -249,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated run names (prefixes)")
     parser.add_argument("--iterations", type=int, default=2, help="Gauss-Newton steps of --fit (default 2)")
     args = parser.parse_args(argv)
-    runs = [r for r in RUNS if r.role != "fp8" and r.name in CALIBRATION_RUNS
+    runs = [r for r in RUNS if not r.fp8 and r.name in CALIBRATION_RUNS
             and (not args.only or any(r.name.startswith(o) for o in args.only.split(",")))]
     if not runs:
-        parser.error(f"--only {args.only!r} names no bf16 run; runs: {', '.join(r.name for r in RUNS if r.role != 'fp8')}")
+        parser.error(f"--only {args.only!r} names no bf16 run; runs: {', '.join(r.name for r in RUNS if not r.fp8)}")
     models: dict[str, Any] = {}
     params = {**current_parameters(), **args.set}
     if args.fit:

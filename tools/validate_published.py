@@ -12,7 +12,8 @@ Each run of ``tools/published`` (layout as published, on the machine it ran on) 
 plan) and its predicted step turned into the run's own figure by the run's own counting rule
 (:func:`tools.published.figure_from_step`: Megatron's Eq. 3 TFLOP/s with the predicted step,
 MFU by the model FLOPs the source counts, tokens/s per GPU, seconds per iteration).  FP8 runs
-are listed, not priced (the cost model has no FP8).
+are priced at ``--precision fp8`` with their recipe (``PublishedRun.fp8_recipe``), fit or held
+out like the others; runs with ``unpriced`` set (FP8 mixture of experts) are listed, not priced.
 
 How a run is priced:
 
@@ -41,7 +42,9 @@ is ordered as measured (pairs measured within 2% of each other are ties, not sco
 attention efficiencies (``DeviceSpec.efficiency``) that minimise the worst |log error| of its
 "fit" runs (finite differences, then a minimax step, :func:`tools.calibrate_published._minimax`,
 re-priced), then every run priced at them; the values are printed for ``devices.py``, not
-written there.  ``--jobs N`` prices N runs at a time (processes; 2 on this 2-core machine).
+written there.  ``--params`` picks what is fitted (default ``matmul,attention``; ``fp8-matmul``:
+the FP8 matmuls' own share, fitted to the FP8 fit runs ``--only`` selects), ``--generations``
+which generations.  ``--jobs N`` prices N runs at a time (processes; 2 on this 2-core machine).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ __all__ = [
 ]
 
 FITTED = ("matmul", "attention")  # fitted per GPU generation (memory-bound ops stay at the datasheet)
-BOUNDS: dict[str, tuple[float, float]] = {"matmul": (0.2, 1.0), "attention": (0.1, 1.0)}
+BOUNDS: dict[str, tuple[float, float]] = {"matmul": (0.2, 1.0), "attention": (0.1, 1.0), "fp8-matmul": (0.2, 1.0)}
 _TIE = 0.02  # measured within 2%: a tie, not scored
 _SAME = 1e-3  # predicted within 0.1%: no difference predicted, so a measured one is not ordered right
 _models: dict[str, Any] = {}  # spec -> model built on meta (per process)
@@ -120,7 +123,10 @@ def speed_ratio(run: PublishedRun, predicted: float) -> float:
 
 
 def efficiencies() -> dict[str, dict[str, float]]:
-    """Each generation's efficiencies as devices.py has them now (its first device's)."""
+    """Each generation's efficiencies as devices.py has them now (its first device's).
+
+    ``fp8-matmul`` only where the device gives it (elsewhere FP8 matmuls take ``matmul``'s share).
+    """
     from partitioner.cost.devices import DEVICES
 
     out: dict[str, dict[str, float]] = {}
@@ -128,6 +134,8 @@ def efficiencies() -> dict[str, dict[str, float]]:
         if generation not in out and device in DEVICES:
             spec = DEVICES[device]
             out[generation] = {k: spec.efficiency_of(k) for k in (*FITTED, "memory")}
+            if "fp8-matmul" in dict(spec.efficiency):
+                out[generation]["fp8-matmul"] = spec.efficiency_of("fp8-matmul")
     return out
 
 
@@ -210,13 +218,16 @@ def price_run(run: PublishedRun, *, values: dict[str, dict[str, float]] | None =
     span = span_keyword()
     row: dict[str, Any] = {"run": run.name, "gpus": run.gpus, "device": run.device, "generation": run.generation,
                            "layout": run.describe(), "role": run.role, "published": run.figure, "unit": run.unit,
-                           "group": run.group, "source": run.source, "flags": _flags(run, span)}
-    if run.precision == "fp8":
-        return {**row, "priced": False, "why": "FP8: not priced", "wall_s": 0.0}
+                           "group": run.group, "source": run.source, "flags": _flags(run, span), "fp8": run.fp8,
+                           "recipe": run.fp8_recipe}
+    if run.unpriced:
+        return {**row, "priced": False, "why": run.unpriced, "wall_s": 0.0}
     model = _model(run.spec)
     inputs = (torch.zeros(run.batch, run.seq, dtype=torch.long),)
-    common: dict[str, Any] = {"device": run.device, "precision": "bf16-mixed", "optimizer": "adam",
-                              "gpus_per_node": min(run.gpus_per_node, run.gpus)}
+    common: dict[str, Any] = {"device": run.device, "precision": "fp8" if run.fp8 else "bf16-mixed",
+                              "optimizer": "adam", "gpus_per_node": min(run.gpus_per_node, run.gpus)}
+    if run.fp8:
+        common["fp8_recipe"] = run.fp8_recipe
     if run.nvlink_domain:
         common["nvlink_domain"] = run.nvlink_domain
     keywords = dict(run.layout)
@@ -255,7 +266,8 @@ def _task(args: tuple[PublishedRun, dict[str, dict[str, float]] | None]) -> dict
     except Exception as exc:  # noqa: BLE001 - one failing run is a row, not the end of the table
         return {"run": run.name, "gpus": run.gpus, "device": run.device, "generation": run.generation,
                 "layout": run.describe(), "role": run.role, "published": run.figure, "unit": run.unit,
-                "group": run.group, "source": run.source, "flags": [], "priced": False,
+                "group": run.group, "source": run.source, "flags": [], "priced": False, "fp8": run.fp8,
+                "recipe": run.fp8_recipe,
                 "why": f"{type(exc).__name__}: {exc}"[:300], "wall_s": 0.0}
 
 
@@ -302,19 +314,28 @@ def _fmt(value: float, unit: str) -> str:
 def summarise(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Per role and generation: runs, within 15% and 30%, median and worst |error|; fitted within 10%.
 
+    FP8 rows are also scored apart: ``"fp8"`` (all) and ``"fp8 <generation>"``.
+
     >>> rows = [{"run": "a", "priced": True, "role": "held-out", "generation": "ampere", "error": 0.1},
     ...         {"run": "b", "priced": True, "role": "held-out", "generation": "ampere", "error": -0.4},
     ...         {"run": "c", "priced": True, "role": "fit", "generation": "hopper", "error": 0.05}]
     >>> s = summarise(rows)
     >>> s["held-out"]["all"]["within_15"], s["held-out"]["all"]["worst"], s["fit"]["all"]["within_10"]
     (1, ('b', -0.4), 1)
+    >>> summarise([{**rows[0], "fp8": True}])["held-out"]["fp8 ampere"]["runs"]
+    1
     """
     out: dict[str, Any] = {}
     priced = [r for r in rows if r.get("priced")]
+
+    def groups(r: dict[str, Any]) -> set[str]:
+        return {"all", r["generation"], *(("fp8", f"fp8 {r['generation']}") if r.get("fp8") else ())}
+
+    fp8 = sorted({f"fp8 {r['generation']}" for r in priced if r.get("fp8")})
     for role in ("held-out", "fit"):
         out[role] = {}
-        for generation in ("all", *sorted({r["generation"] for r in priced})):
-            sel = [r for r in priced if r["role"] == role and generation in ("all", r["generation"])]
+        for generation in ("all", *sorted({r["generation"] for r in priced}), *(("fp8", *fp8) if fp8 else ())):
+            sel = [r for r in priced if r["role"] == role and generation in groups(r)]
             if not sel:
                 continue
             errors = [abs(r["error"]) for r in sel]
@@ -381,7 +402,7 @@ def _print(runs: list[PublishedRun], rows: list[dict[str, Any]], pairs: list[dic
     for role, by_gen in summary.items():
         for generation, s in by_gen.items():
             share = f"within 10% {s['within_10']}/{s['runs']}, " if role == "fit" else ""
-            print(f"{role:8s} {generation:7s}: {share}within 15% {s['within_15']}/{s['runs']}, within 30% "
+            print(f"{role:8s} {generation:16s}: {share}within 15% {s['within_15']}/{s['runs']}, within 30% "
                   f"{s['within_30']}/{s['runs']}, median |error| {s['median']:.1%}, worst {s['worst'][0]} "
                   f"{s['worst'][1]:+.1%}, predicted faster than measured {s['optimistic']}/{s['runs']}")
     scored = [p for p in pairs if p["agrees"] is not None]
@@ -403,10 +424,13 @@ def _log_speeds(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def _fit_generation(generation: str, runs: list[PublishedRun], start: dict[str, dict[str, float]], *, jobs: int,
-                    iterations: int, say: Callable[[str], None]) -> dict[str, float]:
+                    iterations: int, say: Callable[[str], None], fitted: tuple[str, ...] = FITTED) -> dict[str, float]:
     from tools.calibrate_published import _minimax
 
     params = dict(start[generation])
+    params.setdefault("fp8-matmul", params["matmul"])  # FP8 matmuls start at the bf16 share (their fallback)
+    if "fp8-matmul" not in fitted and "fp8-matmul" not in start[generation]:
+        params.pop("fp8-matmul")  # not fitted apart: FP8 matmuls follow "matmul"
 
     def at(p: dict[str, float]) -> list[dict[str, Any]]:
         say(f"[fit {generation}] " + ", ".join(f"{k}={v:.3f}" for k, v in p.items()))
@@ -422,16 +446,16 @@ def _fit_generation(generation: str, runs: list[PublishedRun], start: dict[str, 
         if max(map(abs, base)) < 0.02:
             break
         columns = []
-        for name in FITTED:
+        for name in fitted:
             step = -0.1 if params[name] * math.exp(-0.1) >= BOUNDS[name][0] else 0.1
             moved = {**params, name: params[name] * math.exp(step)}
             columns.append([(m - b) / step for m, b in zip(_log_speeds(at(moved)), base)])
         jacobian = [[col[i] for col in columns] for i in range(len(runs))]
-        low = [math.log(BOUNDS[n][0] / params[n]) for n in FITTED]
-        high = [math.log(BOUNDS[n][1] / params[n]) for n in FITTED]
+        low = [math.log(BOUNDS[n][0] / params[n]) for n in fitted]
+        high = [math.log(BOUNDS[n][1] / params[n]) for n in fitted]
         delta = _minimax(jacobian, base, low, high)
         params = {**params, **{n: min(BOUNDS[n][1], max(BOUNDS[n][0], params[n] * math.exp(d)))
-                               for n, d in zip(FITTED, delta)}}
+                               for n, d in zip(fitted, delta)}}
         rows = at(params)
     return {k: round(v, 3) for k, v in params.items()}
 
@@ -457,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="write the rows, summary and comparisons here")
     parser.add_argument("--fit", action="store_true", help="fit each generation's efficiencies to its fit runs")
     parser.add_argument("--iterations", type=int, default=1, help="minimax steps of --fit (default 1)")
+    parser.add_argument("--params", default=",".join(FITTED),
+                        help=f"efficiencies --fit fits, comma-separated, of {', '.join(BOUNDS)} (default matmul,attention)")
+    parser.add_argument("--generations", default="", help="comma-separated generations --fit fits (default: every one)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs priced at a time")
     args = parser.parse_args(argv)
     runs = select_runs(only=args.only, role=args.role)
@@ -468,11 +495,17 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     values = efficiencies()
+    fitted = tuple(p for p in args.params.split(",") if p)
+    if unknown := [p for p in fitted if p not in BOUNDS]:
+        parser.error(f"--params {','.join(unknown)}: not fitted; choose from {', '.join(BOUNDS)}")
     if args.fit:
-        for generation in sorted({r.generation for r in runs if r.role == "fit" and r.precision != "fp8"}):
-            fitting = [r for r in runs if r.role == "fit" and r.generation == generation and r.precision != "fp8"]
+        wanted = [g for g in args.generations.split(",") if g]
+        for generation in sorted({r.generation for r in runs if r.role == "fit" and not r.unpriced}):
+            if wanted and generation not in wanted:
+                continue
+            fitting = [r for r in runs if r.role == "fit" and r.generation == generation and not r.unpriced]
             values[generation] = _fit_generation(generation, fitting, values, jobs=args.jobs,
-                                                 iterations=args.iterations, say=say)
+                                                 iterations=args.iterations, say=say, fitted=fitted)
     rows = _price_all(runs, jobs=args.jobs, values=values if args.fit else None, say=say)
     pairs = compare_groups(runs, rows)
     _print(runs, rows, pairs, values)

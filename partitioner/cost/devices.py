@@ -72,10 +72,15 @@ sparse ones, twice these, in their headline tables):
   4 east-west 400 Gb/s adapters and 1 north-south) gives a 400 Gb/s port per 2 GPUs,
   25 GB/s per GPU.
 
-None of these is calibrated: no published bf16 run in ``tools/published`` ran on them, so
-they carry no efficiencies (the bare roofline, every op at its datasheet peak, which is
-optimistic: compare H100's fitted 0.54 of the peak for matmuls) and every report says so.
-Hopper's or Ampere's shares are not copied onto them: another die, other kernels.
+Blackwell (``b200``, ``gb200``, ``b300``) is calibrated by published FP8 runs
+(:data:`BLACKWELL_EFFICIENCY`, fitted to :data:`BLACKWELL_RUNS`, Megatron-Bridge's dense Llama 3
+FP8 rows on DGX-B200 and DGX-GB200; B300 has no run and takes its generation's shares).  Its
+only dense published runs are FP8, so one ``matmul`` share prices bf16 and FP8 matmuls alike
+(bf16 matmuls on Blackwell are not checked by any dense run).  The others (AMD Instinct, L40S)
+are not calibrated: no published run in ``tools/published`` ran on them, so they carry no
+efficiencies (the bare roofline, every op at its datasheet peak, which is optimistic: compare
+H100's fitted 0.54 of the peak for matmuls) and every report says so.  Hopper's or Ampere's
+shares are not copied onto them: another die, other kernels.
 
 FP8 (``--precision fp8``; dense ``float8_e4m3fn`` tensor-core peaks, in ``peak_flops``): H100 SXM,
 H200 and H800 1,979 TFLOP/s (the datasheets' 3,958 are with sparsity; the 500 W H100 at its
@@ -84,9 +89,10 @@ share); B200 and B300 4.5 PFLOP/s and GB200 5 PFLOP/s (the GB200/GB300 NVL72 pag
 key ``mxfp8``: only Blackwell has it); MI300X and MI325X 2,614.9 TFLOP/s, MI355X 5 PFLOP/s
 (AMD's data sheets: 5,229.8 and 10.1 PFLOP/s with sparsity); L40S 733 TFLOP/s (1,466 with
 sparsity).  A100 (Ampere) has no FP8 tensor cores: no peak, and ``--precision fp8`` is refused
-there.  FP8 matmuls are priced with the device's ``matmul`` efficiency, fitted to bf16 runs: no
-published FP8 run calibrates them (uncalibrated; FP8 GEMMs reach a smaller share of their
-peak than bf16 ones in practice, so FP8 predictions lean optimistic).
+there.  FP8 matmuls are priced with the device's ``fp8-matmul`` efficiency where it gives one,
+else its ``matmul`` one (:meth:`DeviceSpec.efficiency_of`): Hopper's bf16 share, which lands
+Megatron-Bridge's three H100 FP8 runs within 15% held out (docs/accuracy.md, FP8), and
+Blackwell's, fitted to FP8 runs.
 
 FP32 uses the non-tensor-core peak because PyTorch leaves TF32 matmuls off by
 default (``torch.backends.cuda.matmul.allow_tf32 = False``).  BF16 (and FP16) is
@@ -113,7 +119,8 @@ What the kernels reach of those peaks (``DeviceSpec.efficiency``, per op class o
 bf16/fp16 training runs by ``tools/validate_published.py --fit`` (docs/accuracy.md):
 :data:`H100_EFFICIENCY` for every Hopper GPU here (the same die and the same cuBLAS /
 FlashAttention kernels; H200 and the 500 W H100 differ in memory and power, priced by their
-own bandwidth and peak), :data:`A100_EFFICIENCY` for every Ampere one.  A device's
+own bandwidth and peak), :data:`A100_EFFICIENCY` for every Ampere one,
+:data:`BLACKWELL_EFFICIENCY` for every Blackwell one (fitted to FP8 runs).  A device's
 ``calibrated_by`` names the runs fitted; a device no run calibrates (a user's file without
 them) says so in every report.
 
@@ -141,7 +148,7 @@ try:  # Python 3.11+; on 3.10 a device file is JSON
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     tomllib = None  # type: ignore[assignment]
 
-__all__ = ["A100_EFFICIENCY", "AMPERE_RUNS", "DEVICES", "GIB", "H100_500W_PEAK_SHARE", "H100_EFFICIENCY", "HOPPER_RUNS",
+__all__ = ["A100_EFFICIENCY", "AMPERE_RUNS", "BLACKWELL_EFFICIENCY", "BLACKWELL_RUNS", "DEVICES", "GIB", "H100_500W_PEAK_SHARE", "H100_EFFICIENCY", "HOPPER_RUNS",
            "DeviceSpec", "device_spec", "load_device"]
 
 # Share of the datasheet peak each op class reaches (partitioner.cost.nodecost.op_class), per GPU generation:
@@ -157,6 +164,10 @@ AMPERE_RUNS = ("megatron2021-t1-1.7b", "megatron2021-t1-18b", "megatron2021-t1-1
                "bloom-176b-training", "bloom-181b-tp8-pp6-m4", "mosaicml-70b-2048-64-a100",
                "mosaicml-7b-2048-8-a100", "mosaicml-13b-2048-64-a100-40gb")
 A100_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 0.647), ("attention", 0.543), ("memory", 1.0))
+# Blackwell: fitted to 3 of its 12 priced runs (Megatron-Bridge's dense Llama 3 FP8 rows; the other 7 dense FP8
+# rows and the 2 bf16 GPT OSS rows held out), all FP8: one matmul share for FP8 and bf16 matmuls alike.
+BLACKWELL_RUNS = ("8b-8-bridge-gb200-fp8cs", "70b-64-bridge-gb200-mxfp8", "405b-128-bridge-b200-fp8cs")
+BLACKWELL_EFFICIENCY: tuple[tuple[str, float], ...] = (("matmul", 0.533), ("attention", 0.933), ("memory", 1.0))
 # The 500 W Grand Teton H100's tensor-core peak over the SXM datasheet's, in [835 / 989, 1] (see above):
 # the fit runs into the lower end, the H100 NVL's 835 TFLOP/s, so that is what it is.
 H100_500W_PEAK_SHARE = 835e12 / 989e12
@@ -191,8 +202,18 @@ class DeviceSpec:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
 
     def efficiency_of(self, op_class: str) -> float:
-        """The share of the peak (FLOPs or bandwidth) an op of ``op_class`` reaches; 1.0 unless calibrated."""
-        return dict(self.efficiency).get(op_class, 1.0)
+        """The share of the peak (FLOPs or bandwidth) an op of ``op_class`` reaches; 1.0 unless calibrated.
+
+        ``fp8-matmul`` falls back to ``matmul`` where the device gives no share of its own.
+
+        >>> spec = dataclasses.replace(DEVICES["cpu"], efficiency=(("matmul", 0.5),))
+        >>> spec.efficiency_of("fp8-matmul"), spec.efficiency_of("attention")
+        (0.5, 1.0)
+        """
+        shares = dict(self.efficiency)
+        if op_class == "fp8-matmul" and op_class not in shares:
+            op_class = "matmul"
+        return shares.get(op_class, 1.0)
 
 
 def _gpu(
@@ -231,10 +252,14 @@ DEVICES: dict[str, DeviceSpec] = {
     # H100 SXM compute and memory with NVLink cut to 400 GB/s both ways (DeepSeek-V3's cluster, arXiv:2412.19437
     # section 3.1: 8 per node, NVLink within, 400 Gb/s InfiniBand per GPU); Hopper's fitted efficiencies.
     "h800": _gpu("h800", 67e12, 989e12, 3.35e12, 80, 200e9, 50e9, H100_EFFICIENCY, HOPPER_RUNS, fp8=1979e12),
+    # Blackwell: fitted to published FP8 runs (BLACKWELL_RUNS); B300 takes its generation's shares.
+    "b200": _gpu("b200", 75e12, 2.25e15, 7.7e12, 180, 900e9, 50e9, BLACKWELL_EFFICIENCY, BLACKWELL_RUNS, fp8=4.5e15,
+                 mxfp8=True),  # NVLink 5, ConnectX-7 400 Gb/s
+    "gb200": _gpu("gb200", 80e12, 2.5e15, 8e12, 186, 900e9, 50e9, BLACKWELL_EFFICIENCY, BLACKWELL_RUNS, fp8=5e15,
+                  mxfp8=True),  # NVL72's GPU, ConnectX-7 400 Gb/s
+    "b300": _gpu("b300", 75e12, 2.25e15, 7.7e12, 270, 900e9, 100e9, BLACKWELL_EFFICIENCY, BLACKWELL_RUNS, fp8=4.5e15,
+                 mxfp8=True),  # ConnectX-8 800 Gb/s
     # Uncalibrated (no published run): the bare datasheet roofline, efficiency=() and calibrated_by=().
-    "b200": _gpu("b200", 75e12, 2.25e15, 7.7e12, 180, 900e9, 50e9, fp8=4.5e15, mxfp8=True),  # NVLink 5, ConnectX-7 400 Gb/s
-    "gb200": _gpu("gb200", 80e12, 2.5e15, 8e12, 186, 900e9, 50e9, fp8=5e15, mxfp8=True),  # NVL72's GPU, ConnectX-7 400 Gb/s
-    "b300": _gpu("b300", 75e12, 2.25e15, 7.7e12, 270, 900e9, 100e9, fp8=4.5e15, mxfp8=True),  # ConnectX-8 800 Gb/s
     "mi300x": _gpu("mi300x", 163.4e12, 1307.4e12, 5.3e12, 192, 448e9, 50e9, fp8=2614.9e12),  # 7 x 64 GB/s Infinity Fabric
     "mi325x": _gpu("mi325x", 163.4e12, 1307.4e12, 6e12, 256, 448e9, 50e9, fp8=2614.9e12),
     "mi355x": _gpu("mi355x", 157.3e12, 2.5e15, 8e12, 288, 537.6e9, 50e9, fp8=5e15),  # 7 x 76.8 GB/s Infinity Fabric

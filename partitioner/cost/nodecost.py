@@ -31,8 +31,10 @@ from partitioner.cost.devices import DeviceSpec
 
 __all__ = ["OP_CLASSES", "NodeCost", "SplitOverhead", "op_class", "predicted_times"]
 
-# Op classes a device's efficiencies are given for (DeviceSpec.efficiency).
-OP_CLASSES = ("matmul", "attention", "memory")
+# Op classes a device's efficiencies are given for (DeviceSpec.efficiency); "fp8-matmul" (a linear layer's
+# matmul under --precision fp8) falls back to "matmul" where a device gives none (DeviceSpec.efficiency_of).
+OP_CLASSES = ("matmul", "attention", "memory", "fp8-matmul")
+_FP8 = "float8_e4m3fn"  # partitioner.cost.precision.FP8_DTYPE: the dtype an FP8 matmul's cost carries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +57,17 @@ class NodeCost:
 
 
 def op_class(cost: NodeCost) -> str:
-    """Which efficiency prices ``cost``'s FLOPs: ``matmul`` (reads weights), ``attention`` (FLOPs without).
+    """Which efficiency prices ``cost``'s FLOPs: ``matmul`` (reads weights), ``attention`` (FLOPs without),
+    ``fp8-matmul`` (a matmul run in FP8: its own share of the FP8 peak).
 
     Memory-bound work is priced with the ``memory`` efficiency of the bandwidth whatever the class.
 
     >>> op_class(NodeCost(0, 0, 1e9, 2e9, 0, 10, "bfloat16", weight_bytes=8)), op_class(NodeCost(0, 0, 1e9, 0, 0, 10, "bfloat16"))
     ('matmul', 'attention')
     """
-    return "matmul" if cost.weight_bytes > 0 else "attention"
+    if cost.weight_bytes > 0:
+        return "fp8-matmul" if cost.dtype == _FP8 else "matmul"
+    return "attention"
 
 
 def predicted_times(cost: NodeCost, spec: DeviceSpec) -> tuple[float, float]:

@@ -233,7 +233,8 @@ def assumptions(plan: Plan) -> list[tuple[str, str]]:
         "bf16-mixed": "bf16 compute and activations under autocast; fp32 weights, gradients, optimizer state",
         "bf16": "weights, gradients, optimizer state and activations in bf16",
         "fp8": (f"bf16-mixed with the linear layers' matmuls in FP8 ({plan.fp8_recipe} scaling; their inputs saved "
-                "in FP8, their casts priced; the FP8 peak at the bf16-fitted matmul efficiency, uncalibrated); fp32 "
+                "in FP8, their casts priced; the FP8 peak at the device's FP8 matmul efficiency, checked against "
+                "published FP8 runs on H100 and Blackwell: docs/accuracy.md); fp32 "
                 "weights, gradients, optimizer state"),
     }.get(plan.precision, plan.precision)
     states = "state tensor" if cm.optimizer_states == 1 else "state tensors"

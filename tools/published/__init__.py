@@ -11,17 +11,19 @@ module                              runs  source
 :mod:`tools.published.megascale`    11    Jiang et al. 2024, MegaScale (Megatron-LM baselines)
 :mod:`tools.published.bigscience`   13    BigScience BLOOM training and its layout search
 :mod:`tools.published.mosaicml`     18    MosaicML llm-foundry MPT benchmarks (FSDP)
-:mod:`tools.published.meta`         12    torchtitan benchmarks, Llama 3 paper, Megatron-Bridge (FP8)
+:mod:`tools.published.meta`         23    torchtitan benchmarks, Llama 3 paper, Megatron-Bridge (FP8:
+                                          H100, B200, GB200)
 :mod:`tools.published.moe`          17    Mixture of experts: Megatron-MoE-ModelZoo (Qwen3-235B),
                                           Megatron-Bridge (GPT OSS 120B; FP8 DeepSeekV3, Qwen3),
                                           DeepSeek-V3 paper (FP8)
 ==================================  ====  ==========================================================
 
 ``role``: at most a third of the priced runs are ``"fit"`` (chosen across GPU generations and
-layout kinds); the rest ``"held-out"``; FP8 runs ``"fp8"`` (listed, not priced).
+layout kinds); the rest ``"held-out"``, FP8 runs alike (priced at ``--precision fp8`` with
+their ``fp8_recipe``); a run with ``unpriced`` set is listed, not priced (FP8 mixture of experts).
 
 >>> len(RUNS) >= 40, sorted({r.role for r in RUNS})
-(True, ['fit', 'fp8', 'held-out'])
+(True, ['fit', 'held-out'])
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 from tools.published.bigscience import BIGSCIENCE
 from tools.published.megascale import MEGASCALE_2024
 from tools.published.megatron import KORTHIKANTI_2022, NARAYANAN_2021
-from tools.published.meta import META
+from tools.published.meta import BRIDGE_DENSE_FP8, META
 from tools.published.moe import DEEPSEEK_V3, MEGATRON_BRIDGE_MOE, MOE_MODELZOO
 from tools.published.mosaicml import MOSAICML
 from tools.published.run import (
@@ -67,6 +69,7 @@ SOURCES: dict[str, tuple[PublishedRun, ...]] = {
     "NVIDIA: Megatron-MoE-ModelZoo (Qwen3-235B)": MOE_MODELZOO,
     "NVIDIA: Megatron-Bridge (mixture of experts)": MEGATRON_BRIDGE_MOE,
     "DeepSeek: DeepSeek-V3 report": DEEPSEEK_V3,
+    "NVIDIA: Megatron-Bridge (dense FP8: H100, B200, GB200)": BRIDGE_DENSE_FP8,
 }
 
 RUNS: tuple[PublishedRun, ...] = tuple(run for runs in SOURCES.values() for run in runs)

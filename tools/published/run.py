@@ -79,8 +79,8 @@ class PublishedRun:
     ``"selective"`` (part of each layer: ``selective_share`` of its forward's FLOPs, priced
     between no and full recomputation by that share), ``"none"``, or ``"auto"`` (unpublished:
     our planner's choice).  ``role``: ``"fit"`` (efficiencies are fitted to it),
-    ``"held-out"`` (checked, never fitted) or ``"fp8"`` (FP8, which the cost model does not
-    price: listed, not priced).  ``unlimited``: priced without the memory limit, so that the
+    ``"held-out"`` (checked, never fitted), FP8 runs alike.  ``unpriced``: why a run is
+    listed, not priced (empty: priced).  ``unlimited``: priced without the memory limit, so that the
     plan keeps the published sharding where our memory model says it does not fit.
 
     ``micro_batch``: sequences per micro-batch; ``batch = dp x micro_batch x microbatches``.
@@ -126,6 +126,13 @@ class PublishedRun:
     from_plot: bool = False
     gpus_per_node: int = 8
     nvlink_domain: int | None = None
+    fp8_recipe: str = ""  # FP8 runs: the scaling priced (partitioner.cost.precision.FP8_RECIPES)
+    unpriced: str = ""  # why the run is listed, not priced (empty: priced)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the run trained its linear layers in FP8 (priced at ``--precision fp8``)."""
+        return self.precision == "fp8"
 
     def cite(self) -> str:
         """The source with the figure, as a table cell.
