@@ -163,8 +163,6 @@ def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores() -> None:
         assert "h100" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(AutopartitionError, match="mxfp8.*Blackwell.*b200"):
         compile(model, x, gpus=1, device="h100", precision="fp8", fp8_recipe="mxfp8", microbatches=2)
-    with pytest.raises(AutopartitionError, match="fp8 with --tp 2"):
-        compile(model, gpt.example_inputs(8), gpus=2, device="h100", precision="fp8", tp=2, microbatches=2)
     with pytest.raises(AutopartitionError, match="Unknown FP8 recipe"):
         compile(model, x, gpus=1, device="h100", precision="fp8", fp8_recipe="blockwise", microbatches=2)
 
@@ -274,7 +272,8 @@ def test_the_verify_reference_runs_the_fp8_matmuls(tmp_path: Path) -> None:
     assert got.shape == want.shape and float((got - want).detach().abs().max()) > 1e-3
 
 
-def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: int) -> None:
+def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: int, tp: int = 1,
+            recipe: str = "tensorwise") -> None:
     from partitioner.modelfile import load_model_file
     from runtime.verify import verify
 
@@ -282,9 +281,11 @@ def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: in
     model_file = load_model_file(spec)
     torch.manual_seed(0)
     assert model_file.example_target is not None
-    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=pp * dp, device="h100", precision="fp8",
-                   schedule=schedule, loss_fn=model_file.loss_fn, target=model_file.example_target(8), pp=pp, dp=dp,
-                   microbatches=microbatches)
+    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=pp * dp * tp, device="h100",
+                   precision="fp8", fp8_recipe=recipe, schedule=schedule, loss_fn=model_file.loss_fn,
+                   target=model_file.example_target(8), pp=pp, dp=dp, tp=tp, microbatches=microbatches,
+                   gpus_per_node=max(tp, 1))
+    assert (plan.tp, plan.pp, plan.fp8_recipe) == (tp, pp, recipe)
     plan.save(tmp_path)
     result = verify(tmp_path, spec, steps=2)
     assert result.ok, result.report()
@@ -299,6 +300,18 @@ def test_verify_fp8_pp2_dp2_1f1b(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_verify_fp8_zbv(tmp_path: Path) -> None:
     _verify(tmp_path, "zbv", pp=2, dp=1, microbatches=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_verify_fp8_tp2_pp2_1f1b(tmp_path: Path, recipe: str) -> None:
+    """Tensor-parallel FP8: each rank's shards cast with the whole tensors' amaxes, so as the whole graph."""
+    _verify(tmp_path, "1f1b", pp=2, dp=1, tp=2, microbatches=2, recipe=recipe)
+
+
+@pytest.mark.slow
+def test_verify_fp8_tp2_pp2_zbv(tmp_path: Path) -> None:
+    _verify(tmp_path, "zbv", pp=2, dp=1, tp=2, microbatches=4)
 
 
 @pytest.mark.slow  # spawns ranks
