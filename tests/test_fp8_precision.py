@@ -273,7 +273,7 @@ def test_the_verify_reference_runs_the_fp8_matmuls(tmp_path: Path) -> None:
 
 
 def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: int, tp: int = 1,
-            recipe: str = "tensorwise") -> None:
+            recipe: str = "tensorwise", steps: int = 2) -> None:
     from partitioner.modelfile import load_model_file
     from runtime.verify import verify
 
@@ -287,7 +287,7 @@ def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: in
                    gpus_per_node=max(tp, 1))
     assert (plan.tp, plan.pp, plan.fp8_recipe) == (tp, pp, recipe)
     plan.save(tmp_path)
-    result = verify(tmp_path, spec, steps=2)
+    result = verify(tmp_path, spec, steps=steps)
     assert result.ok, result.report()
     assert result.max_grad_diff < 1e-6, result.report()
 
