@@ -20,10 +20,10 @@ __all__: list[str] = []
 _TOL = 1e-5
 
 
-def _mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
-         recipe: str) -> torch.Tensor:
+def _mlp(values: list[torch.Tensor], recipe: str) -> torch.Tensor:
     from runtime.state.fp8 import fp8_linear
 
+    x, w1, b1, w2, b2 = values
     return fp8_linear(torch.relu(fp8_linear(x, w1, b1, recipe=recipe)), w2, b2, recipe=recipe)
 
 
@@ -38,14 +38,14 @@ def _worker(rank: int, port: int, recipe: str, out: str) -> None:
         x = torch.randn(3, 5, 32)
         w1, b1, w2, b2 = torch.randn(64, 32), torch.randn(64), torch.randn(32, 64), torch.randn(32)
         whole = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)]
-        y = _mlp(*whole, recipe=recipe)
+        y = _mlp(whole, recipe)
         y.square().sum().backward()
 
         mesh = init_device_mesh("cpu", (2,))
         placements = [Replicate(), Shard(0), Shard(0), Shard(1), Replicate()]
         split = [distribute_tensor(t, mesh, [p]).detach().requires_grad_() for t, p in zip((x, w1, b1, w2, b2),
                                                                                            placements, strict=True)]
-        y_tp = _mlp(*split, recipe=recipe)
+        y_tp = _mlp(split, recipe)
         assert isinstance(y_tp, DTensor)
         y_tp.full_tensor().square().sum().backward()
         diffs = {"out": float((y_tp.full_tensor() - y).detach().abs().max() / y.detach().abs().max())}

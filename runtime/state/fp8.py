@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from partitioner.errors import AutopartitionError
 from partitioner.graph.fp8 import FP8Matmul
@@ -228,7 +229,7 @@ def _fp8_linear_tp(x: torch.Tensor, w: torch.Tensor, *, rowwise: bool, out_dtype
     features), ``Shard(1)`` (row: the input split by features, the output a pending sum), replicated (the input
     as it is split along its tokens, or whole).
     """
-    mesh = (w if isinstance(w, DTensor) else x).device_mesh
+    mesh = w.device_mesh if isinstance(w, DTensor) else cast(DTensor, x).device_mesh
     if mesh.ndim != 1:
         raise AutopartitionError(
             f"fp8_linear runs on DTensors over a 1-d tensor-parallel mesh, not over {mesh.ndim} dimensions "
@@ -243,6 +244,8 @@ def _fp8_linear_tp(x: torch.Tensor, w: torch.Tensor, *, rowwise: bool, out_dtype
     if not (pw.is_replicate() or isinstance(pw, Shard)):  # a pending sum: made whole
         wd, pw = wd.redistribute(mesh, [Replicate()]), Replicate()
     split: str | None
+    want: Placement
+    out: Placement
     px = xd.placements[0]
     if isinstance(pw, Shard) and pw.dim == 0:  # column parallel
         split, want, out = "n", Replicate(), Shard(last)

@@ -24,7 +24,6 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
-from partitioner.errors import AutopartitionError
 from partitioner.graph.fp8 import fp8_matmuls
 from runtime.execute.stack import LossFn, StageStack
 from runtime.execute.stage import example_microbatch
