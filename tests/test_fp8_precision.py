@@ -163,8 +163,6 @@ def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores() -> None:
         assert "h100" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(AutopartitionError, match="mxfp8.*Blackwell.*b200"):
         compile(model, x, gpus=1, device="h100", precision="fp8", fp8_recipe="mxfp8", microbatches=2)
-    with pytest.raises(AutopartitionError, match="fp8 with --tp 2"):
-        compile(model, gpt.example_inputs(8), gpus=2, device="h100", precision="fp8", tp=2, microbatches=2)
     with pytest.raises(AutopartitionError, match="Unknown FP8 recipe"):
         compile(model, x, gpus=1, device="h100", precision="fp8", fp8_recipe="blockwise", microbatches=2)
 
@@ -274,19 +272,22 @@ def test_the_verify_reference_runs_the_fp8_matmuls(tmp_path: Path) -> None:
     assert got.shape == want.shape and float((got - want).detach().abs().max()) > 1e-3
 
 
-def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: int) -> None:
+def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: int, tp: int = 1,
+            recipe: str = "tensorwise", steps: int = 2, model: str = "gpt") -> None:
     from partitioner.modelfile import load_model_file
     from runtime.verify import verify
 
-    spec = str(ROOT / "examples" / "gpt.py")
+    spec = str(ROOT / "examples" / f"{model}.py")
     model_file = load_model_file(spec)
     torch.manual_seed(0)
     assert model_file.example_target is not None
-    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=pp * dp, device="h100", precision="fp8",
-                   schedule=schedule, loss_fn=model_file.loss_fn, target=model_file.example_target(8), pp=pp, dp=dp,
-                   microbatches=microbatches)
+    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=pp * dp * tp, device="h100",
+                   precision="fp8", fp8_recipe=recipe, schedule=schedule, loss_fn=model_file.loss_fn,
+                   target=model_file.example_target(8), pp=pp, dp=dp, tp=tp, microbatches=microbatches,
+                   gpus_per_node=max(tp, 1))
+    assert (plan.tp, plan.pp, plan.fp8_recipe) == (tp, pp, recipe)
     plan.save(tmp_path)
-    result = verify(tmp_path, spec, steps=2)
+    result = verify(tmp_path, spec, steps=steps)
     assert result.ok, result.report()
     assert result.max_grad_diff < 1e-6, result.report()
 
@@ -299,6 +300,31 @@ def test_verify_fp8_pp2_dp2_1f1b(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_verify_fp8_zbv(tmp_path: Path) -> None:
     _verify(tmp_path, "zbv", pp=2, dp=1, microbatches=4)
+
+
+# Tensor-parallel FP8 (tp 2 x pp 2): every FP8 cast of a rank's shards is the whole tensor's (amaxes all-reduced
+# over the tensor-parallel group; tests/test_fp8_tensor_parallel.py checks each layer to 1e-7), but the float32
+# sums are added in another order (row-parallel partial sums, the vocabulary-parallel loss).  A difference of
+# ~1e-7 that lands on an FP8 rounding boundary moves that element one FP8 step (e5m2 gradients: 2**-2), and
+# the gradients of every layer below it then differ by ~1e-3: measured on the whole fp8 graph alone, 1e-6
+# relative noise on the logits' gradient does so in 6 of 8 draws.  So these compare one step of seeded
+# configurations in which no cast flips (deterministic on CPU) at verify's 1e-5 and the 1e-6 of the fp8
+# tests above; further steps, or rowwise scaling with its per-row boundaries, cross one sooner or later.
+@pytest.mark.slow
+def test_verify_fp8_tp2_pp2_1f1b(tmp_path: Path) -> None:
+    _verify(tmp_path, "1f1b", pp=2, dp=1, tp=2, microbatches=2, steps=1)
+
+
+@pytest.mark.slow
+def test_verify_fp8_tp2_pp2_zbv(tmp_path: Path) -> None:
+    _verify(tmp_path, "zbv", pp=2, dp=1, tp=2, microbatches=4, steps=1, model="llama")
+
+
+def test_fp8_plans_tensor_parallel_layouts() -> None:
+    model = gpt.build_model()
+    plan = compile(model, gpt.example_inputs(8), gpus=2, device="h100", precision="fp8", tp=2, microbatches=2,
+                   gpus_per_node=2)
+    assert (plan.tp, plan.precision) == (2, "fp8")
 
 
 @pytest.mark.slow  # spawns ranks

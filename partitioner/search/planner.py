@@ -221,13 +221,6 @@ def compile(
     batch = batch_size_of(example_inputs)
     spec, measure, local = resolve_device(device)
     fixed_tp = check_tp(tp, gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, dp=dp)
-    if precision == "fp8" and tp != 1 and not priced_only:  # the runtime's FP8 matmuls are not tensor-parallel yet
-        if fixed_tp > 1:
-            raise AutopartitionError(
-                f"--precision fp8 with --tp {fixed_tp}: the runtime does not run FP8 matmuls split over a "
-                "tensor-parallel group yet; plan with --tp 1 (or auto), or price the layout only (priced_only).")
-        tp = 1
-        say("fp8: tensor parallelism stays 1 (the runtime's FP8 matmuls are not split over tensor-parallel groups)")
     if fixed_tp > 1 and shard == "optimizer" and not priced_only and (dp or (gpus // fixed_tp // pp if pp else 1)) > 1:
         raise AutopartitionError(
             f"--tp {fixed_tp} with --shard optimizer: the runtime runs tensor parallelism with replicated or fully "

@@ -177,6 +177,8 @@ def _in_out_layout(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_module":
         return type(gm.get_submodule(str(node.target))).__name__ == "Conv1D"
     name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    if name == "fp8_linear":  # --precision fp8's rewrite (runtime.state.fp8): it says which layout it read
+        return bool(node.kwargs.get("transposed"))
     return name in ("addmm", "mm", "conv1d_hf")
 
 

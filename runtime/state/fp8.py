@@ -24,6 +24,15 @@ run here.
 The verify reference runs the whole captured graph through the same rewrite
 (:func:`convert_graph`), so both sides quantise alike.
 
+Under tensor parallelism (``tp > 1``) the stage graph runs on DTensors (:mod:`runtime.parallel.tensorparallel`):
+:func:`fp8_linear` then runs the same scaled matmuls on each rank's local shards, with every
+amax that spans a split dimension all-reduced (max) over the tensor-parallel group first, as
+torchao's Float8 with tensor parallelism does.  A column-parallel linear (weight split by
+output rows) reads its input whole; a row-parallel one (weight split by input features) reads
+it split along features and leaves a pending sum.  Each FP8 cast is then bit for bit the
+unpartitioned model's (a max is exact, whatever the order), and only the float32 sums of the
+matmuls (the row-parallel partial sums) are added in another order.
+
 Example::
 
     >>> import torch
@@ -42,13 +51,17 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import fx
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from partitioner.errors import AutopartitionError
 from partitioner.graph.fp8 import FP8Matmul
+from partitioner.graph.ir import KIND_KEY
 
 __all__ = ["RUNNABLE_RECIPES", "convert_graph", "fp8_linear", "quantize"]
 
@@ -76,6 +89,20 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, *, dim: int | None = None) -> 
     scale = amax.clamp(min=_EPS) / limit
     q = (wide / scale).clamp(-limit, limit).to(dtype)
     return q, scale
+
+
+def _quantize_split(t: torch.Tensor, dtype: torch.dtype, *, dim: int | None, split: int | None,
+                    group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of a local shard of a tensor split along its dimension ``split`` (None: whole) over
+    ``group``: an amax that spans the split dimension all-reduced (max) first, so the cast is the whole tensor's."""
+    if split is None or (dim is not None and dim != split):
+        return quantize(t, dtype, dim=dim)
+    limit = torch.finfo(dtype).max
+    wide = t.float()
+    amax = wide.abs().amax() if dim is None else wide.abs().amax(dim=dim, keepdim=True)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scale = amax.clamp(min=_EPS) / limit
+    return (wide / scale).clamp(-limit, limit).to(dtype), scale
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, *, rowwise: bool,
@@ -150,6 +177,96 @@ class _FP8Linear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
+def _axis(labels: str, split: str | None) -> int | None:
+    """The dimension of a 2-d operand (its dimensions named by ``labels``, e.g. ``"mk"``) that ``split`` names."""
+    return labels.index(split) if split is not None and split in labels else None
+
+
+class _FP8LinearShard(torch.autograd.Function):
+    """:class:`_FP8Linear` on one rank's shards: ``x`` ``[m, k]``, ``w`` ``[n, k]``, one of ``m``, ``n``, ``k``
+    split over ``group`` (``split``; None: neither).  Every amax over a split dimension is all-reduced, so the
+    casts are the whole tensors'; a split ``k`` (row parallel) leaves the output a pending sum, and a split ``n``
+    (column parallel) the input gradient, as a split ``m`` the weight gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, rowwise: bool, out_dtype: torch.dtype,  # type: ignore[override]
+                split: str | None, group: dist.ProcessGroup | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        xq = _quantize_split(x2, _E4M3, dim=1 if rowwise else None, split=_axis("mk", split), group=group)
+        wt = w.t()
+        wq = _quantize_split(wt, _E4M3, dim=0 if rowwise else None, split=_axis("kn", split), group=group)
+        y = _scaled_mm(x2, wt, _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype, a_q=xq, b_q=wq)
+        ctx.save_for_backward(xq[0], xq[1], w)
+        ctx.rowwise, ctx.x_shape, ctx.x_dtype, ctx.split, ctx.group = rowwise, x.shape, x.dtype, split, group
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        xq, xs, w = ctx.saved_tensors
+        rowwise, split, group = ctx.rowwise, ctx.split, ctx.group
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gq = _quantize_split(g2, _E5M2, dim=1 if rowwise else None, split=_axis("mn", split), group=group)
+            wq = _quantize_split(w, _E4M3, dim=0 if rowwise else None, split=_axis("nk", split), group=group)
+            grad_x = _scaled_mm(g2, w, _E5M2, _E4M3, rowwise=rowwise, out_dtype=ctx.x_dtype, a_q=gq,
+                                b_q=wq).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            gt = g2.t()
+            gq = _quantize_split(gt, _E5M2, dim=1 if rowwise else None, split=_axis("nm", split), group=group)
+            if rowwise:  # dequantised and cast again per column, as _FP8Linear does
+                xcast = _quantize_split(xq.float() * xs, _E4M3, dim=0, split=_axis("mk", split), group=group)
+            else:
+                xcast = (xq, xs)  # its scale is already the whole input's
+            grad_w = _scaled_mm(gt, xq, _E5M2, _E4M3, rowwise=rowwise, out_dtype=w.dtype, a_q=gq, b_q=xcast)
+        return grad_x, grad_w, None, None, None, None
+
+
+def _fp8_linear_tp(x: torch.Tensor, w: torch.Tensor, *, rowwise: bool, out_dtype: torch.dtype) -> DTensor:
+    """``x @ w^T`` in FP8 where ``x`` or ``w`` is a DTensor (tensor parallelism): the local shards' scaled matmuls.
+
+    The weight's placement picks the split: ``Shard(0)`` (column: the input made whole, the output split by
+    features), ``Shard(1)`` (row: the input split by features, the output a pending sum), replicated (the input
+    as it is split along its tokens, or whole).
+    """
+    mesh = w.device_mesh if isinstance(w, DTensor) else cast(DTensor, x).device_mesh
+    if mesh.ndim != 1:
+        raise AutopartitionError(
+            f"fp8_linear runs on DTensors over a 1-d tensor-parallel mesh, not over {mesh.ndim} dimensions "
+            f"({mesh.mesh_dim_names}): plan such a stage with --precision bf16-mixed, or without tensor parallelism.")
+
+    def whole(t: torch.Tensor) -> DTensor:
+        return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+
+    xd, wd = whole(x), whole(w)
+    last = xd.dim() - 1
+    pw = wd.placements[0]
+    if not (pw.is_replicate() or isinstance(pw, Shard)):  # a pending sum: made whole
+        wd, pw = wd.redistribute(mesh, [Replicate()]), Replicate()
+    split: str | None
+    want: Placement
+    out: Placement
+    px = xd.placements[0]
+    if isinstance(pw, Shard) and pw.dim == 0:  # column parallel
+        split, want, out = "n", Replicate(), Shard(last)
+    elif isinstance(pw, Shard):  # row parallel
+        split, want, out = "k", Shard(last), Partial()
+    elif isinstance(px, Shard) and px.dim % xd.dim() != last:  # a replicated weight on tokens split
+        split, want, out = "m", Shard(px.dim % xd.dim()), Shard(px.dim % xd.dim())
+    else:
+        split, want, out = None, Replicate(), Replicate()
+    if xd.placements[0] != want:
+        xd = xd.redistribute(mesh, [want])
+    # The local gradients that are pending sums say so: a whole input read by split columns, a whole weight
+    # read by split tokens.
+    x_local = xd.to_local(grad_placements=[Partial()] if split == "n" else None)
+    w_local = wd.to_local(grad_placements=[Partial()] if split == "m" else None)
+    y = _FP8LinearShard.apply(x_local, w_local, rowwise, out_dtype, split, mesh.get_group())
+    shape = torch.Size([*xd.shape[:-1], wd.shape[0]])
+    return DTensor.from_local(y, mesh, [out], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                recipe: str = "tensorwise", transposed: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the matmul in FP8 (module docstring); ``transposed``: ``x @ weight``.
@@ -169,7 +286,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):
-        y = _FP8Linear.apply(x, w, recipe == "rowwise", out_dtype)
+        if isinstance(x, DTensor) or isinstance(w, DTensor):  # tensor parallel: on each rank's shards
+            y = _fp8_linear_tp(x, w, rowwise=recipe == "rowwise", out_dtype=out_dtype)
+        else:
+            y = _FP8Linear.apply(x, w, recipe == "rowwise", out_dtype)
         return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -196,6 +316,9 @@ def convert_graph(gm: fx.GraphModule, matmuls: Mapping[str, FP8Matmul], *, recip
             bias = graph.get_attr(match.bias) if match.bias is not None else None
             new = graph.call_function(fp8_linear, (x, weight, bias),
                                       {"recipe": recipe, "transposed": match.transposed})
+        for read in (weight, bias):  # parameters, as tensor parallelism's split finds them (ir.node_parameters)
+            if read is not None:
+                read.meta[KIND_KEY] = "parameter"
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

@@ -24,7 +24,6 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
-from partitioner.errors import AutopartitionError
 from partitioner.graph.fp8 import fp8_matmuls
 from runtime.execute.stack import LossFn, StageStack
 from runtime.execute.stage import example_microbatch
@@ -77,14 +76,12 @@ def apply_fp8(stack: StageStack, *, on: bool) -> StageStack:
     (:func:`partitioner.graph.fp8.fp8_matmuls` of the whole graph, as the planner priced them) made FP8 ones.
 
     Rewrites the stage graphs in place, before any wrapper: the recomputation and precision steps wrap
-    the rewritten graphs.
+    the rewritten graphs, and under ``tp > 1`` the tensor-parallel split (:func:`runtime.parallel.parallelize.apply_tp`)
+    places their parameters and rewrites them once more; :func:`~runtime.state.fp8.fp8_linear` then runs on
+    each rank's shards.
     """
     if not on:
         return stack
-    if stack.plan.tp > 1:
-        raise AutopartitionError(
-            f"--precision fp8 with tensor parallelism (tp {stack.plan.tp}) is not run by this runtime yet: its "
-            "tensor-parallel split rewrites the same linear layers. Plan it with --tp 1, or --precision bf16-mixed.")
     matmuls = fp8_matmuls(stack.stages[0].captured.graph_module)
     for local in stack.stages:
         convert_graph(local.module, matmuls, recipe=stack.plan.fp8_recipe)

@@ -1,0 +1,79 @@
+"""FP8 matmuls under tensor parallelism: each rank's shards cast with the whole tensors' amaxes.
+
+Two gloo ranks run :func:`runtime.state.fp8.fp8_linear` on DTensors (a column-parallel
+linear, then a row-parallel one, as a Megatron MLP) and compare outputs and gradients with
+the same layers run whole through the same function: equal up to the float32 sums' order.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__: list[str] = []
+
+_TOL = 1e-5
+
+
+def _mlp(values: list[torch.Tensor], recipe: str) -> torch.Tensor:
+    from runtime.parallel.tensorparallel import sequence_sharded
+    from runtime.state.fp8 import fp8_linear
+
+    x, w1, b1, w2, b2, w3 = values
+    # column, row (its pending sum reduce-scattered along the tokens, as the runtime does), then a whole weight
+    # read by the token-split values (transposed, as GPT-2's Conv1D stores it)
+    h = sequence_sharded(fp8_linear(torch.relu(fp8_linear(x, w1, b1, recipe=recipe)), w2, b2, recipe=recipe))
+    return fp8_linear(h, w3, recipe=recipe, transposed=True)
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        diffs = {recipe: _compare(recipe) for recipe in ("tensorwise", "rowwise")}
+        if rank == 0:
+            torch.save(diffs, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _compare(recipe: str) -> dict[str, float]:
+    """Largest differences (relative to the whole layers' largest value) of output and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 32)
+    w1, b1, w2, b2 = torch.randn(64, 32), torch.randn(64), torch.randn(32, 64), torch.randn(32)
+    w3 = torch.randn(32, 48)
+    whole = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2, w3)]
+    y = _mlp(whole, recipe)
+    y.square().sum().backward()
+
+    mesh = init_device_mesh("cpu", (2,))
+    placements = [Replicate(), Shard(0), Shard(0), Shard(1), Replicate(), Replicate()]
+    split = [distribute_tensor(t, mesh, [p]).detach().requires_grad_()
+             for t, p in zip((x, w1, b1, w2, b2, w3), placements, strict=True)]
+    y_tp = _mlp(split, recipe)
+    assert isinstance(y_tp, DTensor) and y_tp.placements == (Shard(1),)
+    y_tp.full_tensor().square().sum().backward()
+    diffs = {"out": float((y_tp.full_tensor() - y).detach().abs().max() / y.detach().abs().max())}
+    for name, a, b in zip(("x", "w1", "b1", "w2", "b2", "w3"), split, whole, strict=True):
+        assert a.grad is not None and b.grad is not None
+        grad = a.grad.full_tensor() if isinstance(a.grad, DTensor) else a.grad
+        diffs[name] = float((grad - b.grad).abs().max() / b.grad.abs().max())
+    return diffs
+
+
+def test_column_row_and_token_split_fp8_equal_the_whole_layers(tmp_path: Path) -> None:
+    from runtime.verify import free_port
+
+    out = str(tmp_path / "diffs.pt")
+    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
+    for recipe, diffs in torch.load(out).items():
+        assert max(diffs.values()) <= _TOL, (recipe, diffs)
