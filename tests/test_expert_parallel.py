@@ -137,7 +137,8 @@ def test_pipeline_and_expert_parallel(tmp_path: Path, schedule: str, recompute: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [pytest.param("interleaved-1f1b", marks=pytest.mark.exhaustive), "zbv"])
+@pytest.mark.exhaustive  # Qwen3-MoE under zbv runs two stages per rank in the slow tier
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
 def test_two_stages_per_rank_and_expert_parallel(tmp_path: Path, schedule: str) -> None:
     plan = _ep_plan(USER_MOE_DEEP, tmp_path, ep=2, pp=2, dp=2, microbatches=4, schedule=schedule,
                     chunks=2 if schedule == "interleaved-1f1b" else None)
@@ -218,7 +219,8 @@ def test_pipeline_tensor_and_expert_parallel(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # Hugging Face Mixtral: ~15-50 s
-@pytest.mark.parametrize("shard", ["none", pytest.param("full", marks=pytest.mark.exhaustive)])
+@pytest.mark.exhaustive  # the listed experts' tp x ep test runs in the default tier
+@pytest.mark.parametrize("shard", ["none", "full"])
 def test_tensor_and_expert_parallel_mixtral(tmp_path: Path, shard: str) -> None:
     """tp 2 x dp 2, ep 2: attention split by heads under sequence parallelism, the stacked experts not split;
     shard "full": FSDP2 over the replicas shards the tensor-parallel dense parameters again, not the experts."""
@@ -243,7 +245,7 @@ def test_hf_moe_examples_over_replicas(tmp_path: Path, spec: str, dp: int) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("spec", "schedule", "chunks"), [
-    pytest.param(QWEN3_MOE, "interleaved-1f1b", 2, id="interleaved-1f1b-2-qwen3_moe"),
+    pytest.param(QWEN3_MOE, "interleaved-1f1b", 2, id="interleaved-1f1b-2-qwen3_moe", marks=pytest.mark.exhaustive),
     pytest.param(QWEN3_MOE, "zbv", None, id="zbv-None-qwen3_moe"),
     *(pytest.param(spec, schedule, chunks, id=f"{schedule}-{chunks}-{name}", marks=pytest.mark.exhaustive)
       for spec, name in ((QWEN3_MOE, "qwen3_moe"), (DEEPSEEK_V3, "deepseek_v3"))
