@@ -109,9 +109,6 @@ REFINED_CANDIDATES = 4  # best screened combinations solved again by the full so
 # chunked schedule: from the whole GPU down towards the share; the first split that fits exactly wins.
 CAP_LADDER = (0.0, 0.25, 0.5, 0.75)
 
-# How stage groups may hold their state under expert parallelism where the runtime runs only some (None: every
-# mode: runtime/parallel/experts.py runs DDP, ZeRO-1 and FSDP2 around whole expert slices).
-EP_SHARD_MODES: tuple[str, ...] | None = None
 
 
 
@@ -318,7 +315,7 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
         shapes = options.schedule_variants(p, blocks)
         # Each shard mode's state bound: a mode whose weights, gradients and optimizer state alone cannot
         # fit takes no part; the shape is infeasible when none fits.
-        modes = list(dict.fromkeys(mode for k, _ in shapes for mode in _policies(options, k, d, e))) or ["none"]
+        modes = list(dict.fromkeys(mode for k, _ in shapes for mode in _policies(options, k, d))) or ["none"]
         whole = _state_bound(sc.problem(d, choices[0]), p)
         # Sharding only shrinks the state (cost/precision.py): where DDP's fits, every mode's does.
         # ZeRO-3's gathered units come off its problem's limit (formulate): its state must fit in the rest.
@@ -352,7 +349,7 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
             problem = sc.problem(d, m)  # DDP's: the bound (compute alone) is every mode's
             for mode in fitting:
                 for k, v in variants:
-                    if mode not in _policies(options, k, d, e):
+                    if mode not in _policies(options, k, d):
                         continue
                     on_one_rank = _tied_on_one_rank(tied, k, p, v, ends) if mode in FULL_MODES else []
                     if on_one_rank:
@@ -390,18 +387,14 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
 
 
 
-def _policies(options: PlanOptions, schedule: ScheduleKind, dp: int, ep: int = 1) -> tuple[str, ...]:
+def _policies(options: PlanOptions, schedule: ScheduleKind, dp: int) -> tuple[str, ...]:
     """The shard modes tried for ``schedule`` on ``dp`` replicas, ZeRO-3 among them (:data:`ZERO3`).
 
     ZeRO-3 is ``full`` with ``reshard_after_forward``: tried wherever ``full`` may run
     (:meth:`~partitioner.search.options.PlanOptions.shard_modes`' footprint filter aside,
     which prices per step what ZeRO-3 moves per micro-batch, mostly behind compute), except
     under a split backward, whose W the runtime cannot reduce per backward (runtime/parallel/shard.py).
-    Under expert parallelism (``ep`` > 1) only the modes the runtime runs with it (:data:`EP_SHARD_MODES`),
-    unless the plan is priced only.
     """
-    if ep > 1 and not options.priced_only and EP_SHARD_MODES is not None:
-        return tuple(m for m in _policies(options, schedule, dp) if m in EP_SHARD_MODES)
     modes = options.shard_modes(schedule, dp)
     if dp > 1 and options.shard in ("auto", "full", ZERO3) and not splits_backward(schedule) \
             and shard_refusal(schedule, "full") is None:
