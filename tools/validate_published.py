@@ -5,6 +5,7 @@ Commands (from the repository root)::
     .venv/bin/python tools/validate_published.py --jobs 2                 # every run, today's devices
     .venv/bin/python tools/validate_published.py --only megatron2021-t2,korthikanti2022-22b
     .venv/bin/python tools/validate_published.py --role held-out --json validate.json
+    .venv/bin/python tools/validate_published.py --precision fp8 --jobs 2 # every FP8 run
     .venv/bin/python tools/validate_published.py --fit --jobs 2           # fit each generation's efficiencies
 
 Each run of ``tools/published`` (layout as published, on the machine it ran on) is priced by
@@ -463,21 +464,25 @@ def _fit_generation(generation: str, runs: list[PublishedRun], start: dict[str, 
 # ----------------------------------------------------------------------------- command line
 
 
-def select_runs(*, only: str = "", role: str = "") -> list[PublishedRun]:
-    """The runs ``--only`` (comma-separated name prefixes) and ``--role`` pick.
+def select_runs(*, only: str = "", role: str = "", precision: str = "") -> list[PublishedRun]:
+    """The runs ``--only`` (comma-separated name prefixes), ``--role`` and ``--precision`` pick.
 
     >>> [r.name for r in select_runs(only="megatron2021-t1-1")]
     ['megatron2021-t1-1.7b', 'megatron2021-t1-18b', 'megatron2021-t1-145b', 'megatron2021-t1-1t']
+    >>> {r.precision for r in select_runs(precision="fp8")}
+    {'fp8'}
     """
     prefixes = [o for o in only.split(",") if o]
     return [r for r in RUNS if (not prefixes or any(r.name.startswith(p) for p in prefixes))
-            and (not role or r.role == role)]
+            and (not role or r.role == role) and (not precision or r.precision == precision)]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated run names (prefixes)")
     parser.add_argument("--role", choices=("fit", "held-out"), default="", help="only runs of this role")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp8"), default="",
+                        help="only runs published in this precision (fp8: every FP8 run)")
     parser.add_argument("--json", default="", help="write the rows, summary and comparisons here")
     parser.add_argument("--fit", action="store_true", help="fit each generation's efficiencies to its fit runs")
     parser.add_argument("--iterations", type=int, default=1, help="minimax steps of --fit (default 1)")
@@ -486,9 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generations", default="", help="comma-separated generations --fit fits (default: every one)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs priced at a time")
     args = parser.parse_args(argv)
-    runs = select_runs(only=args.only, role=args.role)
+    runs = select_runs(only=args.only, role=args.role, precision=args.precision)
     if not runs:
-        parser.error(f"--only {args.only!r} --role {args.role!r} names no run")
+        parser.error(f"--only {args.only!r} --role {args.role!r} --precision {args.precision!r} names no run")
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)

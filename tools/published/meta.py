@@ -133,6 +133,25 @@ META: tuple[PublishedRun, ...] = (
            100.0, compiled=True, checkpointing="full", role="held-out", precision="fp8",
            source=f"{_TITAN_2412}, Table 5 (Float8 + compile + AsyncTP)", note="1F1B against interleaved 1F1B; with pipeline stages torchtitan keeps parameters gathered",
            group="torchtitan-405b-512-schedule"),
+    # Added 2026-12-05: the rest of the page's Float8 rows (torchao Float8 tensorwise, torch.compile).
+    _titan("8b-8-torchtitan-float8", "8b", 8, 16, _fsdp(8), 8532.0, compiled=True, checkpointing="selective",
+           role="held-out", precision="fp8", source=f"{_TITAN_2412}, Table 1 (FSDP + torch.compile + Float8)",
+           note="local batch 2", micro_batch=2),
+    _titan("8b-128-torchtitan-float8", "8b", 128, 256, _fsdp(128), 8380.0, compiled=True,
+           checkpointing="selective", role="held-out", precision="fp8",
+           source=f"{_TITAN_2412}, Table 3 (FSDP + torch.compile + Float8)", note="local batch 2", micro_batch=2),
+    _titan("70b-256-torchtitan-float8", "70b", 256, 512,
+           {"name": "torchtitan TP8 FSDP32", "tp": 8, "pp": 1, "dp": 32, "microbatches": 1, "schedule": "1f1b",
+            "shard": "zero3", "recompute": "full"},
+           829.0, compiled=True, checkpointing="full", role="held-out", precision="fp8",
+           source=f"{_TITAN_2412}, Table 4 (2D + torch.compile + Float8)", note="local batch 16, vanilla TP",
+           micro_batch=16),
+    _titan("405b-512-torchtitan-32k", "405b", 512, 64,
+           {**layout("torchtitan TP8 PP8 FSDP8 1F1B, 32K", tp=8, pp=8, dp=8, microbatches=8, zero=3),
+            "shard": "full"},
+           76.0, compiled=True, checkpointing="full", role="held-out", precision="fp8", seq=32768,
+           source=f"{_TITAN_2412}, Table 6, CP 1 (Float8 + compile + AsyncTP + 1F1B)",
+           note="local batch 8 of 32,768 tokens; with pipeline stages torchtitan keeps parameters gathered"),
 )
 
 
