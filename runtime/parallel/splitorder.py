@@ -126,7 +126,8 @@ class _FP8Columns(torch.autograd.Function):
 
 
 class _FP8Rows(torch.autograd.Function):
-    """A row-parallel FP8 linear (``w`` ``[n, k]`` split by ``k``) as its ranks compute it: partials added in order."""
+    """A row-parallel FP8 linear (``w`` ``[n, k]`` split by ``k``) as its ranks compute it: each rank's partial
+    product (:func:`_added` sums them)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, rowwise: bool, out_dtype: torch.dtype,  # type: ignore[override]
@@ -138,18 +139,15 @@ class _FP8Rows(torch.autograd.Function):
         parts = _chunks(w.shape[1], tp)
         partials = [scaled_mm(x2[:, p], wt[p], _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype,
                               a_q=(xq[0][:, p], xq[1]), b_q=(wq[0][p], wq[1])) for p in parts]
-        y = partials[0]
-        for partial in partials[1:]:
-            y = y + partial
         ctx.save_for_backward(xq[0], xq[1], w)
         ctx.rowwise, ctx.x_shape, ctx.x_dtype, ctx.tp = rowwise, x.shape, x.dtype, tp
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y in partials)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         xq, xs, w = ctx.saved_tensors
         rowwise = ctx.rowwise
-        g2 = grad.reshape(-1, grad.shape[-1])
+        g2 = grads[0].reshape(-1, grads[0].shape[-1])  # every partial's gradient is the sum's
         parts = _chunks(w.shape[1], ctx.tp)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
@@ -193,14 +191,20 @@ def split_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     """A row-parallel linear over ``tp`` ranks: each rank's input features' product, added in rank order."""
     w = weight.t() if transposed else weight
     if recipe is None:
-        parts = _chunks(w.shape[1], tp)
-        y = torch.nn.functional.linear(x[..., parts[0]], w[:, parts[0]])
-        for p in parts[1:]:
-            y = y + torch.nn.functional.linear(x[..., p], w[:, p])
-        return y if bias is None else y + bias
+        partials = [torch.nn.functional.linear(x[..., p], w[:, p]) for p in _chunks(w.shape[1], tp)]
+        return _added(partials, bias)
     with torch.autocast(x.device.type, enabled=False):
-        y = _FP8Rows.apply(x, w, recipe == "rowwise", _out_dtype(x), tp)
-        return y if bias is None else y + bias.to(y.dtype)
+        return _added(list(_FP8Rows.apply(x, w, recipe == "rowwise", _out_dtype(x), tp)), bias)
+
+
+def _added(partials: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+    """The ranks' partial products summed in rank order, with the bias as DTensor adds a replicated tensor to a
+    pending sum: ``bias / tp`` on every rank's partial."""
+    share = None if bias is None else bias.to(partials[0].dtype) / len(partials)
+    y = partials[0] if share is None else partials[0] + share
+    for partial in partials[1:]:
+        y = y + (partial if share is None else partial + share)
+    return y
 
 
 def _linear_operands(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, str, str | None, dict[str, Any]] | None:
