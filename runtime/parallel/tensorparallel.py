@@ -77,7 +77,7 @@ from torch.utils import _pytree as pytree
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import buffers_written
 from partitioner.graph.ir import KIND_KEY, node_parameters
-from partitioner.graph.tensorparallel import TP_KEY, TPRole
+from partitioner.graph.tensorparallel import TP_KEY, WHOLE_KEY, TPRole
 from partitioner.plan import Plan
 from runtime.execute.wire import sequence_split
 
@@ -241,6 +241,17 @@ def _rewrite(gm: fx.GraphModule) -> None:
             node.target = whole_call
             continue
         role: TPRole | None = node.meta.get(TP_KEY)
+        if role is None and node.meta.get(WHOLE_KEY):
+            # A pair kept whole runs whole on every rank, as the planner prices it: what enters it is gathered.
+            # On sequence-split values DTensor would split its attention's matmuls by tokens, and sum the
+            # key and value gradients' partials over the ranks: another float32 order than the whole model's.
+            for source in [a for a in node.all_input_nodes if not a.meta.get(WHOLE_KEY) and a.op != "get_attr"
+                           and not _is_parameter(a)]:
+                if source not in gathered_inputs:
+                    with graph.inserting_after(source):
+                        gathered_inputs[source] = graph.call_function(replicated, (source,))
+                node.replace_input_with(source, gathered_inputs[source])
+            continue
         if role is None:
             continue
         if role.role in ("column", "head"):  # Megatron-SP's all-gather of the sequence before the columns
