@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 
     from partitioner.graph.capture import CapturedModel
 
-__all__ = ["TP_KEY", "TPLayout", "TPPattern", "TPRole", "WHOLE_KEY", "degrees", "find_tensor_parallel"]
+__all__ = ["TP_KEY", "WHOLE_KEY", "TPLayout", "TPPattern", "TPRole", "degrees", "find_tensor_parallel"]
 
 TP_KEY = "autopartition_tp"  # node.meta key: the node's TPRole (split nodes only)
 WHOLE_KEY = "autopartition_tp_whole"  # node.meta key: True on the nodes of a pair kept whole (TPLayout.whole)

@@ -78,10 +78,6 @@ def _scale_chunk(scale: torch.Tensor, dim: int, part: slice) -> torch.Tensor:
     return scale if scale.numel() == 1 or scale.shape[dim] == 1 else scale[(slice(None),) * dim + (part,)]
 
 
-def _fp8_cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize(t, dtype, dim=dim)
-
-
 class _FP8Columns(torch.autograd.Function):
     """A column-parallel FP8 linear (``w`` ``[n, k]`` split by ``n``) as its ranks compute it, in one process.
 
@@ -93,8 +89,8 @@ class _FP8Columns(torch.autograd.Function):
                 out_dtype: torch.dtype) -> torch.Tensor:
         x = slots[0]
         x2 = x.reshape(-1, x.shape[-1])
-        xq = _fp8_cast(x2, _E4M3, 1 if rowwise else None)
-        wq = _fp8_cast(w.t(), _E4M3, 0 if rowwise else None)
+        xq = quantize(x2, _E4M3, dim=1 if rowwise else None)
+        wq = quantize(w.t(), _E4M3, dim=0 if rowwise else None)
         parts = _chunks(w.shape[0], slots.shape[0])
         y = torch.cat([scaled_mm(x2, w.t()[:, p], _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype, a_q=xq,
                                  b_q=(wq[0][:, p], _scale_chunk(wq[1], 1, p))) for p in parts], dim=1)
@@ -110,16 +106,16 @@ class _FP8Columns(torch.autograd.Function):
         parts = _chunks(w.shape[0], ctx.tp)
         grad_slots = grad_w = None
         if ctx.needs_input_grad[0]:
-            gq = _fp8_cast(g2, _E5M2, 1 if rowwise else None)
-            wq = _fp8_cast(w, _E4M3, 0 if rowwise else None)
+            gq = quantize(g2, _E5M2, dim=1 if rowwise else None)
+            wq = quantize(w, _E4M3, dim=0 if rowwise else None)
             grad_slots = torch.stack([
                 scaled_mm(g2[:, p], w[p], _E5M2, _E4M3, rowwise=rowwise, out_dtype=ctx.x_dtype,
                           a_q=(gq[0][:, p], gq[1]), b_q=(wq[0][p], wq[1]))
                 for p in parts]).reshape(ctx.tp, *ctx.x_shape)
         if ctx.needs_input_grad[1]:
             gt = g2.t()
-            gq = _fp8_cast(gt, _E5M2, 1 if rowwise else None)
-            xcast = _fp8_cast(xq.float() * xs, _E4M3, 0) if rowwise else (xq, xs)
+            gq = quantize(gt, _E5M2, dim=1 if rowwise else None)
+            xcast = quantize(xq.float() * xs, _E4M3, dim=0) if rowwise else (xq, xs)
             grad_w = torch.cat([scaled_mm(gt[p], xq, _E5M2, _E4M3, rowwise=rowwise, out_dtype=w.dtype,
                                           a_q=(gq[0][p], _scale_chunk(gq[1], 0, p)), b_q=xcast) for p in parts])
         return grad_slots, grad_w, None, None
@@ -131,11 +127,11 @@ class _FP8Rows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, rowwise: bool, out_dtype: torch.dtype,  # type: ignore[override]
-                tp: int) -> torch.Tensor:
+                tp: int) -> tuple[torch.Tensor, ...]:
         x2 = x.reshape(-1, x.shape[-1])
-        xq = _fp8_cast(x2, _E4M3, 1 if rowwise else None)
+        xq = quantize(x2, _E4M3, dim=1 if rowwise else None)
         wt = w.t()
-        wq = _fp8_cast(wt, _E4M3, 0 if rowwise else None)
+        wq = quantize(wt, _E4M3, dim=0 if rowwise else None)
         parts = _chunks(w.shape[1], tp)
         partials = [scaled_mm(x2[:, p], wt[p], _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype,
                               a_q=(xq[0][:, p], xq[1]), b_q=(wq[0][p], wq[1])) for p in parts]
@@ -151,15 +147,15 @@ class _FP8Rows(torch.autograd.Function):
         parts = _chunks(w.shape[1], ctx.tp)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            gq = _fp8_cast(g2, _E5M2, 1 if rowwise else None)
-            wq = _fp8_cast(w, _E4M3, 0 if rowwise else None)
+            gq = quantize(g2, _E5M2, dim=1 if rowwise else None)
+            wq = quantize(w, _E4M3, dim=0 if rowwise else None)
             grad_x = torch.cat([scaled_mm(g2, w[:, p], _E5M2, _E4M3, rowwise=rowwise, out_dtype=ctx.x_dtype,
                                           a_q=gq, b_q=(wq[0][:, p], _scale_chunk(wq[1], 1, p))) for p in parts],
                                dim=1).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             gt = g2.t()
-            gq = _fp8_cast(gt, _E5M2, 1 if rowwise else None)
-            xcast = _fp8_cast(xq.float() * xs, _E4M3, 0) if rowwise else (xq, xs)
+            gq = quantize(gt, _E5M2, dim=1 if rowwise else None)
+            xcast = quantize(xq.float() * xs, _E4M3, dim=0) if rowwise else (xq, xs)
             grad_w = torch.cat([scaled_mm(gt, xq[:, p], _E5M2, _E4M3, rowwise=rowwise, out_dtype=w.dtype, a_q=gq,
                                           b_q=(xcast[0][:, p], _scale_chunk(xcast[1], 1, p))) for p in parts],
                                dim=1)
@@ -284,11 +280,13 @@ class VocabularyParallelLoss(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _ours(self, func: Any, args: Sequence[Any]) -> bool:
-        """Whether the op works on ``[tokens, vocabulary]`` logits along the vocabulary (loss_parallel's case)."""
+        """Whether the op works on ``[tokens, vocabulary]`` logits along the vocabulary, without class weights."""
         x = args[0] if func in (_aten._log_softmax.default, _aten.nll_loss_forward.default) else args[1]
         dim = {_aten._log_softmax.default: 1, _aten._log_softmax_backward_data.default: 2}.get(func)
+        weight = {_aten.nll_loss_forward.default: 2, _aten.nll_loss_backward.default: 3}.get(func)
         along = args[dim] % 2 == 1 if dim is not None else True
-        return bool(x.dim() == 2 and along and x.shape[1] == self.vocabulary)
+        plain = weight is None or args[weight] is None
+        return bool(x.dim() == 2 and along and plain and x.shape[1] == self.vocabulary)
 
 
 def _log_softmax(tp: int, x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
@@ -309,8 +307,6 @@ def _log_softmax_backward(tp: int, grad: torch.Tensor, output: torch.Tensor, dim
 
 def _nll_loss_forward(tp: int, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
                       ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if weight is not None or reduction not in (0, 1, 2):
-        raise NotImplementedError("class weights")
     safe = torch.where(target != ignore_index, target, 0)
     result = torch.where(target != ignore_index, -x.gather(1, safe.unsqueeze(1)).squeeze(1), 0)
     total = (target != ignore_index).sum().to(x)

@@ -225,6 +225,8 @@ def _carrying_hooks(old: torch.Tensor, new: nn.Parameter) -> nn.Parameter:
 
 
 def _rewrite(gm: fx.GraphModule) -> None:
+    from runtime.execute.meetings import writes_in_place
+
     graph = gm.graph
     gathered_inputs: dict[fx.Node, fx.Node] = {}  # a value the columns read -> its all-gathered copy (one per value)
     _writes_on_whole_values(gm)
@@ -241,7 +243,7 @@ def _rewrite(gm: fx.GraphModule) -> None:
             node.target = whole_call
             continue
         role: TPRole | None = node.meta.get(TP_KEY)
-        if role is None and node.meta.get(WHOLE_KEY):
+        if role is None and node.meta.get(WHOLE_KEY) and not writes_in_place(gm, node):
             # A pair kept whole runs whole on every rank, as the planner prices it: what enters it is gathered.
             # On sequence-split values DTensor would split its attention's matmuls by tokens, and sum the
             # key and value gradients' partials over the ranks: another float32 order than the whole model's.
