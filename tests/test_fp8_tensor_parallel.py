@@ -93,7 +93,7 @@ def _compare_loss() -> dict[str, float]:
     """Cross-entropy on vocabulary-split logits under loss_parallel against the whole logits under
     VocabularyParallelLoss: loss and logits' gradient (one target ignored)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
     from runtime.parallel.splitorder import VocabularyParallelLoss
@@ -109,7 +109,7 @@ def _compare_loss() -> dict[str, float]:
     with loss_parallel():
         got = torch.nn.functional.cross_entropy(split, target)
         got.backward()
-    assert whole.grad is not None and split.grad is not None
+    assert isinstance(got, DTensor) and isinstance(split.grad, DTensor) and whole.grad is not None
     return {"exact loss": float((got.full_tensor() - want).abs()),
             "exact logits": float((split.grad.full_tensor() - whole.grad).abs().max())}
 
