@@ -76,7 +76,7 @@ from torch.utils import _pytree as pytree
 
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import buffers_written
-from partitioner.graph.ir import KIND_KEY, node_parameters
+from partitioner.graph.ir import KIND_KEY, VALUE_KEY, node_parameters
 from partitioner.graph.tensorparallel import TP_KEY, WHOLE_KEY, TPRole
 from partitioner.plan import Plan
 from runtime.execute.wire import sequence_split
@@ -248,7 +248,7 @@ def _rewrite(gm: fx.GraphModule) -> None:
             # On sequence-split values DTensor would split its attention's matmuls by tokens, and sum the
             # key and value gradients' partials over the ranks: another float32 order than the whole model's.
             for source in [a for a in node.all_input_nodes if not a.meta.get(WHOLE_KEY) and a.op != "get_attr"
-                           and not _is_parameter(a)]:
+                           and not _is_parameter(a) and _floating(a)]:
                 if source not in gathered_inputs:
                     with graph.inserting_after(source):
                         gathered_inputs[source] = graph.call_function(replicated, (source,))
@@ -376,6 +376,12 @@ def whole_call(name: str, *args: Any, **kwargs: Any) -> Any:
     result = op(*(_whole(a) for a in args), **{k: _whole(v) for k, v in kwargs.items()})
     return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
                                 result)
+
+
+def _floating(node: fx.Node) -> bool:
+    """Whether ``node`` makes a floating-point tensor (what the sequence split applies to), or may (unknown)."""
+    info = node.meta.get(VALUE_KEY)
+    return info is None or (info.kind == "tensor" and info.dtype.startswith(("float", "bfloat")))
 
 
 def _is_parameter(node: fx.Node) -> bool:
