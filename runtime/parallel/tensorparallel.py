@@ -30,7 +30,9 @@ found in the captured graph (:func:`parameter_placements`):
   along the sequence), the LM head by vocabulary columns: the loss runs on its
   split logits under torch's ``loss_parallel`` (:func:`tensor_parallel_step`);
 * everything else (norms, position embeddings, key/value projections whose heads
-  ``tp`` does not divide: grouped-query attention replicates them) replicated.
+  ``tp`` does not divide: grouped-query attention replicates them) replicated; a
+  pair kept whole (``TPLayout.whole``: GPT's fused ``c_attn``) runs whole on every
+  rank, what enters it all-gathered first, as the planner prices it.
 
 ``parallelize_module`` itself needs the modules to be called as local-shape
 code (``use_local_output``); a captured stage is one graph whose views carry the

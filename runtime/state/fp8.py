@@ -31,7 +31,8 @@ torchao's Float8 with tensor parallelism does.  A column-parallel linear (weight
 output rows) reads its input whole; a row-parallel one (weight split by input features) reads
 it split along features and leaves a pending sum.  Each FP8 cast is then bit for bit the
 unpartitioned model's (a max is exact, whatever the order), and only the float32 sums of the
-matmuls (the row-parallel partial sums) are added in another order.
+matmuls (the row-parallel partial sums) are added in another order: ``verify``'s reference adds
+them in the ranks' order (:mod:`runtime.parallel.splitorder`).
 
 Example::
 
