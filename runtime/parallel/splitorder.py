@@ -28,8 +28,9 @@ Each FP8 cast is already the whole tensor's on the ranks (amaxes all-reduced,
 chunk of the cast.  Adding two partials is exact whichever comes first, so with
 ``tp = 2`` these sums are bit for bit the ranks'; with more ranks the all-reduce's
 order is the collective's own and the sums agree to float32 rounding only.
-Everything else (norms, attention, elementwise ops) computes each element alone and
-is left as captured.
+Everything else is left as captured: norms, attention (split by heads, or kept whole)
+and elementwise ops compute each element alone, and what the ranks sum over their
+tokens (a replicated parameter's gradient) no FP8 cast reads.
 
 Example::
 
@@ -284,7 +285,7 @@ class VocabularyParallelLoss(TorchDispatchMode):
         x = args[0] if func in (_aten._log_softmax.default, _aten.nll_loss_forward.default) else args[1]
         dim = {_aten._log_softmax.default: 1, _aten._log_softmax_backward_data.default: 2}.get(func)
         weight = {_aten.nll_loss_forward.default: 2, _aten.nll_loss_backward.default: 3}.get(func)
-        along = args[dim] % 2 == 1 if dim is not None else True
+        along = dim is None or args[dim] in (1, -1)
         plain = weight is None or args[weight] is None
         return bool(x.dim() == 2 and along and plain and x.shape[1] == self.vocabulary)
 
