@@ -793,17 +793,28 @@ class _WholeGraph(nn.Module):
         return self.captured.unflatten_outputs(self.gm(*flat))
 
 
-def _fp8_reference(plan: Plan, model: nn.Module) -> nn.Module:
-    """The whole model as an fp8 plan's ranks run it: its captured graph with the same FP8 matmuls.
+def _fp8_reference(plan: Plan, model: nn.Module) -> tuple[nn.Module, contextlib.AbstractContextManager[Any]]:
+    """The whole model as an fp8 plan's ranks run it: its captured graph with the same FP8 matmuls, and a
+    context to hold around its forward and backward (the loss, vocabulary-parallel under ``tp > 1``).
 
-    The graph reads the model's own parameters (capture keeps them), so loading the model's state loads it.
+    Under ``tp > 1`` the split layers and the loss also add their float32 partial sums in the ranks' order
+    (:mod:`runtime.parallel.splitorder`): a last-bit difference would otherwise move some FP8 cast a whole
+    FP8 step, and the gradients below it by ~1e-3.  The graph reads the model's own parameters (capture keeps
+    them), so loading the model's state loads it.
     """
     from partitioner.graph.fp8 import fp8_matmuls
+    from partitioner.graph.tensorparallel import find_tensor_parallel
+    from runtime.parallel.splitorder import VocabularyParallelLoss, split_order
     from runtime.state.fp8 import convert_graph
 
     captured, _ = recapture(plan, model)
-    convert_graph(captured.graph_module, fp8_matmuls(captured.graph_module), recipe=plan.fp8_recipe)
-    return _WholeGraph(captured)
+    if plan.tp > 1:  # the split layers' roles, as the ranks find them (runtime.execute.stage)
+        find_tensor_parallel(captured)
+    gm = captured.graph_module
+    convert_graph(gm, fp8_matmuls(gm), recipe=plan.fp8_recipe)
+    if plan.tp == 1:
+        return _WholeGraph(captured), contextlib.nullcontext()
+    return _WholeGraph(captured), VocabularyParallelLoss(split_order(gm, plan.tp), plan.tp)
 
 
 def _reference_loss(
@@ -886,14 +897,14 @@ def _compare_steps(
     start = _compare_state(ranks, {**{n: p.detach() for n, p in params.items()}, **dict(buffers)},
                            ("params", "buffers"), 0, tolerance)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    runs: nn.Module = model if plan.precision != "fp8" else _fp8_reference(plan, model)
+    runs, split_loss = (model, contextlib.nullcontext()) if plan.precision != "fp8" else _fp8_reference(plan, model)
     derandomised = Derandomised()
     per_step: list[StepComparison] = []
     losses: list[float] = []
     read: set[str] = set()  # parameters the reference gave a gradient in some step
     held_buffers = {alias for r in ranks for name in r["buffers"][0] for alias in {name} | aliases.get(name, set())}
     unheld = {n: b.detach().clone() for n, b in buffers.items() if n not in held_buffers}
-    with _one_thread(), derandomised:
+    with _one_thread(), derandomised, split_loss:
         for step in range(steps):
             _load(params, _pick(ranks, "params", step, replica=None, aliases=aliases))
             # Each step from a fresh copy of the batch, as the ranks take it: a model may write its inputs.

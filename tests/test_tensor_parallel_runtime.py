@@ -14,8 +14,8 @@ recomputation and under zb-h1 with clipping, and at tp=4 with an eval step.  The
 slow tier adds examples/gpt.py at tp=2 x pp=2 x dp=2 (replicas averaged, not
 sharded) on eight ranks.
 
-Without ranks: the placements each role gets, the rewritten graph, and the plans
-the runtime refuses.
+Without ranks: the placements each role gets, the rewritten graph (a pair kept whole
+reading gathered values), and the plans the runtime refuses.
 """
 
 from __future__ import annotations
@@ -244,6 +244,25 @@ def test_the_rewritten_stage_all_gathers_once_per_value_and_reduce_scatters_afte
     assert sum(n.target is head_parallel_attention for n in calls) == 4
     assert wire_shape((2, 32, 64), "float32", 2) == (2, 16, 64) and wire_shape((2, 32), "int64", 2) == (2, 32)
     assert wire_shape((2, 7, 64), "float32", 2) == (2, 7, 64)  # the sequence does not split: travels whole
+
+
+def test_a_pair_kept_whole_runs_on_gathered_values() -> None:
+    """GPT's fused c_attn keeps its attention whole: as priced, every rank runs it whole on the gathered sequence
+    (on split tokens DTensor would sum its key and value gradients over the ranks, in another order)."""
+    from partitioner.graph.ir import VALUE_KEY
+    from partitioner.graph.tensorparallel import WHOLE_KEY
+
+    gm = _captured(GPT)
+    _rewrite(gm)
+    gathers = [n for n in gm.graph.nodes if n.target is replicated]
+    assert len(gathers) == 2 * 4 + 1  # per block the attention's input and the MLP's; the LM head's
+    for block in range(4):
+        c_attn = next(n for n in gm.graph.nodes if str(n.target) == f"blocks.{block}.attn.c_attn")
+        assert c_attn.meta.get(WHOLE_KEY) and c_attn.args[0].target is replicated
+    entering = [a for n in gm.graph.nodes if n.meta.get(WHOLE_KEY) for a in n.all_input_nodes
+                if not a.meta.get(WHOLE_KEY) and a.op != "get_attr"]
+    assert entering and all(a.target is replicated or a.meta[VALUE_KEY].dtype != "float32" for a in entering), \
+        "a node kept whole reads a floating value not gathered"
 
 
 def test_plans_the_runtime_cannot_run_are_refused_with_the_fix(tmp_path: Path) -> None:

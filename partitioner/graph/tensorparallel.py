@@ -39,7 +39,7 @@ everything else are replicated (split along the sequence with sequence
 parallelism).
 
 :func:`find_tensor_parallel` writes each split node's :class:`TPRole` under
-:data:`TP_KEY` in ``node.meta`` and returns a :class:`TPLayout` (plain data, no
+:data:`TP_KEY` in ``node.meta`` (and ``True`` under :data:`WHOLE_KEY` on the nodes of a pair kept whole) and returns a :class:`TPLayout` (plain data, no
 torch: the solver's side reads it).  A graph without any pair gets an empty
 layout whose ``reason`` says why (the plan keeps ``tp = 1`` and the report
 says so).  Only names are read here: this module imports without torch.
@@ -70,9 +70,10 @@ if TYPE_CHECKING:
 
     from partitioner.graph.capture import CapturedModel
 
-__all__ = ["TP_KEY", "TPLayout", "TPPattern", "TPRole", "degrees", "find_tensor_parallel"]
+__all__ = ["TP_KEY", "WHOLE_KEY", "TPLayout", "TPPattern", "TPRole", "degrees", "find_tensor_parallel"]
 
 TP_KEY = "autopartition_tp"  # node.meta key: the node's TPRole (split nodes only)
+WHOLE_KEY = "autopartition_tp_whole"  # node.meta key: True on the nodes of a pair kept whole (TPLayout.whole)
 
 PatternKind = Literal["attention", "mlp", "embedding", "head"]
 RoleKind = Literal["column", "row", "inner", "embedding", "head", "vocab"]
@@ -233,6 +234,7 @@ def find_tensor_parallel(captured: CapturedModel) -> TPLayout:
     nodes = [n for n in gm.graph.nodes if n.meta.get(KIND_KEY) == "compute"]
     for n in gm.graph.nodes:
         n.meta.pop(TP_KEY, None)
+        n.meta.pop(WHOLE_KEY, None)
     linears = {n for n in nodes if _is_linear(gm, n)}
     roles: dict[str, TPRole] = {}
     patterns: list[TPPattern] = []
@@ -287,6 +289,8 @@ def find_tensor_parallel(captured: CapturedModel) -> TPLayout:
     for n in gm.graph.nodes:
         if n.name in roles:
             n.meta[TP_KEY] = roles[n.name]
+        elif n.name in whole:
+            n.meta[WHOLE_KEY] = True
     pairs = any(p.kind in ("attention", "mlp") for p in patterns)
     reason = "" if pairs else NO_PATTERN if not refused else (
         "no column/row pair keeps its split: " + "; ".join(f"{row}: {why}" for row, why in refused.items()))

@@ -30,7 +30,9 @@ found in the captured graph (:func:`parameter_placements`):
   along the sequence), the LM head by vocabulary columns: the loss runs on its
   split logits under torch's ``loss_parallel`` (:func:`tensor_parallel_step`);
 * everything else (norms, position embeddings, key/value projections whose heads
-  ``tp`` does not divide: grouped-query attention replicates them) replicated.
+  ``tp`` does not divide: grouped-query attention replicates them) replicated; a
+  pair kept whole (``TPLayout.whole``: GPT's fused ``c_attn``) runs whole on every
+  rank, what enters it all-gathered first, as the planner prices it.
 
 ``parallelize_module`` itself needs the modules to be called as local-shape
 code (``use_local_output``); a captured stage is one graph whose views carry the
@@ -76,8 +78,8 @@ from torch.utils import _pytree as pytree
 
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import buffers_written
-from partitioner.graph.ir import KIND_KEY, node_parameters
-from partitioner.graph.tensorparallel import TP_KEY, TPRole
+from partitioner.graph.ir import KIND_KEY, VALUE_KEY, node_parameters
+from partitioner.graph.tensorparallel import TP_KEY, WHOLE_KEY, TPRole
 from partitioner.plan import Plan
 from runtime.execute.wire import sequence_split
 
@@ -225,6 +227,8 @@ def _carrying_hooks(old: torch.Tensor, new: nn.Parameter) -> nn.Parameter:
 
 
 def _rewrite(gm: fx.GraphModule) -> None:
+    from runtime.execute.meetings import writes_in_place
+
     graph = gm.graph
     gathered_inputs: dict[fx.Node, fx.Node] = {}  # a value the columns read -> its all-gathered copy (one per value)
     _writes_on_whole_values(gm)
@@ -241,6 +245,17 @@ def _rewrite(gm: fx.GraphModule) -> None:
             node.target = whole_call
             continue
         role: TPRole | None = node.meta.get(TP_KEY)
+        if role is None and node.meta.get(WHOLE_KEY) and not writes_in_place(gm, node):
+            # A pair kept whole runs whole on every rank, as the planner prices it: what enters it is gathered.
+            # On sequence-split values DTensor would split its attention's matmuls by tokens, and sum the
+            # key and value gradients' partials over the ranks: another float32 order than the whole model's.
+            for source in [a for a in node.all_input_nodes if not a.meta.get(WHOLE_KEY) and a.op != "get_attr"
+                           and not _is_parameter(a) and _floating(a)]:
+                if source not in gathered_inputs:
+                    with graph.inserting_after(source):
+                        gathered_inputs[source] = graph.call_function(replicated, (source,))
+                node.replace_input_with(source, gathered_inputs[source])
+            continue
         if role is None:
             continue
         if role.role in ("column", "head"):  # Megatron-SP's all-gather of the sequence before the columns
@@ -363,6 +378,12 @@ def whole_call(name: str, *args: Any, **kwargs: Any) -> Any:
     result = op(*(_whole(a) for a in args), **{k: _whole(v) for k, v in kwargs.items()})
     return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False),
                                 result)
+
+
+def _floating(node: fx.Node) -> bool:
+    """Whether ``node`` makes a floating-point tensor (what the sequence split applies to), or may (unknown)."""
+    info = node.meta.get(VALUE_KEY)
+    return info is None or (info.kind == "tensor" and info.dtype.startswith(("float", "bfloat")))
 
 
 def _is_parameter(node: fx.Node) -> bool:

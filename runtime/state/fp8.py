@@ -31,7 +31,8 @@ torchao's Float8 with tensor parallelism does.  A column-parallel linear (weight
 output rows) reads its input whole; a row-parallel one (weight split by input features) reads
 it split along features and leaves a pending sum.  Each FP8 cast is then bit for bit the
 unpartitioned model's (a max is exact, whatever the order), and only the float32 sums of the
-matmuls (the row-parallel partial sums) are added in another order.
+matmuls (the row-parallel partial sums) are added in another order: ``verify``'s reference adds
+them in the ranks' order (:mod:`runtime.parallel.splitorder`).
 
 Example::
 
@@ -63,7 +64,7 @@ from partitioner.errors import AutopartitionError
 from partitioner.graph.fp8 import FP8Matmul
 from partitioner.graph.ir import KIND_KEY
 
-__all__ = ["RUNNABLE_RECIPES", "convert_graph", "fp8_linear", "quantize"]
+__all__ = ["RUNNABLE_RECIPES", "convert_graph", "fp8_linear", "quantize", "scaled_mm"]
 
 # Recipes this runtime runs (mxfp8 needs Blackwell's block-scaled _scaled_mm layouts).
 RUNNABLE_RECIPES = ("tensorwise", "rowwise")
@@ -105,7 +106,7 @@ def _quantize_split(t: torch.Tensor, dtype: torch.dtype, *, dim: int | None, spl
     return (wide / scale).clamp(-limit, limit).to(dtype), scale
 
 
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, *, rowwise: bool,
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, *, rowwise: bool,
                out_dtype: torch.dtype, a_q: tuple[torch.Tensor, torch.Tensor] | None = None,
                b_q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``a @ b`` (2-d) in FP8: ``a`` scaled per row (or whole) and ``b`` per column, as ``torch._scaled_mm`` takes them.
@@ -156,7 +157,7 @@ class _FP8Linear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, rowwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         xq = quantize(x2, _E4M3, dim=1 if rowwise else None)
-        y = _scaled_mm(x2, w.t(), _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype, a_q=xq)
+        y = scaled_mm(x2, w.t(), _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype, a_q=xq)
         ctx.save_for_backward(xq[0], xq[1], w)  # the input as its FP8 cast (1 byte per element)
         ctx.rowwise, ctx.x_shape, ctx.x_dtype = rowwise, x.shape, x.dtype
         return y.reshape(*x.shape[:-1], w.shape[0])
@@ -168,11 +169,11 @@ class _FP8Linear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = _scaled_mm(g2, w, _E5M2, _E4M3, rowwise=rowwise, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = scaled_mm(g2, w, _E5M2, _E4M3, rowwise=rowwise, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # tensorwise: the forward's cast as it is; rowwise: dequantised and cast again per column
             x2 = xq.float() * xs
-            grad_w = _scaled_mm(g2.t(), x2, _E5M2, _E4M3, rowwise=rowwise, out_dtype=w.dtype,
+            grad_w = scaled_mm(g2.t(), x2, _E5M2, _E4M3, rowwise=rowwise, out_dtype=w.dtype,
                                 b_q=None if rowwise else (xq, xs))
         return grad_x, grad_w, None, None
 
@@ -195,7 +196,7 @@ class _FP8LinearShard(torch.autograd.Function):
         xq = _quantize_split(x2, _E4M3, dim=1 if rowwise else None, split=_axis("mk", split), group=group)
         wt = w.t()
         wq = _quantize_split(wt, _E4M3, dim=0 if rowwise else None, split=_axis("kn", split), group=group)
-        y = _scaled_mm(x2, wt, _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype, a_q=xq, b_q=wq)
+        y = scaled_mm(x2, wt, _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype, a_q=xq, b_q=wq)
         ctx.save_for_backward(xq[0], xq[1], w)
         ctx.rowwise, ctx.x_shape, ctx.x_dtype, ctx.split, ctx.group = rowwise, x.shape, x.dtype, split, group
         return y.reshape(*x.shape[:-1], w.shape[0])
@@ -209,7 +210,7 @@ class _FP8LinearShard(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gq = _quantize_split(g2, _E5M2, dim=1 if rowwise else None, split=_axis("mn", split), group=group)
             wq = _quantize_split(w, _E4M3, dim=0 if rowwise else None, split=_axis("nk", split), group=group)
-            grad_x = _scaled_mm(g2, w, _E5M2, _E4M3, rowwise=rowwise, out_dtype=ctx.x_dtype, a_q=gq,
+            grad_x = scaled_mm(g2, w, _E5M2, _E4M3, rowwise=rowwise, out_dtype=ctx.x_dtype, a_q=gq,
                                 b_q=wq).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             gt = g2.t()
@@ -218,7 +219,7 @@ class _FP8LinearShard(torch.autograd.Function):
                 xcast = _quantize_split(xq.float() * xs, _E4M3, dim=0, split=_axis("mk", split), group=group)
             else:
                 xcast = (xq, xs)  # its scale is already the whole input's
-            grad_w = _scaled_mm(gt, xq, _E5M2, _E4M3, rowwise=rowwise, out_dtype=w.dtype, a_q=gq, b_q=xcast)
+            grad_w = scaled_mm(gt, xq, _E5M2, _E4M3, rowwise=rowwise, out_dtype=w.dtype, a_q=gq, b_q=xcast)
         return grad_x, grad_w, None, None, None, None
 
 
