@@ -199,6 +199,10 @@ def test_fp8_plans_a_faster_step_with_the_same_state() -> None:
     assert 0.5 * a16 < a8 < a16
     assert fp8.precision == "fp8" and fp8.fp8_recipe == "tensorwise"
     assert Plan.from_json(fp8.to_json()).precision == "fp8"
+    # MFU is over the 16-bit peak (one peak for FP8 and bf16 matmuls): the report says so for the FP8 plan only.
+    from partitioner.report.table import assumptions
+    mfu = {p: dict(assumptions(plan))["MFU"] for p, plan in plans.items()}
+    assert "16-bit peak" in mfu["fp8"] and "16-bit" not in mfu["bf16-mixed"]
 
 
 def test_an_fp8_plan_that_does_not_fit_says_what_would() -> None:

@@ -259,6 +259,8 @@ def assumptions(plan: Plan) -> list[tuple[str, str]]:
         carried = f"{sends}; {reduces}"
     peak = (f"model FLOPs of a step (forward + backward, recomputation not counted) / ({plural(plan.gpus, 'GPU')} x "
             f"{cm.peak_flops / 1e12:,.4g} TFLOP/s x step)") if cm.peak_flops else "not known (no peak FLOP/s)"
+    if cm.peak_flops and plan.precision == "fp8":  # one peak for mixed FP8/bf16 matmuls (torchtitan: ill-defined)
+        peak += ": the 16-bit peak, though the FP8 matmuls run against the FP8 one, so an FP8 plan's MFU may pass 100%"
     return [
         ("precision", f"{plan.precision}: {kind}"),
         ("optimizer", (f"{plan.optimizer}, {cm.optimizer_states} {states} per parameter: "
