@@ -285,7 +285,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             "re-plan with --fp8-recipe tensorwise or rowwise.")
     w = weight.t() if transposed else weight
     device = x.device.type
-    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    out_dtype = x.dtype
+    if torch.is_autocast_enabled(device):
+        # One rule wherever the weight lives (as torchao under FSDP2's bf16 policy): under autocast the FP8 cast
+        # reads the weight's autocast (bf16) value, what FSDP2 gathers, so whole, sharded and tensor-parallel
+        # ranks and the verify reference cast the same bits; its gradient is computed in bf16 as autocast's.
+        out_dtype = torch.get_autocast_dtype(device)
+        w = w.to(out_dtype)
     with torch.autocast(device, enabled=False):
         if isinstance(x, DTensor) or isinstance(w, DTensor):  # tensor parallel: on each rank's shards
             y = _fp8_linear_tp(x, w, rowwise=recipe == "rowwise", out_dtype=out_dtype)
