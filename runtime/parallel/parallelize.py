@@ -37,6 +37,7 @@ from runtime.execute.runner import gradient_order
 from runtime.execute.stack import StackLayer, StageStack
 from runtime.execute.stage import LocalStage
 from runtime.parallel.experts import expert_parameters
+from runtime.parallel.fp8_gather import enable_fp8_all_gather, fp8_gathered_weights
 from runtime.parallel.replicate import (
     ReplicaReducer,
     broadcast_replicas,
@@ -201,6 +202,8 @@ def apply_fsdp(stack: StageStack) -> StageStack:
     runnables = shard_modules(stack.runnables, policy, stack.shard_mesh, precision=stack.plan.precision)
     if stack.deferred is not None:
         fill_shards(runnables, stack.held, stack.deferred, stack.device)
+    # Tensorwise FP8 linears' weights gathered as their FP8 casts (1 byte per element; runtime.parallel.fp8_gather).
+    enable_fp8_all_gather(runnables, fp8_gathered_weights(stack.held))
     sharded = ShardedStep(runnables, policy, splits_backward=stack.plan.schedule_data().splits_backward)
     return stack.with_layer(ShardingLayer(stack, sharded, list(runnables)), runnables=tuple(runnables), deferred=None)
 

@@ -157,7 +157,9 @@ class _FP8Linear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, rowwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         xq = quantize(x2, _E4M3, dim=1 if rowwise else None)
-        y = scaled_mm(x2, w.t(), _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype, a_q=xq)
+        wq = _gathered_cast(w)
+        y = scaled_mm(x2, w.t(), _E4M3, _E4M3, rowwise=rowwise, out_dtype=out_dtype, a_q=xq,
+                       b_q=None if wq is None else (wq[0].t(), wq[1]))
         ctx.save_for_backward(xq[0], xq[1], w)  # the input as its FP8 cast (1 byte per element)
         ctx.rowwise, ctx.x_shape, ctx.x_dtype = rowwise, x.shape, x.dtype
         return y.reshape(*x.shape[:-1], w.shape[0])
@@ -169,13 +171,20 @@ class _FP8Linear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = scaled_mm(g2, w, _E5M2, _E4M3, rowwise=rowwise, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = scaled_mm(g2, w, _E5M2, _E4M3, rowwise=rowwise, out_dtype=ctx.x_dtype,
+                                b_q=_gathered_cast(w)).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # tensorwise: the forward's cast as it is; rowwise: dequantised and cast again per column
             x2 = xq.float() * xs
             grad_w = scaled_mm(g2.t(), x2, _E5M2, _E4M3, rowwise=rowwise, out_dtype=w.dtype,
                                 b_q=None if rowwise else (xq, xs))
         return grad_x, grad_w, None, None
+
+
+def _gathered_cast(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A weight FSDP2 gathered as its tensorwise FP8 cast (:mod:`runtime.parallel.fp8_gather`): that cast, else None."""
+    cast_of = getattr(w, "fp8_cast", None)
+    return None if cast_of is None else cast(tuple[torch.Tensor, torch.Tensor], cast_of())
 
 
 def _axis(labels: str, split: str | None) -> int | None:
