@@ -20,17 +20,19 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["Float8Gathered", "enable_fp8_all_gather", "fp8_gathered_weights"]
+__all__ = ["FP8Gathers", "Float8Gathered", "enable_fp8_all_gather", "fp8_gathered_weights"]
 
 _aten = torch.ops.aten
 _E4M3 = torch.float8_e4m3fn
+_E4M3_MAX = torch.finfo(_E4M3).max
+_EPS = 1e-12  # runtime.state.fp8's amax floor
 
 
 class Float8Gathered(torch.Tensor):
@@ -50,7 +52,7 @@ class Float8Gathered(torch.Tensor):
         self.data_fp8 = data
         self.scale = scale
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"Float8Gathered(shape={tuple(self.shape)}, dtype={self.dtype}, scale={float(self.scale):.3g})"
 
     def fp8_cast(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,26 +88,67 @@ _KEEPS_CAST = {_aten.detach.default, _aten.alias.default, _aten.t.default, _aten
                _aten.view.default, _aten._unsafe_view.default}
 
 
-def _pre_all_gather(local: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
-                    module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
-    """FSDP2's ``fsdp_pre_all_gather`` of the shard ``local``: its FP8 cast with the whole weight's scale, as bytes
-    padded to FSDP2's shard size; the scale and the whole size as metadata."""
-    dtype = mp_policy.param_dtype or local.dtype
-    with torch.autocast(local.device.type, enabled=False):  # FSDP2 gathers inside the stage's autocast
-        # The weight as it is computed with (bf16 under FSDP2's policy: runtime/state/fp8.py's rule), cast
-        # with the whole weight's amax.
-        wide = local.to(dtype).float()
-        amax = wide.abs().amax() if wide.numel() else wide.new_zeros(())
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        limit = torch.finfo(_E4M3).max
-        scale = amax.clamp(min=1e-12) / limit
-        q = (wide / scale).clamp(-limit, limit).to(_E4M3).view(torch.uint8)  # every backend gathers bytes
-        rows = math.ceil(outer_size[0] / mesh.size())  # FSDP2 pads every shard to this many rows
-        if q.shape[0] != rows:
-            padded = torch.zeros((rows, *outer_size[1:]), dtype=torch.uint8, device=q.device)
-            padded[: q.shape[0]] = q
-            q = padded
-    return (q,), (scale, outer_size)
+def _amax(local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest |value| of a shard as the weight is computed with (``dtype``: bf16 under FSDP2's policy,
+    runtime/state/fp8.py's rule); 0 for an empty shard."""
+    wide = local.detach().to(dtype).float()
+    return wide.abs().amax() if wide.numel() else wide.new_zeros(())
+
+
+class FP8Gathers:
+    """This rank's weights FSDP2 gathers as FP8 casts (:func:`enable_fp8_all_gather`), and their scales.
+
+    :meth:`precompute` (before a training step's first forward) all-reduces every weight's amax at once, one
+    collective per step, as torchao's ``precompute_float8_dynamic_scale_for_fsdp``; :meth:`forget` (after the
+    step's last backward, before the optimizer moves the weights) drops them.  A gather without a precomputed
+    scale (an evaluation) all-reduces its weight's amax itself.  Every rank of a shard group holds the same
+    weights and calls these at the same points, so the collectives match.
+    """
+
+    def __init__(self) -> None:
+        self._shards: list[tuple[torch.Tensor, torch.dtype, dist.ProcessGroup]] = []
+        self._scales: dict[int, torch.Tensor] = {}  # id of a shard -> its weight's scale, this step
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    def add(self, local: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+        self._shards.append((local, dtype, group))
+        local.fsdp_pre_all_gather = functools.partial(self._pre_all_gather, local)  # type: ignore[attr-defined]
+        local.fsdp_post_all_gather = _post_all_gather  # type: ignore[attr-defined]
+
+    def precompute(self) -> None:
+        if not self._shards:
+            return
+        with torch.no_grad(), torch.autocast(self._shards[0][0].device.type, enabled=False):
+            amaxes = torch.stack([_amax(local, dtype) for local, dtype, _ in self._shards])
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self._shards[0][2])  # one shard group per rank
+            scales = amaxes.clamp(min=_EPS) / _E4M3_MAX
+        self._scales = {id(local): scale for (local, _, _), scale in zip(self._shards, scales, strict=True)}
+
+    def forget(self) -> None:
+        self._scales = {}
+
+    def _pre_all_gather(self, local: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                        module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """FSDP2's ``fsdp_pre_all_gather`` of the shard ``local``: its FP8 cast with the whole weight's scale, as
+        bytes (every backend gathers uint8) padded to FSDP2's shard size; the scale and the whole size as
+        metadata."""
+        dtype = mp_policy.param_dtype or local.dtype
+        with torch.no_grad(), torch.autocast(local.device.type, enabled=False):  # FSDP2 gathers under autocast
+            scale = self._scales.get(id(local))
+            if scale is None:
+                amax = _amax(local, dtype)
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+                scale = amax.clamp(min=_EPS) / _E4M3_MAX
+            wide = local.detach().to(dtype).float()
+            q = (wide / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(_E4M3).view(torch.uint8)
+            rows = math.ceil(outer_size[0] / mesh.size())  # FSDP2 pads every shard to this many rows
+            if q.shape[0] != rows:
+                padded = torch.zeros((rows, *outer_size[1:]), dtype=torch.uint8, device=q.device)
+                padded[: q.shape[0]] = q
+                q = padded
+        return (q,), (scale, outer_size)
 
 
 def _post_all_gather(outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *,
@@ -120,8 +163,7 @@ def _post_all_gather(outputs: tuple[torch.Tensor, ...], metadata: Any, param_dty
                             "at its first gather: report this (its gathered parameter was replaced).")
         out.scale = scale
         return None
-    data = gathered.view(_E4M3)[: size[0]]
-    return Float8Gathered(data, scale, param_dtype), (gathered,)
+    return Float8Gathered(gathered.view(_E4M3)[: size[0]], scale, param_dtype), (gathered,)
 
 
 def fp8_gathered_weights(stages: Sequence[fx.GraphModule]) -> set[tuple[int, str]]:
@@ -132,7 +174,7 @@ def fp8_gathered_weights(stages: Sequence[fx.GraphModule]) -> set[tuple[int, str
     reads: dict[tuple[int, str], bool] = {}
     for stage in stages:
         for node in stage.graph.nodes:
-            if node.op != "get_attr":
+            if node.op != "get_attr" or not node.users:  # a read the FP8 rewrite left unused
                 continue
             path, _, name = str(node.target).rpartition(".")
             owner = stage.get_submodule(path)
@@ -141,16 +183,18 @@ def fp8_gathered_weights(stages: Sequence[fx.GraphModule]) -> set[tuple[int, str
             key = (id(owner), name)
             only = all(u.op == "call_function" and u.target is fp8_linear and u.args[1] is node
                        and u.kwargs.get("recipe", "tensorwise") == "tensorwise" for u in node.users)
-            reads[key] = reads.get(key, True) and only and bool(node.users)
+            reads[key] = reads.get(key, True) and only
     return {key for key, only in reads.items() if only}
 
 
-def enable_fp8_all_gather(units: Sequence[nn.Module], weights: set[tuple[int, str]]) -> int:
+def enable_fp8_all_gather(units: Sequence[nn.Module], weights: set[tuple[int, str]]) -> FP8Gathers:
     """Make FSDP2 gather each of ``weights`` (:func:`fp8_gathered_weights`) in ``units`` (FSDP2 units, sharded) as
-    its FP8 cast; how many.  Call it once their shards hold their storage (after :func:`~runtime.parallel.shard.fill_shards`)."""
+    its FP8 cast.  Call it once their shards hold their storage (after
+    :func:`~runtime.parallel.shard.fill_shards`): the hooks live on the shards' tensors."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
-    done = 0
+    gathers = FP8Gathers()
     for unit in units:
         for module in unit.modules():
             if not isinstance(module, FSDPModule):
@@ -162,8 +206,7 @@ def enable_fp8_all_gather(units: Sequence[nn.Module], weights: set[tuple[int, st
                             or fsdp_param._unsharded_dtensor_spec is not None:  # tied, or tensor parallel
                         continue
                     local = fsdp_param._sharded_local_tensor
-                    local.fsdp_pre_all_gather = functools.partial(_pre_all_gather, local)  # type: ignore[attr-defined]
-                    local.fsdp_post_all_gather = _post_all_gather  # type: ignore[attr-defined]
-                    fsdp_param._init_extensions()  # FSDP2 looks for the hooks once, at the parameter's sharding
-                    done += 1
-    return done
+                    gathers.add(local, fsdp_param.mp_policy.param_dtype or local.dtype,
+                                cast(FSDPMeshInfo, group.mesh_info).shard_process_group)
+                    fsdp_param._init_extensions()  # FSDP2 looks for the hooks once, as it shards the parameter
+    return gathers

@@ -37,7 +37,7 @@ from runtime.execute.runner import gradient_order
 from runtime.execute.stack import StackLayer, StageStack
 from runtime.execute.stage import LocalStage
 from runtime.parallel.experts import expert_parameters
-from runtime.parallel.fp8_gather import enable_fp8_all_gather, fp8_gathered_weights
+from runtime.parallel.fp8_gather import FP8Gathers, enable_fp8_all_gather, fp8_gathered_weights
 from runtime.parallel.replicate import (
     ReplicaReducer,
     broadcast_replicas,
@@ -149,8 +149,10 @@ def apply_tp(stack: StageStack) -> StageStack:
 class ShardingLayer(StackLayer):
     """This rank's shard mode: FSDP2 units driven across the step ("full"), ZeRO-1's optimizer ("optimizer")."""
 
-    def __init__(self, stack: StageStack, sharded: ShardedStep | None, units: list[nn.Module]) -> None:
+    def __init__(self, stack: StageStack, sharded: ShardedStep | None, units: list[nn.Module], *,
+                 fp8: FP8Gathers | None = None) -> None:
         self.mode = stack.shard_mode
+        self.fp8 = fp8  # weights gathered as FP8 casts: their scales precomputed once per step
         self.sharded = sharded
         self.units = units  # the FSDP2 units ("full"), each resharded after an evaluation
         self._rank = stack.rank
@@ -163,8 +165,12 @@ class ShardingLayer(StackLayer):
     def before_step(self) -> None:
         if self.sharded is not None:
             self.sharded.begin()
+        if self.fp8 is not None:
+            self.fp8.precompute()
 
     def reduce(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.forget()  # the optimizer moves the weights next
         if self.sharded is not None:
             self.sharded.end()  # one reduce-scatter per stage, averaged over the replicas
         elif self.mode == "optimizer" and not self._built_optimizer and not self._warned:
@@ -203,9 +209,10 @@ def apply_fsdp(stack: StageStack) -> StageStack:
     if stack.deferred is not None:
         fill_shards(runnables, stack.held, stack.deferred, stack.device)
     # Tensorwise FP8 linears' weights gathered as their FP8 casts (1 byte per element; runtime.parallel.fp8_gather).
-    enable_fp8_all_gather(runnables, fp8_gathered_weights(stack.held))
+    fp8 = enable_fp8_all_gather(runnables, fp8_gathered_weights(stack.held))
     sharded = ShardedStep(runnables, policy, splits_backward=stack.plan.schedule_data().splits_backward)
-    return stack.with_layer(ShardingLayer(stack, sharded, list(runnables)), runnables=tuple(runnables), deferred=None)
+    return stack.with_layer(ShardingLayer(stack, sharded, list(runnables), fp8=fp8), runnables=tuple(runnables),
+                            deferred=None)
 
 
 class TensorSplitLayer(StackLayer):
