@@ -426,3 +426,62 @@ def test_fp8_fully_sharded_training_equals_the_whole_graph_in_fp8(tmp_path: Path
                  for a, b in zip(r["losses"], want["losses"], strict=True))
     state = max(float((r["state"][k] - want["state"][k]).abs().max()) for r in ranks for k in r["state"])
     assert max(losses, state) <= 1e-6, (losses, state)
+
+
+def test_fully_sharded_fp8_weights_are_gathered_at_one_byte_per_element() -> None:
+    """A tensorwise fp8 plan's fully sharded stages gather the FP8 linears' weights as their FP8 casts
+    (runtime/parallel/fp8_gather.py): the ZeRO-3 and kept-gathered all-gathers priced at 1 byte per element."""
+    from partitioner.cost.comm import link
+    from partitioner.solve.formulate import GraphCosts, formulate, zero3_costs
+
+    graph = GraphCosts(blocks=(("a",), ("b",)), node_time_s={"a": 3e-4, "b": 3e-4},
+                       node_forward_s={"a": 1e-4, "b": 1e-4}, node_saved_bytes={"a": 0, "b": 0},
+                       node_output_bytes={"a": 0, "b": 0},
+                       parameter_bytes={"layers.0.w": 4 * 10**8, "layers.1.w": 4 * 10**8},
+                       parameter_elements={"layers.0.w": 10**8, "layers.1.w": 10**8},
+                       block_parameters=(("layers.0.w",), ("layers.1.w",)), edges=((0, 1),), block_sends=(0, 0))
+    fp8 = dataclasses.replace(graph, fp8_gathered=frozenset({"layers.0.w"}))
+    spec = DEVICES["h100"]
+    on = link(spec)
+    z = {name: zero3_costs(g, dp=2, spec=spec, precision="fp8", gpus_per_node=8)
+         for name, g in (("bf16", graph), ("fp8", fp8))}
+    assert z["bf16"].first_gather_s == pytest.approx(on.shard_seconds(2e8, 2))
+    assert z["fp8"].first_gather_s == pytest.approx(on.shard_seconds(1e8, 2))
+    assert z["fp8"].forward_s[0] <= z["bf16"].forward_s[0] and z["fp8"].forward_s[1] == z["bf16"].forward_s[1]
+    # Not under bf16-mixed (no FP8 casts to gather).
+    assert zero3_costs(fp8, dp=2, spec=spec, precision="bf16-mixed", gpus_per_node=8) == \
+        zero3_costs(graph, dp=2, spec=spec, precision="bf16-mixed", gpus_per_node=8)
+    # Kept gathered: each step's all-gather moves layers.0.w in 1 byte per element, the gradients' reduce-scatter
+    # in float32 as before.
+    kept = {name: formulate(g, dp=2, spec=spec, memory_limit=80e9, shard="full", precision="fp8")
+            for name, g in (("bf16", graph), ("fp8", fp8))}
+    assert kept["bf16"].allreduce_s[0] == pytest.approx(on.shard_seconds(4e8, 2, messages=0)
+                                                        + on.shard_seconds(2e8, 2, messages=0))
+    assert kept["fp8"].allreduce_s[0] == pytest.approx(on.shard_seconds(4e8, 2, messages=0)
+                                                       + on.shard_seconds(1e8, 2, messages=0))
+    assert kept["fp8"].allreduce_s[1] == kept["bf16"].allreduce_s[1]
+
+
+class _ReadTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(32, 16))
+        self.b = nn.Parameter(torch.randn(32, 32))
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.linear(x, self.a)
+        h = nn.functional.linear(h, self.b) + self.b.sum()  # b is read by more than its FP8 matmul
+        return self.head(h)
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_the_planner_finds_the_weights_gathered_as_fp8(method: str) -> None:
+    from partitioner.graph.fp8 import fp8_only_weights
+
+    gm = capture(gpt.build_model(), gpt.example_inputs(2), method=method).graph_module  # type: ignore[arg-type]
+    found = fp8_only_weights(gm)
+    assert found == {m.weight for m in fp8_matmuls(gm).values()} and len(found) == 16
+    gm = capture(_ReadTwice(), (torch.randn(8, 16),), method=method).graph_module  # type: ignore[arg-type]
+    assert sorted(m.weight for m in fp8_matmuls(gm).values()) == ["a", "b"]
+    assert sorted(fp8_only_weights(gm)) == ["a"]  # b: gathered in bf16

@@ -40,7 +40,7 @@ from torch import fx, nn
 
 from partitioner.graph.ir import KIND_KEY
 
-__all__ = ["FP8_MULTIPLE", "FP8Matmul", "fp8_matmuls"]
+__all__ = ["FP8_MULTIPLE", "FP8Matmul", "fp8_matmuls", "fp8_only_weights"]
 
 # Both dimensions of an FP8 weight must be multiples of this (torch._scaled_mm's layout rule).
 FP8_MULTIPLE = 16
@@ -80,6 +80,32 @@ def fp8_matmuls(gm: fx.GraphModule) -> dict[str, FP8Matmul]:
     for node in reversed(gm.graph.nodes):
         below[node] = any(u.name in found or below.get(u, False) for u in node.users)
     return {name: m for name, m in found.items() if below[_node(gm, name)]}
+
+
+def fp8_only_weights(gm: fx.GraphModule, matmuls: dict[str, FP8Matmul] | None = None) -> frozenset[str]:
+    """The FP8 matmuls' weights (``matmuls``, default :func:`fp8_matmuls` of ``gm``) that no other node reads.
+
+    A fully sharded stage gathers these as their FP8 casts (tensorwise: ``runtime/parallel/fp8_gather.py``,
+    which finds the same ones in the rewritten stage graphs); a weight read elsewhere too is gathered in bf16.
+
+    >>> m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    >>> from partitioner.graph.capture import capture
+    >>> sorted(fp8_only_weights(capture(m, (torch.randn(4, 32),)).graph_module))
+    ['0.weight']
+    """
+    matmuls = fp8_matmuls(gm) if matmuls is None else matmuls
+    weights = {m.weight for m in matmuls.values()}
+
+    def fp8_only(node: fx.Node) -> bool:  # a read of a weight: every user an FP8 matmul, or its transpose
+        return all(u.name in matmuls or (_transposed_parameter(gm, u) is not None
+                                         and all(v.name in matmuls for v in u.users)) for u in node.users)
+
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in weights and not fp8_only(node):
+            weights.discard(str(node.target))
+        elif node.op == "call_module" and f"{node.target}.weight" in weights and node.name not in matmuls:
+            weights.discard(f"{node.target}.weight")
+    return frozenset(weights)
 
 
 def _node(gm: fx.GraphModule, name: str) -> fx.Node:

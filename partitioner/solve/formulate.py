@@ -192,6 +192,9 @@ class GraphCosts:
     node_weight_s: dict[str, float] = dataclasses.field(default_factory=dict)  # W share of the backward (nodes with one)
     node_writes_in_place: frozenset[str] = frozenset()  # nodes writing an input in place (no per-op recomputation)
     fp8_nodes: frozenset[str] = frozenset()  # linear matmuls --precision fp8 runs in FP8 (NodeCost.fp8_matmul)
+    # Canonical names of the weights a fully sharded stage gathers as FP8 casts, 1 byte per element
+    # (tensorwise fp8 plans without tensor parallelism: runtime/parallel/fp8_gather.py, graph.fp8.fp8_only_weights)
+    fp8_gathered: frozenset[str] = frozenset()
     split_overhead_s: float = 0.0  # host seconds a split backward adds per parameter-reading node
     split_share: float = 0.0  # and this share of the node's forward + backward seconds
     split_forward: float = 0.0  # the part of the split's cost spent in F
@@ -575,7 +578,8 @@ def formulate(
         else:
             held, fast, slow = _dense_state(
                 precision, optimizer_states, elements=elements, nbytes=nbytes, dp=dp, base=base, zero3=zero3,
-                sharded=sharded, shards=shards, hsdp=hsdp, links=(intra, inter, ring), bucket_cap_mb=bucket_cap_mb)
+                sharded=sharded, shards=shards, hsdp=hsdp, links=(intra, inter, ring), bucket_cap_mb=bucket_cap_mb,
+                fp8_gathered=precision == "fp8" and p in graph.fp8_gathered)
         if len(blocks) == 1:
             static[blocks[0]] += held
             allreduce[blocks[0]] += fast
@@ -643,8 +647,9 @@ _PROBLEM_FIELDS = frozenset(f.name for f in dataclasses.fields(PartitionProblem)
 
 def _dense_state(precision: str, optimizer_states: int, *, elements: float, nbytes: float, dp: int, base: str,
                  zero3: bool, sharded: bool, shards: int, hsdp: bool, links: tuple[Link, Link, Link],
-                 bucket_cap_mb: float) -> tuple[float, float, float]:
-    """(bytes held, collective seconds inside a node, across nodes) of one parameter under the stage's mode."""
+                 bucket_cap_mb: float, fp8_gathered: bool = False) -> tuple[float, float, float]:
+    """(bytes held, collective seconds inside a node, across nodes) of one parameter under the stage's mode
+    (``fp8_gathered``: a ``full`` stage gathers it as its FP8 cast, 1 byte per element)."""
     intra, inter, ring = links
     held = state_bytes(precision, optimizer_states, elements=elements, model_bytes=nbytes)
     grads = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
@@ -660,7 +665,8 @@ def _dense_state(precision: str, optimizer_states: int, *, elements: float, nbyt
     once = functools.partial(
         shard_step_seconds, base, gradient_bytes=grads,
         weight_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes),
-        gathered_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True))
+        gathered_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True)
+        - _fp8_gather_saving(precision, elements if fp8_gathered else 0.0))
     # HSDP: gathered and reduce-scattered inside the node, the shard's gradients all-reduced across nodes.
     slow = once(shards, intra) + inter.allreduce_seconds(grads / shards, dp // shards) if hsdp else once(dp, ring)
     return held, once(dp, intra), slow
@@ -778,13 +784,17 @@ def zero3_costs(
     hsdp = shards < dp
     on = ring_link(spec, crosses=crosses and not hsdp, members_per_node=members_per_node(dp, gpus_per_node))
     inter = link(spec, inter_node=True)
+    fp8 = graph.fp8_gathered if precision == "fp8" else frozenset()
     units: dict[str, tuple[float, float]] = {}  # unit (layer or module) -> (elements, model bytes)
+    unit_fp8: dict[str, float] = {}  # unit -> its elements gathered as FP8 casts
     for name, nbytes in graph.parameter_bytes.items():
         elements = graph.parameter_elements.get(name, nbytes / 4)
         owner = name.rpartition(".")[0]
         key = layer_of(owner) if unit == "layer" else owner
         e, b = units.get(key, (0.0, 0.0))
         units[key] = (e + elements, b + nbytes)
+        if name in fp8:
+            unit_fp8[key] = unit_fp8.get(key, 0.0) + elements
     largest = max(units.values(), key=lambda eb: eb[1], default=(0.0, 0.0))
     # A stage's first unit in a pass is one of its layers' (the embedding or the LM head only at the ends).
     layers = [eb for name, eb in units.items() if any(part.isdigit() for part in name.split("."))]
@@ -802,7 +812,8 @@ def zero3_costs(
             forward.append(0.0)
             backward.append(0.0)
             continue
-        w = weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True)
+        w = weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True) - _fp8_gather_saving(
+            precision, sum(graph.parameter_elements.get(p, 0) for p in graph.block_parameters[b] if p in fp8))
         g = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
         across = inter.allreduce_seconds(g / shards, dp // shards) if hsdp else 0.0
         f = scale * sum(graph.node_forward_s[m] for m in members)
@@ -815,10 +826,18 @@ def zero3_costs(
         forward.append(fe)
         backward.append(be)
     e, nb = first_unit
-    first = on.shard_seconds(weight_bytes(precision, elements=e, model_bytes=nb, compute=True), shards) if nb else 0.0
+    first_fp8 = next((unit_fp8.get(k, 0.0) for k, eb in units.items() if eb is first_unit), 0.0)
+    first = on.shard_seconds(weight_bytes(precision, elements=e, model_bytes=nb, compute=True)
+                             - _fp8_gather_saving(precision, first_fp8), shards) if nb else 0.0
     e, nb = largest
     return Zero3Costs(tuple(forward), tuple(backward), first,
                       zero3_transient_bytes(precision, elements=e, model_bytes=nb) if nb else 0.0)
+
+
+def _fp8_gather_saving(precision: str, elements: float) -> float:
+    """Bytes an all-gather saves on ``elements`` gathered as FP8 casts (1 byte each) rather than as
+    :func:`~partitioner.cost.precision.weight_bytes` ``compute`` gives them (bf16 under fp8: 2)."""
+    return elements * (weight_bytes(precision, elements=1, model_bytes=4, compute=True) - 1) if elements else 0.0
 
 
 def _layer_runs(gm: Any) -> list[tuple[str, ...]]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from partitioner.cost.calibration import Calibration
@@ -19,6 +21,7 @@ from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.experts import DEFAULT_IMBALANCE
 from partitioner.cost.nodecost import NodeCost, SplitOverhead
 from partitioner.cost.precision import DEFAULT_FP8_RECIPE
+from partitioner.graph.fp8 import fp8_only_weights
 from partitioner.solve.formulate import GraphCosts, formulate, graph_costs, node_times
 from partitioner.solve.problem import PartitionProblem
 
@@ -99,8 +102,19 @@ class ScaledCosts:
                     block_sends=tuple(round(b * factor) for b in graph.block_sends),
                     expert_layers=tuple(layer._replace(tokens=layer.tokens * factor) for layer in graph.expert_layers),
                 )
+            if o.precision == "fp8" and getattr(o, "fp8_recipe", DEFAULT_FP8_RECIPE) == "tensorwise":
+                graph = dataclasses.replace(graph, fp8_gathered=self._fp8_gathered_names)
             self._graphs[microbatches] = graph
         return self._graphs[microbatches]
+
+    @functools.cached_property
+    def _fp8_gathered_names(self) -> frozenset[str]:
+        """Canonical names of the weights a fully sharded stage gathers as FP8 casts (GraphCosts.fp8_gathered):
+        those only FP8 matmuls read, each under one name (FSDP2 gathers a tied one in bf16)."""
+        names = self.captured.parameter_names
+        seen = Counter(names.values())
+        return frozenset(names[w] for w in fp8_only_weights(self.captured.graph_module)
+                         if w in names and seen[names[w]] == 1)
 
     def with_ep(self, ep: int) -> ScaledCosts:
         """These costs priced for expert parallelism ``ep`` (the graphs and problems kept are shared)."""

@@ -187,6 +187,7 @@ def tensor_parallel_costs(
         parameter_elements=elements,
         block_sends=tuple(round(b / (tp if sequence_parallel else 1)) for b in graph.block_sends),
         loss_s=(graph.loss_s[0] / tp, graph.loss_s[1] / tp) if head else graph.loss_s,
+        fp8_gathered=frozenset(),  # FSDP2 gathers tensor-parallel weights (DTensors) in bf16
     )
 
 
