@@ -485,3 +485,14 @@ def test_the_planner_finds_the_weights_gathered_as_fp8(method: str) -> None:
     gm = capture(_ReadTwice(), (torch.randn(8, 16),), method=method).graph_module  # type: ignore[arg-type]
     assert sorted(m.weight for m in fp8_matmuls(gm).values()) == ["a", "b"]
     assert sorted(fp8_only_weights(gm)) == ["a"]  # b: gathered in bf16
+
+
+def test_the_report_says_fp8_weights_are_gathered_in_fp8() -> None:
+    from partitioner.report.table import shard_summary
+
+    plan = compile(gpt.build_model(), gpt.example_inputs(8), gpus=2, device="h100", precision="fp8", microbatches=2,
+                   pp=1, dp=2)
+    full = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard="full") for s in plan.stages))
+    assert "all-gathered as their FP8 casts (1 byte per element" in shard_summary(full)
+    assert "FP8 casts" not in shard_summary(dataclasses.replace(full, fp8_recipe="rowwise"))
+    assert "FP8 casts" not in shard_summary(plan)  # not sharded

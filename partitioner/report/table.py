@@ -197,6 +197,9 @@ def shard_summary(plan: Plan) -> str:
             units = max(s.predicted.gathered_bytes for s in plan.stages)
             held += (f" + at most {format_bytes(units)} of layers gathered (the largest one's weights and gradients, "
                      "the next one's weights, the previous one's reduce-scatter input)")
+        if mode == "full" and plan.precision == "fp8" and plan.fp8_recipe == "tensorwise" and plan.tp == 1:
+            held += (", the FP8 linears' weights all-gathered as their FP8 casts (1 byte per element; scales from "
+                     "one amax all-reduce per step)")
         parts.append(f"{words.get(label, label)} on {where}: {held}")
     return "; ".join(parts)
 

@@ -21,7 +21,6 @@ from partitioner.cost.devices import DeviceSpec
 from partitioner.cost.experts import DEFAULT_IMBALANCE
 from partitioner.cost.nodecost import NodeCost, SplitOverhead
 from partitioner.cost.precision import DEFAULT_FP8_RECIPE
-from partitioner.graph.fp8 import fp8_only_weights
 from partitioner.solve.formulate import GraphCosts, formulate, graph_costs, node_times
 from partitioner.solve.problem import PartitionProblem
 
@@ -111,6 +110,8 @@ class ScaledCosts:
     def _fp8_gathered_names(self) -> frozenset[str]:
         """Canonical names of the weights a fully sharded stage gathers as FP8 casts (GraphCosts.fp8_gathered):
         those only FP8 matmuls read, each under one name (FSDP2 gathers a tied one in bf16)."""
+        from partitioner.graph.fp8 import fp8_only_weights  # torch: the solver imports without it
+
         names = self.captured.parameter_names
         seen = Counter(names.values())
         return frozenset(names[w] for w in fp8_only_weights(self.captured.graph_module)
