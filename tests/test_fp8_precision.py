@@ -298,7 +298,7 @@ def test_a_tensor_parallel_fp8_reference_computes_the_split_layers_per_rank() ->
 def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: int, tp: int = 1,
             recipe: str = "tensorwise", steps: int = 2, model: str = "gpt", shard: str = "none") -> None:
     """Verify an fp8 plan; ``shard``: every stage ``none``, ``full`` (FSDP2, kept gathered) or ``zero3`` (FSDP2,
-    resharded after forward)."""
+    resharded after forward), ``hsdp-zero3`` (zero3 sharded inside nodes of 2 GPUs, replicated across them)."""
     from partitioner.modelfile import load_model_file
     from runtime.verify import verify
 
@@ -309,11 +309,12 @@ def _verify(tmp_path: Path, schedule: str, *, pp: int, dp: int, microbatches: in
     plan = compile(model_file.build(), model_file.example_inputs(8), gpus=pp * dp * tp, device="h100",
                    precision="fp8", fp8_recipe=recipe, schedule=schedule, loss_fn=model_file.loss_fn,
                    target=model_file.example_target(8), pp=pp, dp=dp, tp=tp, microbatches=microbatches,
-                   gpus_per_node=max(tp, 1))
+                   gpus_per_node=2 if shard.startswith("hsdp") else max(tp, 1))
     assert (plan.tp, plan.pp, plan.fp8_recipe) == (tp, pp, recipe)
     if shard != "none":
         plan = dataclasses.replace(plan, stages=tuple(
-            dataclasses.replace(s, shard="full", reshard_after_forward=shard == "zero3", shard_span="world")
+            dataclasses.replace(s, shard="full", reshard_after_forward=shard.endswith("zero3"),
+                                shard_span="node" if shard.startswith("hsdp") else "world")
             for s in plan.stages))
     plan.save(tmp_path)
     result = verify(tmp_path, spec, steps=steps)
@@ -328,9 +329,15 @@ def test_verify_fp8_pp2_dp2_1f1b(tmp_path: Path) -> None:
 
 # FSDP2 (issue: FP8 with sharded replicas): the FP8 casts read the gathered weights, which must be the whole ones.
 @pytest.mark.slow
-@pytest.mark.parametrize(("pp", "dp", "shard"), [(2, 2, "full"), (2, 2, "zero3"), (1, 4, "zero3")])
+@pytest.mark.parametrize(("pp", "dp", "shard"), [(2, 2, "full"), (2, 2, "zero3"), (1, 4, "zero3"),
+                                                 (1, 4, "hsdp-zero3")])
 def test_verify_fp8_fully_sharded(tmp_path: Path, pp: int, dp: int, shard: str) -> None:
     _verify(tmp_path, "1f1b", pp=pp, dp=dp, microbatches=2, shard=shard)
+
+
+@pytest.mark.slow
+def test_verify_fp8_fully_sharded_zbv(tmp_path: Path) -> None:  # W's weight gradients on the FP8-gathered weights
+    _verify(tmp_path, "zbv", pp=2, dp=2, microbatches=4, shard="full", model="llama")
 
 
 @pytest.mark.slow
