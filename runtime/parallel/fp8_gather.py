@@ -10,9 +10,21 @@ its scale, which :func:`~runtime.state.fp8.fp8_linear` multiplies as it is.  A c
 once the scale is the whole weight's, so the gathered bytes are the whole weight's cast, bit for
 bit: the same training as without it.
 
-The hooks are FSDP2's documented all-gather extensions, ``fsdp_pre_all_gather`` and
-``fsdp_post_all_gather`` on the sharded parameter's local tensor
-(``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``), here bound to that tensor object.
+The hooks are FSDP2's all-gather extensions, ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``
+on the sharded parameter's local tensor (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``,
+torch 2.13's five-argument signature).  torchao makes the parameter a tensor subclass that
+carries them through every op (the optimizer's, checkpoints'); here they are bound to the plain
+local tensor FSDP2 already made, so the optimizer, clipping and checkpoints see plain shards, and
+FSDP2 is told once (``FSDPParam._init_extensions``, which it otherwise runs only as it shards).  An
+operation that replaces a shard's tensor object (``load_state_dict(assign=True)``) drops its hooks:
+that weight is then gathered in bf16, as without them, with the same numbers.  The scales of a
+step are precomputed by :class:`FP8Gathers` in one all-reduce.
+
+Example (the gathered weight: views keep the cast, any other op reads its value)::
+
+    >>> w = Float8Gathered(torch.tensor([[1.0, -448.0]]).to(torch.float8_e4m3fn), torch.tensor(0.5), torch.float32)
+    >>> w.t().fp8_cast()[0].shape, float(w.t().fp8_cast()[1]), (w * 2).tolist()
+    (torch.Size([2, 1]), 0.5, [[1.0, -448.0]])
 """
 
 from __future__ import annotations
