@@ -159,3 +159,12 @@ def test_fsdp2_gathers_fp8_weights_and_trains_as_the_whole_graph(tmp_path: Path)
         # 1 byte per element: 48 x 32 (16 rows a rank) and 64 x 48 (22 rows a rank, padded) gathered as uint8.
         assert sorted(r["buffers"]) == [("torch.uint8", 48 * 32), ("torch.uint8", 3 * 22 * 48)], r
         assert r["step_reduces"] == [1, 1] and r["eval_reduces"] == 2, r
+
+
+def test_a_torch_without_the_fsdp2_internals_gathers_bf16_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.parallel import fp8_gather
+
+    monkeypatch.setattr(fp8_gather, "_FSDP_PARAM_ATTRIBUTES", ("_init_extensions", "_not_in_this_torch"))
+    with pytest.warns(RuntimeWarning, match="_not_in_this_torch.*gathered in bf16"):
+        gathers = fp8_gather.enable_fp8_all_gather([], {(0, "weight")})
+    assert len(gathers) == 0

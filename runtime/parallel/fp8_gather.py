@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -45,6 +46,8 @@ _aten = torch.ops.aten
 _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = torch.finfo(_E4M3).max
 _EPS = 1e-12  # runtime.state.fp8's amax floor
+# What enable_fp8_all_gather reads of FSDP2's FSDPParam (methods and properties; instance fields are checked as used).
+_FSDP_PARAM_ATTRIBUTES = ("_init_extensions", "_sharded_local_tensor")
 
 
 class Float8Gathered(torch.Tensor):
@@ -204,8 +207,18 @@ def enable_fp8_all_gather(units: Sequence[nn.Module], weights: set[tuple[int, st
     its FP8 cast.  Call it once their shards hold their storage (after
     :func:`~runtime.parallel.shard.fill_shards`): the hooks live on the shards' tensors."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
+    try:  # FSDP2 internals (torch 2.13): another torch gathers bf16, the same numbers, and says so
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        missing = [a for a in _FSDP_PARAM_ATTRIBUTES if not hasattr(FSDPParam, a)]
+    except ImportError as err:
+        missing = [str(err)]
+    if missing and weights:
+        warnings.warn(f"FSDP2 of torch {torch.__version__} lacks what the FP8 all-gather binds to ({', '.join(missing)}): "
+                      "the FP8 linears' weights are gathered in bf16 (the same training, twice the bytes the plan "
+                      "priced).", RuntimeWarning, stacklevel=2)
+        return FP8Gathers()
     gathers = FP8Gathers()
     for unit in units:
         for module in unit.modules():
