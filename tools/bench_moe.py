@@ -80,6 +80,8 @@ def _plan(case: Case, ep: int | str) -> dict[str, Any]:
     model_file = load_model_file(case.spec)
     model = model_file.build()
     inputs = model_file.example_inputs(case.batch)
+    if model_file.example_target is None:
+        raise SystemExit(f"{case.spec} defines no example_target(batch): bench_moe plans with its loss")
     seq = int(inputs[0].shape[1])
     start = time.perf_counter()
     try:
@@ -120,6 +122,8 @@ def _deepseek() -> dict[str, Any]:
     searched: dict[str, Any] = {"microbatches": "auto", "schedule": "auto", "recompute": "auto"}
     out: dict[str, Any] = {}
     model = model_file.build()
+    if model_file.example_target is None:
+        raise SystemExit("examples/deepseek_v3.py defines no example_target(batch): bench_moe plans with its loss")
     inputs, target = model_file.example_inputs(batch), model_file.example_target(batch)
     start = time.perf_counter()
     ours = partitioner.compile(model, inputs, gpus=gpus, tp="auto", ep="auto", target=target, **searched, **common)
