@@ -378,30 +378,41 @@ def test_fp8_plans_tensor_parallel_layouts() -> None:
 def test_fp8_pipeline_equals_the_whole_graph_in_fp8(tmp_path: Path) -> None:
     """An fp8 plan run as planned (autocast, FP8 matmuls) on pp 2 x dp 2 ranks: the same training as the whole
     captured graph converted alike, and not the same as bf16-mixed (the FP8 matmuls ran)."""
+    from runtime_workers import plan_model, reference_run  # type: ignore[import-not-found]
+
+    plan = plan_model(_MLP, tmp_path, pp=2, dp=2, microbatches=2, precision="fp8")
+    ranks = _train_three_steps(plan, tmp_path)
+    assert all(set(r["dtypes"].values()) == {"bfloat16"} for r in ranks)
+    same = reference_run(_MLP, dp=2, microbatches=2, steps=3, lr=0.1, precision="fp8")
+    assert _largest_difference(ranks, same) <= 1e-6
+    bf16 = reference_run(_MLP, dp=2, microbatches=2, steps=3, lr=0.1, precision="bf16-mixed")
+    assert _largest_difference(ranks, bf16) > 1e-4
+
+
+_MLP = str(ROOT / "tests" / "models" / "mlp.py")
+
+
+def _train_three_steps(plan: Plan, tmp_path: Path) -> list[dict[str, Any]]:
+    """Each rank's record of 3 training steps of the plan saved in ``tmp_path`` (tests/models/mlp.py, lr 0.1)."""
     from rank_workers import spawn_and_wait  # type: ignore[import-not-found]  # tests/models, on sys.path
-    from runtime_workers import plan_model, reference_run, train_worker  # type: ignore[import-not-found]
+    from runtime_workers import train_worker  # type: ignore[import-not-found]
 
     from runtime.verify import free_port
 
-    mlp = str(ROOT / "tests" / "models" / "mlp.py")
-    plan = plan_model(mlp, tmp_path, pp=2, dp=2, microbatches=2, precision="fp8")
     out = tmp_path / "out"
     out.mkdir()
-    codes = spawn_and_wait(train_worker, plan.gpus, (plan.gpus, free_port(), str(tmp_path), mlp, str(out),
+    codes = spawn_and_wait(train_worker, plan.gpus, (plan.gpus, free_port(), str(tmp_path), _MLP, str(out),
                                                      {"steps": 3, "lr": 0.1}), limit_s=120)
     assert codes == [0] * plan.gpus
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(plan.gpus)]
-    assert all(set(r["dtypes"].values()) == {"bfloat16"} for r in ranks)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(plan.gpus)]
 
-    def diff(want: dict[str, Any]) -> float:
-        losses = max(abs(a - b) for r in ranks if r["losses"][0] is not None
-                     for a, b in zip(r["losses"], want["losses"], strict=True))
-        state = max(float((r["state"][k].float() - want["state"][k]).abs().max()) for r in ranks for k in r["state"])
-        return max(losses, state)
 
-    same = reference_run(mlp, dp=2, microbatches=2, steps=3, lr=0.1, precision="fp8")
-    assert diff(same) <= 1e-6
-    assert diff(reference_run(mlp, dp=2, microbatches=2, steps=3, lr=0.1, precision="bf16-mixed")) > 1e-4
+def _largest_difference(ranks: list[dict[str, Any]], want: dict[str, Any]) -> float:
+    """The largest difference of the ranks' losses and final state from a reference run's."""
+    losses = max(abs(a - b) for r in ranks if r["losses"][0] is not None
+                 for a, b in zip(r["losses"], want["losses"], strict=True))
+    state = max(float((r["state"][k].float() - want["state"][k]).abs().max()) for r in ranks for k in r["state"])
+    return max(losses, state)
 
 
 @pytest.mark.slow  # spawns ranks
@@ -411,28 +422,16 @@ def test_fp8_fully_sharded_training_equals_the_whole_graph_in_fp8(tmp_path: Path
     reads the weight's bfloat16 value (runtime/state/fp8.py), so the sharded ranks train exactly as the whole
     graph in one process with float32 weights.  The MLP's other ops are the FP8 matmuls' bias adds and the
     head, an autocast matmul: both read bfloat16 weights either way."""
-    from rank_workers import spawn_and_wait  # type: ignore[import-not-found]  # tests/models, on sys.path
-    from runtime_workers import reference_run, train_worker  # type: ignore[import-not-found]
+    from runtime_workers import reference_run  # type: ignore[import-not-found]
     from shard_workers import plan_sharded  # type: ignore[import-not-found]
 
-    from runtime.verify import free_port
-
-    mlp = str(ROOT / "tests" / "models" / "mlp.py")
-    plan = plan_sharded(mlp, tmp_path, schedule="1f1b", shard="full", reshard_after_forward=reshard,
+    plan = plan_sharded(_MLP, tmp_path, schedule="1f1b", shard="full", reshard_after_forward=reshard,
                         precision="fp8")
-    out = tmp_path / "out"
-    out.mkdir()
-    codes = spawn_and_wait(train_worker, plan.gpus, (plan.gpus, free_port(), str(tmp_path), mlp, str(out),
-                                                     {"steps": 3, "lr": 0.1}), limit_s=120)
-    assert codes == [0] * plan.gpus
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(plan.gpus)]
+    ranks = _train_three_steps(plan, tmp_path)
     assert all(r["parameter_dtypes"] == ["torch.float32"] for r in ranks)
     assert all(any(m.startswith("FSDP") for m in r["runtime_modules"]) for r in ranks), ranks[0]["runtime_modules"]
-    want = reference_run(mlp, dp=2, microbatches=2, steps=3, lr=0.1, precision="fp8")
-    losses = max(abs(a - b) for r in ranks if r["losses"][0] is not None
-                 for a, b in zip(r["losses"], want["losses"], strict=True))
-    state = max(float((r["state"][k] - want["state"][k]).abs().max()) for r in ranks for k in r["state"])
-    assert max(losses, state) <= 1e-6, (losses, state)
+    want = reference_run(_MLP, dp=2, microbatches=2, steps=3, lr=0.1, precision="fp8")
+    assert _largest_difference(ranks, want) <= 1e-6
 
 
 def test_fully_sharded_fp8_weights_are_gathered_at_one_byte_per_element() -> None:
