@@ -131,6 +131,9 @@ class StagePrediction:
     peak_s: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
     # Of parameter_bytes, the experts' (whole, every expert): each GPU holds 1 / plan.ep of them (graph/experts.py).
     expert_parameter_bytes: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
+    # Of its parameters' elements, those a fully sharded stage gathers as their FP8 casts, 1 byte each (tensorwise
+    # fp8 without tensor parallelism: GraphCosts.fp8_gathered): kept gathered, held so (part of memory_bytes).
+    fp8_gathered_elements: float = dataclasses.field(default=0.0, metadata={ADDED_IN_VERSION: 3})
 
 
 @dataclasses.dataclass(frozen=True)

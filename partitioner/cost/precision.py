@@ -132,6 +132,7 @@ __all__ = [
     "check_precision",
     "compute_dtype",
     "fp8_cast_bytes",
+    "fp8_gather_saving",
     "fp8_peak",
     "gathered_bytes",
     "gradient_bytes",
@@ -481,6 +482,18 @@ def gathered_bytes(
     grads = gradient_bytes(precision, elements=elements, model_bytes=model_bytes)
     gathered = weight_bytes(precision, elements=elements, model_bytes=model_bytes, compute=True)
     return gathered + grads + (gathered if _reduces_upcast(precision) else 0)
+
+
+def fp8_gather_saving(precision: str, elements: float) -> float:
+    """Bytes saved on ``elements`` a fully sharded stage gathers as their FP8 casts (1 byte each; tensorwise fp8)
+    rather than as :func:`weight_bytes` ``compute`` gives them (bf16 under fp8: 2): in each all-gather and in
+    each gathered copy held (:func:`gathered_bytes`' ``C``, :func:`zero3_transient_bytes`' two units' weights).
+    The per-tensor scale (4 bytes a weight) is left out.
+
+    >>> fp8_gather_saving("fp8", 1e9) / 1e9, fp8_gather_saving("fp8", 0)
+    (1.0, 0.0)
+    """
+    return elements * (weight_bytes(precision, elements=1, model_bytes=4, compute=True) - 1) if elements else 0.0
 
 
 def zero3_transient_bytes(precision: str, *, elements: float, model_bytes: float) -> float:

@@ -82,6 +82,7 @@ from collections.abc import Callable, Sequence
 from partitioner.cost.comm import Link, bucket_count, message_seconds, p2p_crosses_nodes
 from partitioner.cost.precision import (
     activation_scale,
+    fp8_gather_saving,
     gathered_bytes,
     shard_state_bytes,
     state_bytes,
@@ -456,9 +457,9 @@ def _held(plan: Plan, st: StagePlan, nbytes: float, per_element: float, shards: 
     if not _sharded(plan, st.shard):
         return float(state_bytes(precision, states, elements=elements, model_bytes=nbytes))
     held = shard_state_bytes(precision, states, st.shard, shards, elements=elements, model_bytes=nbytes)
-    if st.shard == "full":
-        held += gathered_bytes(precision, elements=elements, model_bytes=nbytes,
-                               reshard_after_forward=st.reshard_after_forward)
+    if st.shard == "full" and not st.reshard_after_forward:  # ZeRO-3: its units, StagePrediction.gathered_bytes
+        held += gathered_bytes(precision, elements=elements, model_bytes=nbytes) - fp8_gather_saving(
+            precision, getattr(st.predicted, "fp8_gathered_elements", 0.0))  # its FP8 weights held at 1 byte
     return float(held)
 
 

@@ -332,6 +332,10 @@ def _stages(
                 parameter_bytes=sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params),
                 expert_parameter_bytes=float(sum(graph.parameter_bytes[captured.parameter_names[p]] for p in params
                                            if captured.parameter_names[p] in graph.expert_parameters)),
+                fp8_gathered_elements=float(sum(
+                    graph.parameter_elements.get(n, graph.parameter_bytes[n] / 4) for n in
+                    {captured.parameter_names[p] for p in params} - graph.expert_parameters
+                    if n in graph.fp8_gathered)) if options.precision == "fp8" else 0.0,
                 activation_bytes=sum(kept),
                 send_bytes=round(sum(b.nbytes * activation_scale(options.precision, b.dtype) for b in outputs)),
                 allreduce_s=allreduce[s] + latency[s],

@@ -70,6 +70,7 @@ from partitioner.cost.precision import (
     check_precision,
     compute_dtype,
     fp8_cast_bytes,
+    fp8_gather_saving,
     fp8_peak,
     gathered_bytes,
     gradient_bytes,
@@ -660,13 +661,14 @@ def _dense_state(precision: str, optimizer_states: int, *, elements: float, nbyt
         fast, slow = (_allreduce(grads, dp, on, bucket_cap_mb) for on in (intra, ring))
         return held, fast, slow
     held = shard_state_bytes(precision, optimizer_states, base, shards, elements=elements, model_bytes=nbytes)
-    if base == "full":
-        held += gathered_bytes(precision, elements=elements, model_bytes=nbytes)
+    if base == "full":  # kept gathered: its FP8 weights held as their 1-byte casts
+        held += gathered_bytes(precision, elements=elements, model_bytes=nbytes) - fp8_gather_saving(
+            precision, elements if fp8_gathered else 0.0)
     once = functools.partial(
         shard_step_seconds, base, gradient_bytes=grads,
         weight_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes),
         gathered_bytes=weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True)
-        - _fp8_gather_saving(precision, elements if fp8_gathered else 0.0))
+        - fp8_gather_saving(precision, elements if fp8_gathered else 0.0))
     # HSDP: gathered and reduce-scattered inside the node, the shard's gradients all-reduced across nodes.
     slow = once(shards, intra) + inter.allreduce_seconds(grads / shards, dp // shards) if hsdp else once(dp, ring)
     return held, once(dp, intra), slow
@@ -795,7 +797,8 @@ def zero3_costs(
         units[key] = (e + elements, b + nbytes)
         if name in fp8:
             unit_fp8[key] = unit_fp8.get(key, 0.0) + elements
-    largest = max(units.values(), key=lambda eb: eb[1], default=(0.0, 0.0))
+    largest_key = max(units, key=lambda k: units[k][1], default="")
+    largest = units.get(largest_key, (0.0, 0.0))
     # A stage's first unit in a pass is one of its layers' (the embedding or the LM head only at the ends).
     layers = [eb for name, eb in units.items() if any(part.isdigit() for part in name.split("."))]
     first_unit = max(layers, key=lambda eb: eb[1], default=largest)
@@ -812,7 +815,7 @@ def zero3_costs(
             forward.append(0.0)
             backward.append(0.0)
             continue
-        w = weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True) - _fp8_gather_saving(
+        w = weight_bytes(precision, elements=elements, model_bytes=nbytes, compute=True) - fp8_gather_saving(
             precision, sum(graph.parameter_elements.get(p, 0) for p in graph.block_parameters[b] if p in fp8))
         g = gradient_bytes(precision, elements=elements, model_bytes=nbytes)
         across = inter.allreduce_seconds(g / shards, dp // shards) if hsdp else 0.0
@@ -828,16 +831,13 @@ def zero3_costs(
     e, nb = first_unit
     first_fp8 = next((unit_fp8.get(k, 0.0) for k, eb in units.items() if eb is first_unit), 0.0)
     first = on.shard_seconds(weight_bytes(precision, elements=e, model_bytes=nb, compute=True)
-                             - _fp8_gather_saving(precision, first_fp8), shards) if nb else 0.0
+                             - fp8_gather_saving(precision, first_fp8), shards) if nb else 0.0
     e, nb = largest
-    return Zero3Costs(tuple(forward), tuple(backward), first,
-                      zero3_transient_bytes(precision, elements=e, model_bytes=nb) if nb else 0.0)
-
-
-def _fp8_gather_saving(precision: str, elements: float) -> float:
-    """Bytes an all-gather saves on ``elements`` gathered as FP8 casts (1 byte each) rather than as
-    :func:`~partitioner.cost.precision.weight_bytes` ``compute`` gives them (bf16 under fp8: 2)."""
-    return elements * (weight_bytes(precision, elements=1, model_bytes=4, compute=True) - 1) if elements else 0.0
+    # Its transient holds two units' gathered weights (this one's and the next one's, taken as its size):
+    # their FP8 weights at 1 byte per element.
+    transient = zero3_transient_bytes(precision, elements=e, model_bytes=nb) - 2 * fp8_gather_saving(
+        precision, unit_fp8.get(largest_key, 0.0))
+    return Zero3Costs(tuple(forward), tuple(backward), first, transient if nb else 0.0)
 
 
 def _layer_runs(gm: Any) -> list[tuple[str, ...]]:
