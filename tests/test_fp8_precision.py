@@ -468,6 +468,54 @@ def test_fully_sharded_fp8_weights_are_gathered_at_one_byte_per_element() -> Non
     assert kept["fp8"].allreduce_s[1] == kept["bf16"].allreduce_s[1]
 
 
+def test_fully_sharded_fp8_weights_are_held_gathered_at_one_byte_per_element() -> None:
+    """A fully sharded stage holds its gathered FP8 weights as their 1-byte casts: kept gathered, in its static
+    bytes; ZeRO-3, in its largest unit's transient (its weights and the next unit's)."""
+    from partitioner.solve.formulate import GraphCosts, formulate, zero3_costs
+
+    graph = GraphCosts(blocks=(("a",), ("b",)), node_time_s={"a": 3e-4, "b": 3e-4},
+                       node_forward_s={"a": 1e-4, "b": 1e-4}, node_saved_bytes={"a": 0, "b": 0},
+                       node_output_bytes={"a": 0, "b": 0},
+                       parameter_bytes={"layers.0.w": 4 * 10**8, "layers.1.w": 2 * 10**8},
+                       parameter_elements={"layers.0.w": 10**8, "layers.1.w": 5 * 10**7},
+                       block_parameters=(("layers.0.w",), ("layers.1.w",)), edges=((0, 1),), block_sends=(0, 0))
+    fp8 = dataclasses.replace(graph, fp8_gathered=frozenset({"layers.0.w"}))
+    spec = DEVICES["h100"]
+    kept = {name: formulate(g, dp=2, spec=spec, memory_limit=80e9, shard="full", precision="fp8")
+            for name, g in (("bf16", graph), ("fp8", fp8))}
+    assert kept["bf16"].static_bytes[0] - kept["fp8"].static_bytes[0] == pytest.approx(1e8)  # 1 byte less each
+    assert kept["fp8"].static_bytes[1] == kept["bf16"].static_bytes[1]
+    z = {name: zero3_costs(g, dp=2, spec=spec, precision="fp8", gpus_per_node=8)
+         for name, g in (("bf16", graph), ("fp8", fp8))}
+    assert z["bf16"].transient_bytes - z["fp8"].transient_bytes == pytest.approx(2e8)  # two units' weights
+    for shard in ("full", "zero3"):  # bf16-mixed gathers no FP8 casts
+        assert formulate(fp8, dp=2, spec=spec, memory_limit=80e9, shard=shard, precision="bf16-mixed") == \
+            formulate(graph, dp=2, spec=spec, memory_limit=80e9, shard=shard, precision="bf16-mixed")
+
+
+@pytest.mark.parametrize("shard", ["full", "zero3"])
+def test_fully_sharded_fp8_plans_predict_their_fp8_gathers_memory(shard: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensorwise fp8 plan with fully sharded stages predicts less peak memory than the same plan gathering
+    every weight in bf16 (no fp8_only_weights), and the simulator agrees; rowwise and tp 2 plans gather bf16."""
+    import partitioner.graph.fp8 as graph_fp8
+    from partitioner.schedule.simulate import simulate
+
+    def peaks(recipe: str, tp: int, *, bf16_gathers: bool) -> tuple[float, ...]:
+        with monkeypatch.context() as m:
+            if bf16_gathers:
+                m.setattr(graph_fp8, "fp8_only_weights", lambda gm, matmuls=None: frozenset())
+            plan = compile(gpt.build_model(), gpt.example_inputs(8), gpus=2 * tp, device="h100", precision="fp8",
+                           fp8_recipe=recipe, microbatches=2, pp=1, dp=2, tp=tp, shard=shard)
+        assert all(s.shard == "full" and s.reshard_after_forward == (shard == "zero3") for s in plan.stages)
+        assert simulate(plan).peak_memory_bytes == pytest.approx(plan.predicted.peak_memory_bytes)
+        return plan.predicted.peak_memory_bytes
+
+    fp8, bf16 = peaks("tensorwise", 1, bf16_gathers=False), peaks("tensorwise", 1, bf16_gathers=True)
+    assert all(a < b for a, b in zip(fp8, bf16, strict=True)), (fp8, bf16)
+    for recipe, tp in (("rowwise", 1), ("tensorwise", 2)):
+        assert peaks(recipe, tp, bf16_gathers=False) == peaks(recipe, tp, bf16_gathers=True)
+
+
 class _ReadTwice(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -500,5 +548,6 @@ def test_the_report_says_fp8_weights_are_gathered_in_fp8() -> None:
                    pp=1, dp=2)
     full = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard="full") for s in plan.stages))
     assert "all-gathered as their FP8 casts (1 byte per element" in shard_summary(full)
+    assert "8 gathered during the step" in shard_summary(full) and "7 gathered for them" in shard_summary(full)
     assert "FP8 casts" not in shard_summary(dataclasses.replace(full, fp8_recipe="rowwise"))
     assert "FP8 casts" not in shard_summary(plan)  # not sharded

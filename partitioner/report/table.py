@@ -164,7 +164,7 @@ def shard_summary(plan: Plan) -> str:
     >>> shard_summary(example_plan())
     'none: one replica per stage'
     """
-    from partitioner.cost.precision import gathered_bytes, shard_state_bytes
+    from partitioner.cost.precision import fp8_gather_saving, gathered_bytes, shard_state_bytes
 
     if plan.dp <= 1:
         return "none: one replica per stage"
@@ -198,8 +198,9 @@ def shard_summary(plan: Plan) -> str:
             held += (f" + at most {format_bytes(units)} of layers gathered (the largest one's weights and gradients, "
                      "the next one's weights, the previous one's reduce-scatter input)")
         if mode == "full" and plan.precision == "fp8" and plan.fp8_recipe == "tensorwise" and plan.tp == 1:
-            held += (", the FP8 linears' weights all-gathered as their FP8 casts (1 byte per element; scales from "
-                     "one amax all-reduce per step)")
+            kept = f", {extra - fp8_gather_saving(plan.precision, 1):.3g} gathered for them" if extra else ""
+            held += (", the FP8 linears' weights all-gathered as their FP8 casts (1 byte per element, sent and held "
+                     f"gathered{kept}; scales from one amax all-reduce per step)")
         parts.append(f"{words.get(label, label)} on {where}: {held}")
     return "; ".join(parts)
 
