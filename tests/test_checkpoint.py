@@ -51,7 +51,7 @@ FOREIGN_SPEC = str(MODELS / "tied_lm_wide.py")
 TOLERANCE = 1e-5
 
 import checkpoint_workers
-from checkpoint_workers import LR, STEPS_BEFORE
+from checkpoint_workers import LR, STEPS_BEFORE, adam_records
 from crash_workers import single_rank_group
 from planning_helpers import make_plan
 from rank_workers import spawn_and_wait
@@ -60,35 +60,9 @@ TIED = "wte.weight"  # canonical name of the tied embedding / LM head
 
 
 def _reference() -> dict[str, Any]:
-    """The uninterrupted run: STEPS_BEFORE Adam steps on the whole model, then one more."""
-    model_file = load_model_file(SPEC)
-    model = model_file.build()
-    assert model_file.example_target is not None and model_file.loss_fn is not None  # tied_lm has both
-    loss_fn = model_file.loss_fn
-    inputs, target = model_file.example_inputs(8), model_file.example_target(8)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-
-    def step() -> float:
-        opt.zero_grad()
-        loss = loss_fn(model(*inputs), target)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    def record() -> dict[str, Any]:
-        return {"parameters": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "optimizer": {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}}
-
-    for _ in range(STEPS_BEFORE):
-        step()
-    out = record()
-    out["next_loss"] = step()
-    out["after_next"] = record()["parameters"]
-    later = record()  # STEPS_BEFORE + 1 steps: what the resumed run saved
-    later["next_loss"] = step()
-    later["after_next"] = record()["parameters"]
-    out["later"] = later
-    return out
+    """The uninterrupted run: STEPS_BEFORE Adam steps on the whole model, then one more (``later``: after it)."""
+    out, later = adam_records(SPEC, batch=8, lr=LR, records=2)
+    return {**out, "later": later}
 
 
 @pytest.fixture(scope="module")

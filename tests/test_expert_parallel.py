@@ -262,36 +262,12 @@ def test_hf_moe_examples_in_a_pipeline(tmp_path: Path, spec: str, schedule: str,
 
 def _checkpoint_reference(spec: str, batch_size: int) -> dict[int, dict[str, Any]]:
     """The uninterrupted run on the whole model: Adam's state and the parameters after STEPS_BEFORE steps and
-    after one more (each with the loss of the step that follows and the parameters after it)."""
+    after one and two more (each with the loss of the step that follows and the parameters after it)."""
+    from checkpoint_workers import adam_records
     from expert_workers import ADAM_EPS, LR, STEPS_BEFORE
 
-    model_file = load_model_file(spec)
-    torch.manual_seed(0)
-    model = model_file.build()
-    assert model_file.loss_fn is not None and model_file.example_target is not None
-    loss_fn = model_file.loss_fn
-    inputs, target = model_file.example_inputs(batch_size), model_file.example_target(batch_size)
-    opt = torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS)
-
-    def step() -> float:
-        opt.zero_grad()
-        loss = loss_fn(model(*inputs), target)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    def record() -> dict[str, Any]:
-        return {"parameters": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "optimizer": {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}}
-
-    for _ in range(STEPS_BEFORE):
-        step()
-    out: dict[int, dict[str, Any]] = {}
-    for at in (STEPS_BEFORE, STEPS_BEFORE + 1, STEPS_BEFORE + 2):
-        out[at] = record()
-        out[at]["next_loss"] = step()
-        out[at]["after_next"] = record()["parameters"]
-    return out
+    records = adam_records(spec, batch=batch_size, lr=LR, eps=ADAM_EPS, before=STEPS_BEFORE, records=3, seed=0)
+    return {STEPS_BEFORE + i: r for i, r in enumerate(records)}
 
 
 def _check_resumed(records: list[dict[str, Any]], want: dict[str, Any], what: str, *, zero1: bool = False) -> None:

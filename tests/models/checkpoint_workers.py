@@ -20,6 +20,44 @@ LR = 0.01
 STEPS_BEFORE = 2  # Adam steps before the checkpoint
 
 
+def adam_records(spec: str, *, batch: int, lr: float = LR, eps: float = 1e-8, before: int = STEPS_BEFORE,
+                 records: int = 1, seed: int | None = None) -> list[dict[str, Any]]:
+    """The uninterrupted run a resumed one is compared with: Adam on the whole model of ``spec``, and after
+    ``before``, ``before + 1``, ... steps (``records`` of them) its parameters and Adam state, the loss of the
+    step that follows and the parameters after that step."""
+    from partitioner.modelfile import load_model_file
+
+    model_file = load_model_file(spec)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = model_file.build()
+    assert model_file.loss_fn is not None and model_file.example_target is not None, spec
+    loss_fn = model_file.loss_fn
+    inputs, target = model_file.example_inputs(batch), model_file.example_target(batch)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=eps)
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        opt.step()
+        return float(loss.item())
+
+    def record() -> dict[str, Any]:
+        return {"parameters": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "optimizer": {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}}
+
+    for _ in range(before):
+        step()
+    out = []
+    for _ in range(records):
+        now = record()
+        now["next_loss"] = step()
+        now["after_next"] = record()["parameters"]
+        out.append(now)
+    return out
+
+
 
 
 def _pipeline(plan_dir: str, spec: str, *, meta: bool = False, **options: Any) -> Any:
