@@ -516,6 +516,23 @@ def test_fully_sharded_fp8_plans_predict_their_fp8_gathers_memory(shard: str, mo
         assert peaks(recipe, tp, bf16_gathers=False) == peaks(recipe, tp, bf16_gathers=True)
 
 
+@pytest.mark.parametrize("shard", ["full", "zero3"])
+def test_the_link_bound_counts_fp8_gathers_at_one_byte(shard: str) -> None:
+    """The bound a plan is checked against moves the FP8-gathered weights at 1 byte per element, as the plan's
+    own gathers are priced: with them at bf16's 2 the bound is higher, and a link-bound plan could beat it."""
+    from partitioner.schedule.bounds import step_bounds
+
+    plan = compile(gpt.build_model(), gpt.example_inputs(8), gpus=2, device="h100", precision="fp8",
+                   microbatches=2, pp=1, dp=2, shard=shard)
+    assert all(s.predicted.fp8_gathered_elements > 0 for s in plan.stages)
+    bf16 = dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(s, predicted=dataclasses.replace(s.predicted, fp8_gathered_elements=0.0))
+        for s in plan.stages))
+    ours, theirs = step_bounds(plan), step_bounds(bf16)
+    assert sum(ours.links_s.values()) < sum(theirs.links_s.values())
+    assert plan.predicted.step_s >= max(ours.compute_s, *ours.links_s.values())
+
+
 class _ReadTwice(nn.Module):
     def __init__(self) -> None:
         super().__init__()

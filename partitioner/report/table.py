@@ -264,7 +264,8 @@ def assumptions(plan: Plan) -> list[tuple[str, str]]:
     peak = (f"model FLOPs of a step (forward + backward, recomputation not counted) / ({plural(plan.gpus, 'GPU')} x "
             f"{cm.peak_flops / 1e12:,.4g} TFLOP/s x step)") if cm.peak_flops else "not known (no peak FLOP/s)"
     if cm.peak_flops and plan.precision == "fp8":  # one peak for mixed FP8/bf16 matmuls (torchtitan: ill-defined)
-        peak += ": the 16-bit peak, though the FP8 matmuls run against the FP8 one, so an FP8 plan's MFU may pass 100%"
+        peak += (": FP8 matmuls counted at the 16-bit peak, as torchtitan counts float8 runs, though they run "
+                 "against the FP8 one: an FP8 plan's MFU reads higher than bf16 can reach (shown at most 100%)")
     return [
         ("precision", f"{plan.precision}: {kind}"),
         ("optimizer", (f"{plan.optimizer}, {cm.optimizer_states} {states} per parameter: "

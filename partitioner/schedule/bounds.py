@@ -30,7 +30,8 @@ Overlap hides communication behind compute, never below either bound
   :mod:`partitioner.cost.precision`): DDP all-reduces ``G``; ZeRO-1 all-reduces
   ``G`` and gathers ``W``; ``full`` kept gathered reduce-scatters ``G`` and
   gathers ``C`` once; ZeRO-3 gathers ``C`` twice and reduce-scatters ``G`` every
-  micro-batch.  (The all-reduce of a parameter tied across pipeline ranks is left
+  micro-batch; ``C`` counts the weights FSDP2 gathers as FP8 casts (tensorwise
+  fp8) at 1 byte per element.  (The all-reduce of a parameter tied across pipeline ranks is left
   out: the plan does not record each parameter's size.)
 
 :func:`step_bounds` reads only the plan; the simulator holds every rank's step
@@ -52,7 +53,12 @@ from __future__ import annotations
 import dataclasses
 
 from partitioner.cost.comm import members_per_node, node_of
-from partitioner.cost.precision import activation_scale, gradient_bytes, weight_bytes
+from partitioner.cost.precision import (
+    activation_scale,
+    fp8_gather_saving,
+    gradient_bytes,
+    weight_bytes,
+)
 from partitioner.plan import Plan, StagePlan
 from partitioner.units import format_seconds
 
@@ -170,7 +176,8 @@ def _group_bytes(plan: Plan, st: StagePlan) -> dict[str, float]:
         return {link: ring(g, 2)}
     if st.shard == "optimizer":
         return {link: ring(g, 2) + ring(weight_bytes(plan.precision, elements=elements, model_bytes=nbytes), 1)}
-    c = weight_bytes(plan.precision, elements=elements, model_bytes=nbytes, compute=True)
+    c = weight_bytes(plan.precision, elements=elements, model_bytes=nbytes, compute=True) - fp8_gather_saving(
+        plan.precision, st.predicted.fp8_gathered_elements)  # FP8 linears' weights gathered as 1-byte casts
     times = plan.microbatches if st.reshard_after_forward else 1
     gathers = 2 if st.reshard_after_forward else 1
     if crosses and plan.shard_degree(st) < d:  # HSDP: gathers inside the node, shards' gradients across nodes

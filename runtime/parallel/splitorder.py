@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from partitioner.graph.tensorparallel import TP_KEY, TPRole
 from runtime.parallel.tensorparallel import parameter_placements
-from runtime.state.fp8 import fp8_linear, quantize, scaled_mm
+from runtime.state.fp8 import autocast_operand, fp8_linear, quantize, scaled_mm
 
 __all__ = ["VocabularyParallelLoss", "split_column", "split_order", "split_row", "tp_slots"]
 
@@ -163,11 +163,6 @@ class _FP8Rows(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
 def split_column(slots: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  recipe: str | None = None, transposed: bool = False) -> torch.Tensor:
     """A column-parallel linear over ``slots.shape[0]`` ranks (``recipe``: :func:`~runtime.state.fp8.fp8_linear`'s,
@@ -178,8 +173,9 @@ def split_column(slots: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         parts = _chunks(w.shape[0], tp)
         return torch.cat([torch.nn.functional.linear(slots[r], w[p], None if bias is None else bias[p])
                           for r, p in enumerate(parts)], dim=-1)
+    w, out_dtype = autocast_operand(slots, w)  # fp8_linear's rule, read before autocast is switched off
     with torch.autocast(slots.device.type, enabled=False):
-        y = _FP8Columns.apply(slots, w, recipe == "rowwise", _out_dtype(slots))
+        y = _FP8Columns.apply(slots, w, recipe == "rowwise", out_dtype)
         return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -190,8 +186,9 @@ def split_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if recipe is None:
         partials = [torch.nn.functional.linear(x[..., p], w[:, p]) for p in _chunks(w.shape[1], tp)]
         return _added(partials, bias)
+    w, out_dtype = autocast_operand(x, w)
     with torch.autocast(x.device.type, enabled=False):
-        return _added(list(_FP8Rows.apply(x, w, recipe == "rowwise", _out_dtype(x), tp)), bias)
+        return _added(list(_FP8Rows.apply(x, w, recipe == "rowwise", out_dtype, tp)), bias)
 
 
 def _added(partials: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:

@@ -64,7 +64,7 @@ from partitioner.errors import AutopartitionError
 from partitioner.graph.fp8 import FP8Matmul
 from partitioner.graph.ir import KIND_KEY
 
-__all__ = ["RUNNABLE_RECIPES", "convert_graph", "fp8_linear", "quantize", "scaled_mm"]
+__all__ = ["RUNNABLE_RECIPES", "autocast_operand", "convert_graph", "fp8_linear", "quantize", "scaled_mm"]
 
 # Recipes this runtime runs (mxfp8 needs Blackwell's block-scaled _scaled_mm layouts).
 RUNNABLE_RECIPES = ("tensorwise", "rowwise")
@@ -277,6 +277,21 @@ def _fp8_linear_tp(x: torch.Tensor, w: torch.Tensor, *, rowwise: bool, out_dtype
                               stride=torch.empty(shape, device="meta").stride())
 
 
+def autocast_operand(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """The weight an FP8 matmul of ``x`` casts, and its output dtype: under autocast the weight's autocast (bf16)
+    value and autocast's dtype, else ``w`` and ``x``'s dtype.
+
+    One rule wherever the weight lives (as torchao under FSDP2's bf16 policy): FSDP2 gathers that bf16 value, so
+    whole, sharded and tensor-parallel ranks and the verify reference cast the same bits; the weight's gradient
+    is computed in bf16, as autocast's.
+    """
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return w, x.dtype
+    dtype = torch.get_autocast_dtype(device)
+    return w.to(dtype), dtype
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                recipe: str = "tensorwise", transposed: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the matmul in FP8 (module docstring); ``transposed``: ``x @ weight``.
@@ -292,16 +307,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise AutopartitionError(
             f"FP8 recipe {recipe!r} is not run by this runtime (it runs {' and '.join(RUNNABLE_RECIPES)}): "
             "re-plan with --fp8-recipe tensorwise or rowwise.")
-    w = weight.t() if transposed else weight
-    device = x.device.type
-    out_dtype = x.dtype
-    if torch.is_autocast_enabled(device):
-        # One rule wherever the weight lives (as torchao under FSDP2's bf16 policy): under autocast the FP8 cast
-        # reads the weight's autocast (bf16) value, what FSDP2 gathers, so whole, sharded and tensor-parallel
-        # ranks and the verify reference cast the same bits; its gradient is computed in bf16 as autocast's.
-        out_dtype = torch.get_autocast_dtype(device)
-        w = w.to(out_dtype)
-    with torch.autocast(device, enabled=False):
+    w, out_dtype = autocast_operand(x, weight.t() if transposed else weight)
+    with torch.autocast(x.device.type, enabled=False):
         if isinstance(x, DTensor) or isinstance(w, DTensor):  # tensor parallel: on each rank's shards
             y = _fp8_linear_tp(x, w, rowwise=recipe == "rowwise", out_dtype=out_dtype)
         else:
