@@ -221,3 +221,11 @@ def test_full_sharding_spans_nodes_with_tensor_parallelism(
     # ZeRO-1 is not tried with tp > 1 (runtime.parallel.tensorparallel runs replicated and fully sharded groups)
     assert options.shard_modes("1f1b", 4) == ("none", "full")
     assert dataclasses.replace(options, tp=1).shard_modes("1f1b", 4) == ("none", "optimizer", "full")
+
+
+def test_tp_auto_with_pp_and_dp_fixed_tries_only_the_degree_they_leave() -> None:
+    """--pp 2 --dp 2 on 4 GPUs leaves tp 1: tp auto must not try tp 2 (and fail: no pp x dp shape on 2 groups)."""
+    gpt = example("gpt")
+    plan = compile(gpt.build_model(), gpt.example_inputs(8), gpus=4, device="h100", pp=2, dp=2, microbatches=2,
+                   gpus_per_node=4, tp="auto")
+    assert (plan.tp, plan.pp, plan.dp) == (1, 2, 2)

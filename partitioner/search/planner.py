@@ -301,7 +301,10 @@ def compile(
                 f"use --tp {' or '.join(map(str, allowed))} or --tp auto.")
         options = dataclasses.replace(options, gpus=gpus, gpus_per_node=per_node)
     elif tp_layout is not None and tp == AUTO:
-        tp_degrees = [d for d in tp_layout.degrees(per_node) if pp is None or (gpus // d) % pp == 0]
+        # only the degrees a fixed --pp / --dp leaves room for (pp x dp x tp = gpus)
+        tp_degrees = [d for d in tp_layout.degrees(per_node)
+                      if (pp is None or (gpus // d) % pp == 0) and (dp is None or (gpus // d) % dp == 0)
+                      and (pp is None or dp is None or gpus // d == pp * dp)]
         why = tp_layout.why_not(per_node)
         say(f"{tp_layout.summary()}; tensor-parallel degrees to try: {', '.join(map(str, tp_degrees))}"
             + (f" (tp stays 1: {why})" if why else ""))
