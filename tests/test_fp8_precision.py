@@ -568,3 +568,47 @@ def test_the_report_says_fp8_weights_are_gathered_in_fp8() -> None:
     assert "8 gathered during the step" in shard_summary(full) and "7 gathered for them" in shard_summary(full)
     assert "FP8 casts" not in shard_summary(dataclasses.replace(full, fp8_recipe="rowwise"))
     assert "FP8 casts" not in shard_summary(plan)  # not sharded
+
+
+class _Reused(nn.Module):
+    """One linear layer applied twice (a layer reused across depth) and one applied once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(32, 32)
+        self.once = nn.Linear(32, 32)
+        self.last = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.once(torch.relu(self.shared(torch.relu(self.shared(x)))))
+        return self.head(torch.relu(self.last(torch.relu(h))))
+
+
+def test_a_weight_read_by_two_fp8_matmuls_is_gathered_in_bf16() -> None:
+    """Planner and runtime agree: only a weight one FP8 matmul reads is gathered as its FP8 cast."""
+    from partitioner.graph.fp8 import fp8_only_weights
+    from runtime.parallel.fp8_gather import fp8_gathered_weights
+    from runtime.state.fp8 import convert_graph
+
+    gm = capture(_Reused(), (torch.randn(4, 32),)).graph_module
+    assert fp8_only_weights(gm) == {"once.weight"}
+    convert_graph(gm, fp8_matmuls(gm))
+    assert fp8_gathered_weights([gm]) == {(id(gm.get_submodule("once")), "weight")}
+
+
+@pytest.mark.slow  # spawns ranks
+def test_verify_fp8_fully_sharded_with_a_layer_reused_across_depth(tmp_path: Path) -> None:
+    """ALBERT's one layer applied at every depth, pp 2 x dp 2 kept gathered: trains as the whole graph."""
+    from partitioner.modelfile import load_model_file
+    from runtime.verify import verify
+
+    spec = str(ROOT / "tests" / "models" / "albert_shared.py")
+    model_file = load_model_file(spec)
+    torch.manual_seed(0)
+    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=4, device="h100", precision="fp8",
+                   loss_fn=model_file.loss_fn, target=model_file.example_target(8) if model_file.example_target
+                   else None, pp=2, dp=2, microbatches=2, schedule="1f1b", shard="full")
+    plan.save(tmp_path)
+    result = verify(tmp_path, spec, steps=2)
+    assert result.ok, result.report()

@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import operator
 from typing import Any, NamedTuple
 
@@ -83,7 +84,7 @@ def fp8_matmuls(gm: fx.GraphModule) -> dict[str, FP8Matmul]:
 
 
 def fp8_only_weights(gm: fx.GraphModule, matmuls: dict[str, FP8Matmul] | None = None) -> frozenset[str]:
-    """The FP8 matmuls' weights (``matmuls``, default :func:`fp8_matmuls` of ``gm``) that no other node reads.
+    """The FP8 matmuls' weights (``matmuls``, default :func:`fp8_matmuls` of ``gm``) each read by one of them alone.
 
     A fully sharded stage gathers these as their FP8 casts (tensorwise: ``runtime/parallel/fp8_gather.py``,
     which finds the same ones in the rewritten stage graphs); a weight read elsewhere too is gathered in bf16.
@@ -94,7 +95,8 @@ def fp8_only_weights(gm: fx.GraphModule, matmuls: dict[str, FP8Matmul] | None = 
     ['0.weight']
     """
     matmuls = fp8_matmuls(gm) if matmuls is None else matmuls
-    weights = {m.weight for m in matmuls.values()}
+    reads = collections.Counter(m.weight for m in matmuls.values())
+    weights = {w for w, n in reads.items() if n == 1}  # read by one matmul (fp8_gather.fp8_gathered_weights' rule)
 
     def fp8_only(node: fx.Node) -> bool:  # a read of a weight: every user an FP8 matmul, or its transpose
         return all(u.name in matmuls or (_transposed_parameter(gm, u) is not None
