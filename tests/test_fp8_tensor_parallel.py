@@ -41,8 +41,12 @@ def _worker(rank: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save(diffs, out)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Both ranks are past the barrier with the results saved: leave without gloo's teardown, which aborted a
+    # rank at exit ("terminate called without an active exception") in 1 of 3 loaded full-suite runs here.
+    os._exit(0)
 
 
 def _compare(recipe: str) -> dict[str, float]:
