@@ -20,6 +20,7 @@ one process.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -135,6 +136,14 @@ def init_distributed(device: torch.device, *, timeout: float) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
+    # The group we made is ours to end: a process leaving with it alive may abort in the backend's teardown
+    # ("terminate called without an active exception", seen on gloo ranks after a finished run).
+    atexit.register(_destroy_group)
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def send_tensors(tensors: Sequence[torch.Tensor], *, peer: int, tag: int) -> list[Work]:
