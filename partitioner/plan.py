@@ -44,6 +44,7 @@ from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, MAX_ACTION_JITTER, SHARD
 from partitioner.errors import PlanFormatError
 from partitioner.graph.experts import ExpertLayer
 from partitioner.graph.ir import tensor_nbytes
+from partitioner.layout import Layout
 from partitioner.orders import Schedule
 from partitioner.solve.blockgraph import BlockGraph
 from partitioner.solve.problem import relative_gap
@@ -139,7 +140,7 @@ class StagePrediction:
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     index: int
-    ranks: tuple[int, ...]  # global rank of each replica: rank * dp + replica
+    ranks: tuple[int, ...]  # each replica's tensor-parallel group (Layout.stage_groups: rank x dp + replica)
     nodes: tuple[str, ...]  # everything the stage computes, graph order
     compute_nodes: int
     parameters: tuple[str, ...]  # graph (original model) names
@@ -368,13 +369,23 @@ class Plan:
     def microbatch_size(self) -> int:
         return self.batch_size // (self.dp * self.microbatches)
 
+    @property
+    def layout(self) -> Layout:
+        """Every degree of the plan as one :class:`~partitioner.layout.Layout`: the only source of rank groups.
+
+        >>> example_plan().layout.ranks("pp", at=0)
+        (0, 1)
+        """
+        return Layout(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep, chunks=self.chunks)
+
     def rank_layout(self) -> dict[int, tuple[int, int]]:
         """Global rank -> (pipeline rank, replica).  Rank-major: a pipeline rank's replicas are consecutive.
 
         With one stage per rank (``chunks == 1``) the pipeline rank is the stage index.  With
-        ``tp > 1`` the ``tp`` ranks of each group (``g x tp + t``) share its position.
+        ``tp > 1`` the ``tp`` ranks of each group share its position (:class:`~partitioner.layout.Layout`).
         """
-        return {g * self.tp + t: (s.rank, i) for s in self.stages for i, g in enumerate(s.ranks) for t in range(self.tp)}
+        layout = self.layout
+        return {rank: (layout.coord(rank, "pp"), layout.coord(rank, "dp")) for rank in range(layout.world)}
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages pipeline rank ``rank`` holds, ascending.
@@ -636,7 +647,7 @@ def _check_layout(plan: Plan) -> None:
     for st in plan.stages:
         if not 0 <= st.rank < plan.pp:
             raise ValueError(f"plan.stages[{st.index}].rank is {st.rank}, expected 0 .. {plan.pp - 1}")
-        if st.ranks != tuple(st.rank * plan.dp + r for r in range(plan.dp)):
+        if st.ranks != Layout(pp=plan.pp, dp=plan.dp).stage_groups(st.rank):
             raise ValueError(f"plan.stages[{st.index}].ranks is {list(st.ranks)}, expected rank x dp + replica")
     for rank in range(plan.pp):
         if len(plan.stages_of(rank)) != plan.chunks:

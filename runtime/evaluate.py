@@ -49,7 +49,7 @@ from runtime.execute.comm import (
 )
 from runtime.execute.runner import StepFailure
 from runtime.execute.stage import LocalStage
-from runtime.execute.wire import group_rank, wire_shape
+from runtime.execute.wire import wire_shape
 from runtime.parallel.tensorparallel import gathered
 
 __all__ = ["concat_microbatches", "evaluate", "evaluation_mode", "forward_tag", "send_order"]
@@ -75,7 +75,7 @@ def send_order(plan: Plan, *, replica: int, source: int, target: int) -> list[Bo
     plan lists its outputs.
     """
     order: list[Boundary] = []
-    source, target = source // plan.tp, target // plan.tp  # tp > 1: ranks of one tensor-parallel rank pair up
+    source, target = plan.layout.group(source), plan.layout.group(target)  # tp > 1: a group's ranks pair up
     for stage in plan.stages:
         if stage.ranks[replica] != source:
             continue
@@ -218,7 +218,7 @@ class _Chain:
 
     def _rank_of(self, stage: int) -> int:
         """The rank of ``stage`` this rank exchanges with: same replica, same tensor-parallel rank."""
-        return group_rank(self.plan.stages[stage].ranks[self.replica], self.rank % self.plan.tp, self.plan.tp)
+        return self.plan.layout.moved(self.rank, pp=self.plan.stages[stage].rank)
 
     def _take(self, peer: int, mb: int, wanted: Boundary) -> torch.Tensor:
         """``wanted`` from ``peer``; whatever ``peer`` sent before it in this micro-batch is received and kept."""

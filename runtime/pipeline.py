@@ -56,7 +56,6 @@ from runtime.execute.comm import (
 from runtime.execute.recompute import apply_recompute
 from runtime.execute.stack import LossFn, Runner, StageStack
 from runtime.execute.stage import build_local_stages
-from runtime.execute.wire import group_rank
 from runtime.launch.failure import reports_failures
 from runtime.parallel.clip import clip_gradients
 from runtime.parallel.experts import (
@@ -343,7 +342,7 @@ class Pipeline:
     @property
     def tp_rank(self) -> int:
         """This rank's place (0..tp-1) in its stage's tensor-parallel group; 0 without tensor parallelism."""
-        return self.rank % self.plan.tp
+        return self.plan.layout.coord(self.rank, "tp")
 
     @property
     def tp_size(self) -> int:
@@ -424,7 +423,7 @@ class Pipeline:
             # Shards count once: HSDP's other nodes hold copies of the first node's shards.
             sharded=self._sharding.counts_shards_once(self.replica, self.pipeline_rank),
             max_norm=max_norm, norm_type=norm_type, device=self.device, error_if_nonfinite=error_if_nonfinite,
-            experts=set() if experts is None else {id(p) for p in experts.parameters}, tp_rank=self.rank % self.plan.tp,
+            experts=set() if experts is None else {id(p) for p in experts.parameters}, tp_rank=self.plan.layout.coord(self.rank, "tp"),
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -717,8 +716,8 @@ def _target_route(stack: StageStack, *, ships: bool) -> tuple[int, int] | None:
     last stage, so that every sample's target meets its own inputs whatever sampler fed the last stage.
     (sender, receiver) where this rank is one of them, else None."""
     plan, rank = stack.plan, stack.rank
-    tp_rank = rank % plan.tp  # tp > 1: the target goes to this rank's counterpart
-    first, last = (group_rank(plan.stages[s].ranks[stack.replica], tp_rank, plan.tp) for s in (0, -1))
+    # tp > 1: the target goes to this rank's counterpart (same replica and tensor-parallel rank)
+    first, last = (plan.layout.moved(rank, pp=plan.stages[s].rank) for s in (0, -1))
     return (first, last) if ships and first != last and rank in (first, last) else None
 
 

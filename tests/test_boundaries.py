@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every unit of the partitioner (a subpackage, or a flat module) and its layer: a module may import
 # its own layer and the ones below it.  A new file must be placed here (test_every_unit_has_a_layer).
 LAYERS: dict[str, int] = {
-    "errors": 0, "units": 0, "defaults": 0, "orders": 0,
+    "errors": 0, "units": 0, "defaults": 0, "orders": 0, "layout": 0,
     "graph": 1, "modelfile": 1,
     "cost": 2,
     "solve": 3,
@@ -80,6 +80,7 @@ TORCH_FREE_UNITS = ("solve", "schedule")
 TORCH_FREE = (
     "partitioner.plan",
     "partitioner.orders",
+    "partitioner.layout",
     "partitioner.units",
     "partitioner.errors",
     "partitioner.defaults",

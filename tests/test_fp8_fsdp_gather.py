@@ -151,9 +151,10 @@ def test_fsdp2_gathers_fp8_weights_and_trains_as_the_whole_graph(tmp_path: Path)
     mp.spawn(_worker, args=(free_port(), out), nprocs=_WORLD, join=True)
     for autocast, r in torch.load(out, weights_only=False).items():
         got, want = r["losses"]
-        assert got == want, (autocast, got, want)
-        # Bit for bit under the bf16 policy; in float32 the reduce-scatter's mean of three equal gradients rounds.
+        # Bit for bit under the bf16 policy; in float32 the reduce-scatter's mean of three equal gradients rounds
+        # (the second step's loss moved by 1e-9 here), so float32 is held to 1e-6.
         limit = 0.0 if autocast else 1e-6
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= limit, (autocast, got, want)
         assert max(r["params"].values()) <= limit and r["eval"] <= limit, (autocast, r["params"], r["eval"])
         assert r["gathers"] == 2 and r["seen"] == [r["kind"]], r
         # 1 byte per element: 48 x 32 (16 rows a rank) and 64 x 48 (22 rows a rank, padded) gathered as uint8.

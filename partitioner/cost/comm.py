@@ -79,6 +79,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from partitioner.layout import Layout
 from partitioner.units import MIB
 
 if TYPE_CHECKING:
@@ -297,9 +298,9 @@ def p2p_crosses_nodes(a: int, b: int, *, dp: int, gpus_per_node: int | None) -> 
         >>> p2p_crosses_nodes(1, 2, dp=4, gpus_per_node=None)  # one node
         False
     """
-    return any(
-        node_of(a * dp + r, gpus_per_node) != node_of(b * dp + r, gpus_per_node) for r in range(dp)
-    )
+    layout = Layout(pp=max(a, b) + 1, dp=dp)
+    ours, theirs = (layout.line("dp", at=layout.rank(pp=s)) for s in (a, b))
+    return any(node_of(x, gpus_per_node) != node_of(y, gpus_per_node) for x, y in zip(ours, theirs))
 
 
 def allreduce_crosses_nodes(s: int, *, dp: int, gpus_per_node: int | None) -> bool:
@@ -310,7 +311,9 @@ def allreduce_crosses_nodes(s: int, *, dp: int, gpus_per_node: int | None) -> bo
     >>> allreduce_crosses_nodes(2, dp=3, gpus_per_node=8)  # ranks 6, 7 | 8
     True
     """
-    return node_of(s * dp, gpus_per_node) != node_of(s * dp + dp - 1, gpus_per_node)
+    layout = Layout(pp=s + 1, dp=dp)
+    replicas = layout.line("dp", at=layout.rank(pp=s))
+    return node_of(replicas[0], gpus_per_node) != node_of(replicas[-1], gpus_per_node)
 
 
 # ------------------------------------------------------------------ sharded replicas

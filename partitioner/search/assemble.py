@@ -37,6 +37,7 @@ from partitioner.graph.ir import (
     module_path,
     node_parameters,
 )
+from partitioner.layout import Layout
 from partitioner.plan import (
     FORMAT_VERSION,
     Boundary,
@@ -85,7 +86,8 @@ __all__ = ["build_plan", "check_bounds", "dtype_peaks", "mfu_peak_flops", "model
 
 def stage_layout(pp: int, dp: int) -> list[tuple[int, ...]]:
     """Global ranks of each pipeline rank's replicas, rank-major (Megatron's order: replicas are neighbours)."""
-    return [tuple(s * dp + r for r in range(dp)) for s in range(pp)]
+    layout = Layout(pp=pp, dp=dp)
+    return [layout.stage_groups(s) for s in range(pp)]
 
 
 

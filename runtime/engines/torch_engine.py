@@ -211,13 +211,13 @@ class TorchEngine:
 
 
 def _pipeline_group(plan: Plan, replica: int) -> dist.ProcessGroup | None:
-    """This replica's pipeline ranks (global ``p * dp + replica``); every rank creates every group, in order."""
+    """This replica's pipeline ranks (the layout's ``pp`` groups); every rank creates every group, in order."""
     if plan.dp == 1:
         return None  # the world: group rank = pipeline rank
     mine = None
-    for r in range(plan.dp):
-        group = dist.new_group([p * plan.dp + r for p in range(plan.pp)])
-        if r == replica:
+    for ranks in plan.layout.groups("pp"):
+        group = dist.new_group(list(ranks))
+        if plan.layout.coord(ranks[0], "dp") == replica:
             mine = group
     return mine
 

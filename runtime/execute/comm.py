@@ -232,31 +232,24 @@ def make_groups(plan: Plan, rank: int) -> Groups:
     With ``tp > 1`` tensor-parallel rank ``t`` of a group averages and ties with rank
     ``t`` of the others only (:mod:`runtime.parallel.tensorparallel`): they hold the same shards.
     """
-    pipeline_rank, _ = plan.rank_layout()[rank]
-    here = rank % plan.tp
-
-    def spread(groups: Sequence[int], tp_rank: int) -> list[int]:
-        return [g * plan.tp + tp_rank for g in groups]
-
+    layout = plan.layout
     stage_group = None
-    replicas = tuple(spread([pipeline_rank * plan.dp + r for r in range(plan.dp)], here))
+    replicas = layout.ranks("dp", at=rank)
     if plan.dp > 1:
-        for p in range(plan.pp):
-            for t in range(plan.tp):
-                group = dist.new_group(spread([p * plan.dp + r for r in range(plan.dp)], t))
-                if p == pipeline_rank and t == here:
-                    stage_group = group
-    mine = {name for s in plan.stages_of(pipeline_rank) for name in plan.stages[s].parameters}
+        for ranks in layout.groups("dp"):
+            group = dist.new_group(list(ranks))
+            if ranks == replicas:
+                stage_group = group
+    mine = {name for s in plan.stages_of(layout.coord(rank, "pp")) for name in plan.stages[s].parameters}
     tied: list[TiedCopy] = []
     for tie in plan.tied:
         # Pipeline ranks holding a copy, in the order of the stages holding it: one copy per rank.
         holders = list(dict.fromkeys(plan.stages[s].rank for s in tie.stages))
         if len(holders) < 2:
             continue
-        for r in range(plan.dp):
-            for t in range(plan.tp):
-                ranks = spread([h * plan.dp + r for h in holders], t)
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    tied.append(TiedCopy(tie.name, min(set(tie.aliases) & mine), group, ranks[0]))
+        for line in layout.groups("pp"):
+            copies = [line[h] for h in holders]
+            group = dist.new_group(copies)
+            if rank in copies:
+                tied.append(TiedCopy(tie.name, min(set(tie.aliases) & mine), group, copies[0]))
     return Groups(stage=stage_group, tied=tuple(tied), replicas=replicas)

@@ -63,7 +63,7 @@ from runtime.execute.meetings import MarkedGraph, inputs_written_in_place, mark_
 from runtime.execute.splitbackward import SplitBackward
 from runtime.execute.stack import StackLayer, StepHooks
 from runtime.execute.stage import LocalStage
-from runtime.execute.wire import group_rank, wire_shape
+from runtime.execute.wire import wire_shape
 
 __all__ = ["ActionRecord", "StepFailure", "StepRunner", "gradient_order"]
 
@@ -401,7 +401,7 @@ class StepRunner:
 
     def _peer_rank(self, stage: int) -> int:
         # tp > 1: this rank's counterpart in the peer's tensor-parallel group (runtime.parallel.tensorparallel)
-        return group_rank(self.plan.stages[stage].ranks[self.replica], self.rank % self.plan.tp, self.plan.tp)
+        return self.plan.layout.moved(self.rank, pp=self.plan.stages[stage].rank)
 
     def _tag(self, stage: int, direction: str, mb: int) -> int:
         return (2 * stage + (direction == "B")) * self.plan.microbatches + mb

@@ -1,8 +1,8 @@
-"""Who a rank's peers are and what shape travels between them, under tensor parallelism: plain numbers, torch-free.
+"""What shape travels between pipeline peers under tensor parallelism: plain numbers, torch-free.
 
 Each of a stage's groups of ranks (an entry of its ``ranks``) is ``tp`` ranks, and
 tensor-parallel rank ``t`` talks only to rank ``t`` of its peers' groups
-(:func:`group_rank`); the residual stream travels as each rank's ``1 / tp`` slice of
+(``plan.layout.moved(rank, pp=...)``); the residual stream travels as each rank's ``1 / tp`` slice of
 its sequence (:func:`wire_shape`: what the planner prices, and what sequence
 parallelism holds anyway), anything else whole.
 """
@@ -11,16 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["group_rank", "sequence_split", "wire_shape"]
-
-
-def group_rank(group: int, tp_rank: int, tp: int) -> int:
-    """Global rank of tensor-parallel rank ``tp_rank`` of group ``group`` (a stage's ``ranks`` entry).
-
-    >>> [group_rank(g, t, 2) for g in (0, 1) for t in (0, 1)]
-    [0, 1, 2, 3]
-    """
-    return group * tp + tp_rank
+__all__ = ["sequence_split", "wire_shape"]
 
 
 def sequence_split(shape: Sequence[int], dtype: str, tp: int) -> bool:

@@ -86,29 +86,23 @@ def make_expert_groups(plan: Plan, rank: int) -> ExpertGroups:
     """Every rank creates every EP and expert-data-parallel group, in one order (torch.distributed requires it).
 
     Under tensor parallelism each tensor-parallel rank ``t`` has its own groups: the ranks ``t`` of the
-    replicas' groups (global rank ``group x tp + t``), which exchange every token of their replicas.
+    replicas' groups (the layout's ``ep`` and ``edp`` axes), which exchange every token of their replicas.
     """
-    replica = plan.rank_layout()[rank][1]
-    dp, ep, tp = plan.dp, plan.ep, plan.tp
+    layout = plan.layout
     ep_group: tuple[dist.ProcessGroup, tuple[int, ...]] | None = None
-    for p in range(plan.pp):
-        for g in range(dp // ep):
-            for t in range(tp):
-                ranks = tuple((p * dp + r) * tp + t for r in range(g * ep, (g + 1) * ep))
-                group = dist.new_group(list(ranks))
-                if rank in ranks:
-                    ep_group = (group, ranks)
+    for ranks in layout.groups("ep"):
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            ep_group = (group, ranks)
     edp: tuple[dist.ProcessGroup | None, tuple[int, ...]] = (None, (rank,))
-    if dp > ep:
-        for p in range(plan.pp):
-            for j in range(ep):
-                for t in range(tp):
-                    ranks = tuple((p * dp + r) * tp + t for r in range(j, dp, ep))
-                    group = dist.new_group(list(ranks))
-                    if rank in ranks:
-                        edp = (group, ranks)
+    if layout.size("edp") > 1:
+        for ranks in layout.groups("edp"):
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                edp = (group, ranks)
     assert ep_group is not None  # every rank is in one EP group
-    return ExpertGroups(ep=ep_group[0], ep_ranks=ep_group[1], member=replica % ep, edp=edp[0], edp_ranks=edp[1])
+    return ExpertGroups(ep=ep_group[0], ep_ranks=ep_group[1], member=layout.coord(rank, "ep"), edp=edp[0],
+                        edp_ranks=edp[1])
 
 
 class ExpertParallel(nn.Module):

@@ -21,6 +21,7 @@ Each step takes the rank's :class:`~runtime.execute.stack.StageStack` and return
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -94,7 +95,7 @@ def shard_while_loading(stack: StageStack, *, weights_given: bool) -> Keep | Non
     if stack.shard_mode != "full" or weights_given or plan.tp != 1 or plan.ep != 1 or not shardable_on_meta(stack.held):
         return None
     parts = shard_layout(plan, stack.pipeline_rank)[1]  # HSDP: a node's replicas split it
-    part = stack.replica % parts
+    part = dataclasses.replace(plan.layout, dp_shard=parts).coord(stack.rank, "dp_shard")
     return lambda value, is_param: shard_of(value, dp=parts, replica=part) if is_param else value
 
 

@@ -92,6 +92,7 @@ Example (which mode a rank runs)::
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -255,19 +256,22 @@ def stage_meshes(plan: Plan, rank: int, group: dist.ProcessGroup | None, device:
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    pipeline_rank = plan.rank_layout()[rank][0]
+    pipeline_rank = plan.layout.coord(rank, "pp")
     mine: Any = None
     for p in range(plan.pp):
         replicate, shard = shard_layout(plan, p)
         if rank_shard_mode(plan, p) != "full" or replicate == 1:
             continue
-        grid = [[p * plan.dp + k * shard + j for j in range(shard)] for k in range(replicate)]
-        rows = [dist.new_group(row) for row in grid]
-        columns = [dist.new_group([row[j] for row in grid]) for j in range(shard)]
-        if p == pipeline_rank:
-            k, j = next((k, row.index(rank)) for k, row in enumerate(grid) if rank in row)
-            mine = DeviceMesh.from_group([columns[j], rows[k]], device.type, mesh=grid,
-                                         mesh_dim_names=("replicate", "shard"))
+        layout = dataclasses.replace(plan.layout, dp_shard=shard)
+        for grid in layout.meshes(("dp_replicate", "dp_shard")):
+            if layout.coord(grid[0][0], "pp") != p:
+                continue
+            rows = [dist.new_group(row) for row in grid]
+            columns = [dist.new_group([row[j] for row in grid]) for j in range(shard)]
+            if p == pipeline_rank and any(rank in row for row in grid):
+                k, j = layout.coord(rank, "dp_replicate"), layout.coord(rank, "dp_shard")
+                mine = DeviceMesh.from_group([columns[j], rows[k]], device.type, mesh=grid,
+                                             mesh_dim_names=("replicate", "shard"))
     if mine is None and group is not None and rank_shard_mode(plan, pipeline_rank) == "full":
         mine = DeviceMesh.from_group(group, device.type, mesh_dim_names=("shard",))
     return mine

@@ -1,12 +1,11 @@
 """Tensor parallelism at run time: each stage's layers split over its tensor-parallel group with DTensor.
 
 A plan with ``tp > 1`` runs ``pp x dp x tp`` ranks.  Each entry of a stage's
-``ranks`` is a *group*: global ranks ``g x tp .. g x tp + tp - 1`` (inside one
-node), each holding a ``1 / tp`` share of the stage.  Tensor-parallel rank ``t``
-of one group talks only to tensor-parallel rank ``t`` of the others: its
-pipeline peers, replicas and tied copies are ``g' x tp + t`` (:func:`~runtime.execute.wire.group_rank`).
-So for each ``t`` the ranks ``{g x tp + t}`` run the plan's schedule exactly as a
-``tp = 1`` job would.  A boundary tensor that is the residual stream travels as
+``ranks`` is a *group*: ``tp`` consecutive global ranks (inside one node; the
+layout's ``tp`` axis), each holding a ``1 / tp`` share of the stage.  Tensor-parallel rank ``t``
+of one group talks only to tensor-parallel rank ``t`` of the others: its pipeline
+peers, replicas and tied copies share its ``tp`` coordinate (:class:`~partitioner.layout.Layout`).
+So for each ``t`` those ranks run the plan's schedule exactly as a ``tp = 1`` job would.  A boundary tensor that is the residual stream travels as
 each rank's ``1 / tp`` slice of its sequence, to its counterpart
 (:func:`~runtime.execute.wire.wire_shape`: what the planner prices, and what sequence parallelism
 holds anyway); anything else travels whole.
@@ -64,6 +63,7 @@ Example (every rank of a ``tp = 2`` job, after ``init_process_group``)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -134,12 +134,12 @@ def tensor_parallel_meshes(plan: Plan, device: torch.device) -> tuple[DeviceMesh
     (collective: every rank of the job calls it).  Fully sharded over one node's replicas (``shard_span``
     "node", HSDP) the replicas are ``(replicate, shard)``: a ``(pp, replicate, shard, tp)`` mesh."""
     full = [st for st in plan.stages if st.shard == "full"]
-    shards = plan.shard_degree(full[0]) if full else plan.dp
-    if shards < plan.dp:  # HSDP: (replicate, shard) replicas, as torchtitan's dp_replicate x dp_shard x tp
-        mesh = init_device_mesh(device.type, (plan.pp, plan.dp // shards, shards, plan.tp),
-                                mesh_dim_names=("pp", "replicate", "shard", "tp"))
+    layout = dataclasses.replace(plan.layout, dp_shard=plan.shard_degree(full[0]) if full else plan.dp)
+    if layout.shards < plan.dp:  # HSDP: (replicate, shard) replicas, as torchtitan's dp_replicate x dp_shard x tp
+        shape = layout.shape(("pp", "dp_replicate", "dp_shard", "tp"))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "replicate", "shard", "tp"))
         return mesh["tp"], mesh["replicate", "shard"]
-    mesh = init_device_mesh(device.type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device.type, layout.shape(("pp", "dp", "tp")), mesh_dim_names=("pp", "dp", "tp"))
     return mesh["tp"], mesh["dp"]
 
 
