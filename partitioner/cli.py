@@ -23,6 +23,7 @@ import textwrap
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, cast
 
 from partitioner.cost.devices import DEVICES
@@ -626,10 +627,10 @@ def _export(args: argparse.Namespace) -> int:
 def _tensor_parallel_refusal(plan: Any, engine: str | None = None) -> str | None:
     """Why the runtime cannot run this plan's tensor parallelism (None: it can, or no runtime installed)."""
     try:
-        from runtime.parallel.tensorparallel import tensor_parallel_refusal
+        refusal = _runtime().tensor_parallel_refusal
     except ImportError:
         return None
-    return tensor_parallel_refusal(plan, engine=engine or "ours")
+    return refusal(plan, engine=engine or "ours")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -640,7 +641,8 @@ def _verify(args: argparse.Namespace) -> int:
     if refusal is not None:  # before any rank starts
         raise AutopartitionError(refusal)
     try:
-        from runtime.verify import verify_plan
+        commands = _runtime()
+        verify_plan = commands.verify_plan
     except ImportError as exc:
         return _runtime_missing("verify", "runtime.verify.verify_plan", exc)
     shape = plural(plan.pp, "stage") if plan.chunks == 1 else f"{plural(plan.pp, 'pipeline rank')} of {plan.chunks} stages"
@@ -655,11 +657,11 @@ def _verify(args: argparse.Namespace) -> int:
         options["dtype"] = args.dtype
     if args.engine != "ours":
         options["engine"] = args.engine
-    from runtime.launch.failure import RankFailure
+    rank_failure = commands.RankFailure  # looked up before any rank starts
 
     try:
         return verify_plan(args.plan, args.model, **options)
-    except RankFailure as exc:  # a rank's first cause, one paragraph: 2 bad input, 1 a bug or crash
+    except rank_failure as exc:  # a rank's first cause, one paragraph: 2 bad input, 1 a bug or crash
         print(f"autopartition: error: {exc}", file=sys.stderr)
         return exc.exit_code
 
@@ -696,7 +698,7 @@ def _run(args: list[str]) -> int:
             raise AutopartitionError(f"--weights {parsed.weights}: no such file or directory.")
         os.environ[_WEIGHTS_ENV] = str(weights.resolve())  # the ranks inherit it through torchrun
     try:
-        from runtime.launch.torchrun import run_plan
+        run_plan = _runtime().run_plan
     except ImportError as exc:
         return _runtime_missing("run", "runtime.launch.torchrun.run_plan", exc)
     engine = {} if parsed.engine is None else {"engine": parsed.engine}  # else each rank's own default
@@ -717,6 +719,18 @@ def _error(message: str) -> None:
     for paragraph in paragraphs[1:]:
         lines += textwrap.wrap(paragraph, width=_WIDTH, break_on_hyphens=False, break_long_words=False) or [""]
     print("\n".join(lines), file=sys.stderr)
+
+
+def _runtime() -> ModuleType:
+    """The runtime's commands (:mod:`runtime.commands`): the one runtime module the partitioner imports.
+
+    Imported here, inside the commands that need it, so that ``--help`` loads no runtime
+    (and no torch).  Each of its names imports the runtime module that defines it on use;
+    an ``ImportError`` there, or here, is a runtime that is absent or broken.
+    """
+    import runtime.commands
+
+    return runtime.commands
 
 
 def _runtime_missing(command: str, name: str, exc: ImportError) -> int:

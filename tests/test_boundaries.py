@@ -7,16 +7,18 @@
   through others.
 * ``solve/``, ``schedule/``, ``plan``, ``orders``, ``units``, ``errors``, ``defaults``
   and cost's numbers-only modules import where torch is missing.
-* Only the CLI (and ``cost.splitcost``, which times the runtime's split backward)
-  imports ``runtime``, inside functions; the runtime imports no solving pass.
+* No partitioner module imports the runtime, except ``cli``, which reaches it only
+  through ``runtime/commands.py``, inside the verify and run commands; the split
+  backward the cost model times lives in ``partitioner/graph``.  The runtime imports
+  no solving pass.
 * ``import partitioner`` and ``autopartition --help`` do not import torch.
 * The runtime's subpackages are floors: ``execute`` (the stage, its wire, its runner)
   < ``state`` (values, weights, checkpoints, precision) < ``parallel`` (tensor split,
   sharding, replication) < ``engines`` < ``launch`` < the flat top (``pipeline``,
-  ``evaluate``, ``verify``).  No runtime module imports one of a higher floor, no two
-  floors import each other, and no two runtime modules do either (function-level
-  imports count).  ``launch``, ``engines.choice``, ``state.folders``, ``execute.wire``
-  and every subpackage's ``__init__`` import without torch.
+  ``evaluate``, ``verify``, ``commands``).  No runtime module imports one of a higher
+  floor, no two floors import each other, and no two runtime modules do either
+  (function-level imports count).  ``launch``, ``engines.choice``, ``state.folders``,
+  ``execute.wire``, ``commands`` and every subpackage's ``__init__`` import without torch.
 
 Imports are read with :mod:`ast` (``import``, ``from ... import``, relative imports
 and ``importlib.import_module("...")`` / ``__import__("...")`` strings, at any depth,
@@ -60,13 +62,15 @@ RUNTIME_FLOORS: dict[str, int] = {
     "parallel": 2,
     "engines": 3,
     "launch": 4,
-    "evaluate": 5, "pipeline": 5, "verify": 5, "__init__": 5,
+    "evaluate": 5, "pipeline": 5, "verify": 5, "commands": 5, "__init__": 5,
 }
 
 # Runtime modules that must import without torch: what `autopartition run` imports before torchrun
-# starts, the checkpoint layout, the engine's name, the wire's numbers, and every subpackage's __init__.
+# starts, the checkpoint layout, the engine's name, the wire's numbers, the CLI's entry (its names are
+# looked up on use), and every subpackage's __init__.
 RUNTIME_TORCH_FREE = (
     "runtime",
+    "runtime.commands",
     "runtime.launch.failure",
     "runtime.launch.torchrun",
     "runtime.engines.choice",
@@ -92,8 +96,9 @@ TORCH_FREE = (
 )
 
 # The partitioner modules allowed to import the runtime, inside functions only (importing the
-# partitioner loads none of it): the CLI launches it; splitcost times its split backward.
-RUNTIME_IMPORTERS = {"partitioner.cli", "partitioner.cost.splitcost"}
+# partitioner loads none of it): the CLI verifies and runs plans.  It does so through one module:
+RUNTIME_IMPORTERS = {"partitioner.cli"}
+RUNTIME_ENTRY = "runtime.commands"
 
 # What the runtime must not import: the passes that solve and report, and the names that lead to them.
 # (The plan it reads holds solve's BlockGraph and problem's gap helper; from cost/ it reads dtype names only.)
@@ -251,6 +256,16 @@ def _runtime_importers(root: Path) -> dict[str, list[str]]:
     return found
 
 
+def _runtime_entries(root: Path) -> dict[str, list[str]]:
+    """Partitioner modules that import a runtime module other than ``RUNTIME_ENTRY`` (or the bare package)."""
+    found = {}
+    for path in _sources("partitioner", root):
+        names = sorted(n for n in _imports(path) if _within(n, "runtime") and not _within(n, RUNTIME_ENTRY))
+        if names:
+            found[_dotted(path)] = names
+    return found
+
+
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     for name, source in files.items():
         target = tmp_path / name
@@ -301,7 +316,8 @@ def test_every_runtime_unit_has_a_floor() -> None:
     units = {_unit(_dotted(path), "runtime") for path in _sources("runtime")}
     assert units - set(RUNTIME_FLOORS) == set(), "place the new subpackage or flat module in RUNTIME_FLOORS"
     flat = {p.stem for p in (ROOT / "runtime").glob("*.py")}
-    assert flat == {"__init__", "pipeline", "evaluate", "verify"}, "a new runtime module goes into a subpackage"
+    assert flat == {"__init__", "pipeline", "evaluate", "verify", "commands"}, \
+        "a new runtime module goes into a subpackage"
 
 
 def test_no_runtime_floor_reaches_up() -> None:
@@ -366,6 +382,33 @@ def test_the_torch_blocker_works() -> None:
 
 def test_only_the_cli_imports_the_runtime() -> None:
     assert _runtime_importers(ROOT) == {}
+
+
+def test_the_partitioner_reaches_the_runtime_only_through_its_commands() -> None:
+    assert _runtime_entries(ROOT) == {}
+    assert RUNTIME_ENTRY in _imports(ROOT / "partitioner" / "cli.py")  # the one way in is used, not vacuous
+
+
+def test_the_entry_checker_catches_a_break(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    root = _tree(tmp_path, {
+        "partitioner/cli.py": """
+            def _runtime():
+                import runtime.commands
+                return runtime.commands
+            def _verify():
+                from runtime.verify import verify_plan
+            def _run():
+                from runtime import launch
+            """,
+        "partitioner/cost/splitcost.py": "def f():\n    from runtime.execute.splitbackward import SplitBackward\n",
+        "partitioner/report/table.py": "def f():\n    from runtime.commands import verify_plan\n",
+    })
+    assert _runtime_entries(root) == {
+        "partitioner.cli": ["runtime", "runtime.launch", "runtime.verify", "runtime.verify.verify_plan"],
+        "partitioner.cost.splitcost": ["runtime.execute.splitbackward",
+                                       "runtime.execute.splitbackward.SplitBackward"],
+    }
 
 
 def test_partitioner_does_not_load_the_runtime() -> None:

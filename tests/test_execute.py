@@ -18,9 +18,9 @@ import torch
 from inprocess import assert_matches_whole_model, run_stages
 from planning_helpers import make_plan
 
+from partitioner.graph.meetings import inputs_written_in_place
 from partitioner.modelfile import load_model_file
 from partitioner.plan import Plan
-from runtime.execute.meetings import inputs_written_in_place
 from runtime.execute.stage import build_local_stages
 
 _MODELS = Path(__file__).parent / "models"
@@ -183,8 +183,8 @@ def test_a_stage_found_unsplittable_runs_whole_on_every_micro_batch(
     """The graph check runs on a stage's first micro-batch only; what it finds holds for the later ones."""
     from chunked import plan_schedule
 
+    from partitioner.graph.splitbackward import SplitBackward
     from runtime.execute.runner import StepRunner
-    from runtime.execute.splitbackward import SplitBackward
 
     spec = str(_MODELS / "mlp.py")
     plan = plan_schedule(spec, tmp_path, ranks=2, microbatches=4, schedule="zb-h1")

@@ -33,12 +33,12 @@ from torch import fx, nn
 from partitioner.errors import AutopartitionError, CaptureError
 from partitioner.graph.capture import capture, written_state_nodes
 from partitioner.graph.ir import KIND_KEY
+from partitioner.graph.meetings import mark_meetings
+from partitioner.graph.splitbackward import SplitBackward
 from partitioner.graph.tensorparallel import TP_KEY, TPRole
 from partitioner.modelfile import ModelFile, load_model_file
 from partitioner.solve.coarsen import coarsen
-from runtime.execute.meetings import mark_meetings
 from runtime.execute.recompute import RunKind, run_block
-from runtime.execute.splitbackward import SplitBackward
 from runtime.parallel.tensorparallel import (
     VOCABULARY_OUTPUTS,
     _rewrite,

@@ -1,4 +1,4 @@
-"""Marking stage graphs for a split backward (:mod:`runtime.execute.meetings`) on real models' stages (issue 18).
+"""Marking stage graphs for a split backward (:mod:`partitioner.graph.meetings`) on real models' stages (issue 18).
 
 * Every stage of a CNN, two U-Nets, a ResNet, a ViT built on ``nn.MultiheadAttention``,
   a tied LM and MLPs is marked: the rewritten graph lints (each node after its
@@ -9,7 +9,7 @@
   aliases it reads.
 * A graph the rewrite cannot handle keeps its captured code, and its backward
   runs whole in B (exact), with the reason.
-* :func:`runtime.execute.meetings.inputs_written_in_place` finds the inputs a stage writes in place.
+* :func:`partitioner.graph.meetings.inputs_written_in_place` finds the inputs a stage writes in place.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 from chunked import plan_schedule
 from torch import fx, nn
 
+from partitioner.graph import meetings
 from partitioner.graph.capture import capture
 from partitioner.graph.ir import dtype_from_name
+from partitioner.graph.meetings import inputs_written_in_place, mark_meetings
+from partitioner.graph.splitbackward import SplitBackward
 from partitioner.modelfile import load_model_file
-from runtime.execute import meetings
-from runtime.execute.meetings import inputs_written_in_place, mark_meetings
-from runtime.execute.splitbackward import SplitBackward
 from runtime.execute.stage import LocalStage, build_local_stages
 
 _MODELS = Path(__file__).parent / "models"

@@ -1,9 +1,9 @@
 """The split backward (B now, W later) on marked stage graphs equals a plain backward.
 
-* :func:`runtime.execute.meetings.mark_meetings` finds the ops where weights meet
+* :func:`partitioner.graph.meetings.mark_meetings` finds the ops where weights meet
   activations in symbolic-traced and exported graphs, rewrites leaf modules to
   their functional forms, and leaves what the module computes unchanged;
-* :class:`runtime.execute.splitbackward.SplitBackward`: B then W gives a plain
+* :class:`partitioner.graph.splitbackward.SplitBackward`: B then W gives a plain
   backward's gradients, B runs no weight-gradient matrix product and W no
   input-gradient one, and a weight it cannot see falls back to a whole backward
   in B (exact, with the reason).
@@ -19,8 +19,8 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime.execute.meetings import mark_meetings
-from runtime.execute.splitbackward import SplitBackward
+from partitioner.graph.meetings import mark_meetings
+from partitioner.graph.splitbackward import SplitBackward
 
 TOLERANCE = 1e-5
 

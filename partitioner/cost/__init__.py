@@ -10,8 +10,9 @@ parameter and activation bytes (:mod:`~partitioner.cost.nodes`,
 (:mod:`~partitioner.cost.calibration`).
 
 May import: ``graph`` and the flat base (``errors``, ``units``, ``defaults``,
-``orders``).  Only ``splitcost`` imports ``runtime`` (inside a function: it times
-the runtime's own split backward, so the planner charges what will run).
+``orders``).  Never ``runtime``: the split backward ``splitcost`` times is the
+graph's (:mod:`~partitioner.graph.splitbackward`), the same code the runtime runs, so
+the planner charges what will run.
 """
 
 __all__: list[str] = []

@@ -2,8 +2,8 @@
 
 Zero-bubble schedules (``zb-h1``, ``zbv``) run a stage's backward as two calls,
 B and W, and during the forward every op where weights meet activations reports
-itself (:mod:`runtime.execute.meetings`); W then takes each such op's weight gradients
-on its own (:mod:`runtime.execute.splitbackward`).  That costs a fixed host time per op
+itself (:mod:`partitioner.graph.meetings`); W then takes each such op's weight gradients
+on its own (:mod:`partitioner.graph.splitbackward`).  That costs a fixed host time per op
 (the bookkeeping) and a part that grows with the op (W makes a layer norm's
 normalised input again; the gradients B hands W are kept and read again).  Both
 are measured here with the runtime's own code on chains of linear and
@@ -41,6 +41,8 @@ import torch
 from torch import fx, nn
 
 from partitioner.cost.nodecost import SplitOverhead
+from partitioner.graph.meetings import mark_meetings
+from partitioner.graph.splitbackward import SplitBackward
 
 __all__ = ["split_overhead"]
 
@@ -85,10 +87,6 @@ def _estimate(device: torch.device, *, layers: int, repeats: int) -> SplitOverhe
 
 def _extra_per_op(device: torch.device, width: int, rows: int, *, layers: int, repeats: int) -> _Extra:
     """A split step against plain steps on a chain of ``layers`` linear + layer norm pairs, side by side."""
-    # The runtime's own marking and split: what is measured is what runs.
-    from runtime.execute.meetings import mark_meetings
-    from runtime.execute.splitbackward import SplitBackward
-
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         torch.manual_seed(0)
         chain = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.LayerNorm(width))))

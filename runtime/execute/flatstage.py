@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from partitioner.graph.capture import model_loss
+from partitioner.graph.meetings import inputs_written_in_place
 from partitioner.plan import Plan
-from runtime.execute.meetings import inputs_written_in_place
 from runtime.execute.stage import LocalStage
 
 __all__ = ["MICROBATCH", "ContiguousGrad", "Feed", "FlatStage", "IndexedLoss", "carried_values"]

@@ -88,7 +88,7 @@ from torch.utils.checkpoint import (
 
 from partitioner.errors import InternalError, PlanMismatchError
 from partitioner.graph.ir import layer_runs
-from runtime.execute.meetings import inputs_written_in_place, writes_in_place, written_state
+from partitioner.graph.meetings import inputs_written_in_place, writes_in_place, written_state
 from runtime.execute.stack import StageStack
 
 __all__ = [
@@ -149,7 +149,7 @@ def run_block(block: Callable[..., Any], values: Sequence[Any], kind: RunKind,
     """``block(*values)``, recomputed in the backward as ``kind`` says (plainly without gradients).
 
     ``state``: tensors the block writes in place (a BatchNorm's running statistics,
-    :func:`runtime.execute.meetings.written_state`); a recomputation runs on their values as the
+    :func:`partitioner.graph.meetings.written_state`); a recomputation runs on their values as the
     forward saw them and leaves them as it found them, so they are written once.
     ``written``: positions of ``values`` the block writes in place (:func:`written_inputs`);
     a recomputed block writes into copies, so the inputs checkpoint keeps stay as they were.
@@ -262,7 +262,7 @@ class _Segment:
     module: fx.GraphModule
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    state: tuple[str, ...] = ()  # buffers of the stage it writes (runtime.execute.meetings.written_state)
+    state: tuple[str, ...] = ()  # buffers of the stage it writes (partitioner.graph.meetings.written_state)
 
 
 class Recomputed(nn.Module):

@@ -15,13 +15,13 @@ dropped after the last action that needs it.
   and the consumer's backward adds its input gradient to the producer's output
   gradient.  An input the stage graph writes in place (``nn.ReLU(inplace=True)``
   right after a cut; found once per stage,
-  :func:`runtime.execute.meetings.inputs_written_in_place`) is handed to the forward as
+  :func:`partitioner.graph.meetings.inputs_written_in_place`) is handed to the forward as
   a clone of the leaf: autograd refuses writes into a leaf requiring grad, and
   the gradient sent back is still the one of the received value.
 * **Split backward.**  When the schedule has ``W`` actions, ``B`` computes
   only the gradient of the stage's received inputs and ``W`` the parameter
   gradients later, from the same autograd graph
-  (:class:`runtime.execute.splitbackward.SplitBackward`).
+  (:class:`partitioner.graph.splitbackward.SplitBackward`).
 * Sends are non-blocking (waited for at the end of the step); receives are
   posted ``_LOOKAHEAD`` receive actions ahead (gloo moves data only once the
   receiver has posted, so a late post adds milliseconds) and waited for with
@@ -49,6 +49,8 @@ from typing import Any
 import torch
 
 from partitioner.graph.capture import model_loss
+from partitioner.graph.meetings import MarkedGraph, inputs_written_in_place, mark_meetings
+from partitioner.graph.splitbackward import SplitBackward
 from partitioner.orders import Action
 from partitioner.plan import Boundary, Plan
 from runtime.execute.comm import (
@@ -59,8 +61,6 @@ from runtime.execute.comm import (
     Work,
     wait_all,
 )
-from runtime.execute.meetings import MarkedGraph, inputs_written_in_place, mark_meetings
-from runtime.execute.splitbackward import SplitBackward
 from runtime.execute.stack import StackLayer, StepHooks
 from runtime.execute.stage import LocalStage
 from runtime.execute.wire import wire_shape
@@ -300,7 +300,7 @@ class StepRunner:
                 batch.loss = self._loss(held.stage, outputs[len(sig.sent) :], target)
 
     def _marked_graph(self, held: _Held, batch: _MicroBatch) -> MarkedGraph:
-        """The stage module marked for the split backward (:mod:`runtime.execute.meetings`), once per stage."""
+        """The stage module marked for the split backward (:mod:`partitioner.graph.meetings`), once per stage."""
         stage = held.stage.plan.index
         if stage not in self._marked:
             sig, module = held.stage.signature, held.stage.module

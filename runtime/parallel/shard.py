@@ -105,8 +105,8 @@ from partitioner.cost.precision import runs_autocast
 from partitioner.defaults import shard_refusal as _schedule_refusal
 from partitioner.defaults import splits_backward
 from partitioner.errors import AutopartitionError, InternalError, ScheduleError
+from partitioner.graph.meetings import inputs_written_in_place, written_state
 from partitioner.plan import Plan
-from runtime.execute.meetings import inputs_written_in_place, written_state
 from runtime.execute.recompute import (
     Recomputed,
     RunKind,
@@ -198,7 +198,7 @@ class ShardUnit(nn.Module):
 
     ``fully_shard`` swaps the class of the module it wraps; wrapping this holder
     rather than the stage's ``fx.GraphModule`` keeps the graph module's own class,
-    which the split backward recompiles (:func:`runtime.execute.meetings.mark_meetings`).
+    which the split backward recompiles (:func:`partitioner.graph.meetings.mark_meetings`).
     The stage's parameters stay registered under their names in the graph module,
     as ``DTensor`` shards between steps.
     """

@@ -227,7 +227,7 @@ def _carrying_hooks(old: torch.Tensor, new: nn.Parameter) -> nn.Parameter:
 
 
 def _rewrite(gm: fx.GraphModule) -> None:
-    from runtime.execute.meetings import writes_in_place
+    from partitioner.graph.meetings import writes_in_place
 
     graph = gm.graph
     gathered_inputs: dict[fx.Node, fx.Node] = {}  # a value the columns read -> its all-gathered copy (one per value)
@@ -283,7 +283,7 @@ def _writes_on_whole_values(gm: fx.GraphModule) -> None:
       DTensors: DTensor cannot write into a plain tensor, so the op runs on whole plain
       values (:func:`plain_write`); the buffer then holds what the unsplit model's does.
     """
-    from runtime.execute.meetings import writes_in_place
+    from partitioner.graph.meetings import writes_in_place
 
     graph = gm.graph
     made: dict[fx.Node, fx.Node] = {}  # a base written through a view -> its replicated copy

@@ -3,7 +3,7 @@
 Found by ``tools/fuzz_models.py`` (seeds 4, 36, 43, 54, 96, once models with a running mean
 written by ``self.ema.mul_(0.9)`` were captured by ``torch.export``, as symbolic tracing cannot
 record an op that reads a buffer alone).  An exported graph calls ``aten.batch_norm``, whose
-schema does not mark the running statistics written; ``runtime.execute.meetings.written_state`` read
+schema does not mark the running statistics written; ``partitioner.graph.meetings.written_state`` read
 only schemas and module calls, so a recomputing stage (``--recompute full``) did not restore
 the statistics around the recomputation, and the backward updated them a second time
 (verify: "loss and gradients match but buffer bn.running_var differs").  Fixed there: the

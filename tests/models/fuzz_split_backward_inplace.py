@@ -5,8 +5,8 @@ patterns ``inplace_op`` and ``inplace_view`` under zb-h1 and zbv; with a tied al
 linear's weight the tied gradient misses its share instead, seed 491).  ``h = h + torch.relu_(self.fc(h))``: the
 linear's output is written in place right away (the same with ``y.mul_(0.5)`` or
 ``y[:, 0].mul_(2.0)``).  The stage's backward is split into B (input gradients) and W
-(weight gradients, ``runtime/execute/meetings.py`` marks where weights meet activations and
-``runtime/execute/splitbackward.py`` computes ``dW`` from the output's gradient); the in-place
+(weight gradients, ``partitioner/graph/meetings.py`` marks where weights meet activations and
+``partitioner/graph/splitbackward.py`` computes ``dW`` from the output's gradient); the in-place
 write replaces the output tensor's autograd history after the meeting was logged, and W
 finds no gradient for ``fc.weight`` and ``fc.bias``: they stay ``None`` on the ranks and
 the optimizer skips them.  gpipe and 1f1b train it exactly.
@@ -19,8 +19,8 @@ Layout (``FUZZ_LAYOUT``)::
 verify: MISMATCH, "gradients match but parameter fc.weight differs after the optimizer
 step": verify compares only the gradients a rank has, so a gradient missing on the ranks
 reads as a match (``runtime/verify.py``: a parameter with a reference gradient and none
-on its rank should count as a gradient difference).  Where: ``runtime/execute/meetings.py`` /
-``runtime/execute/splitbackward.py`` (an op whose output is written in place afterwards is not a
+on its rank should count as a gradient difference).  Where: ``partitioner/graph/meetings.py`` /
+``partitioner/graph/splitbackward.py`` (an op whose output is written in place afterwards is not a
 safe meeting point: take the gradient at the in-place op's output, or run that stage's
 backward whole).
 """

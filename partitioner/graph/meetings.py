@@ -1,6 +1,6 @@
 """Where weights meet activations in a stage graph, marked once so that every forward reports them.
 
-A split backward (:mod:`runtime.execute.splitbackward`) needs, for every op that reads
+A split backward (:mod:`partitioner.graph.splitbackward`) needs, for every op that reads
 both an *activation* (a value that depends on a received input needing a
 gradient) and a *weight-side* value (a parameter requiring grad, or a value
 computed from parameters and constants alone), that op's outputs and a private

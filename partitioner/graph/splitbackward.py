@@ -1,6 +1,6 @@
 """The backward in two parts for zero-bubble schedules: B (input gradient) now, W (weights) later.
 
-The stage graph is marked once (:func:`runtime.execute.meetings.mark_meetings`): every
+The stage graph is marked once (:func:`partitioner.graph.meetings.mark_meetings`): every
 op where a weight-side value meets an activation reads private aliases of its
 weight inputs and reports its outputs to the graph's log.  B asks autograd for
 the gradients of the stage's received inputs and of those ops' outputs only, so
@@ -13,7 +13,7 @@ exact, warned once.
 
 Example (a split backward on one traced module; runtime.execute.runner does this per stage)::
 
-    >>> from runtime.execute.meetings import mark_meetings
+    >>> from partitioner.graph.meetings import mark_meetings
     >>> torch.manual_seed(0) and None
     >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh()))
     >>> marked = mark_meetings(gm, active=["input_1"])
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from runtime.execute.meetings import Meeting, MeetingLog
+from partitioner.graph.meetings import Meeting, MeetingLog
 
 __all__ = ["SplitBackward"]
 
