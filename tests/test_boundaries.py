@@ -93,6 +93,7 @@ TORCH_FREE = (
     "partitioner.cost.devices",
     "partitioner.cost.precision",
     "partitioner.cost.calibration",
+    "partitioner.search.settings",
 )
 
 # The partitioner modules allowed to import the runtime, inside functions only (importing the
