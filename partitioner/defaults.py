@@ -37,6 +37,7 @@ __all__ = [
     "ScheduleKind",
     "ShardMode",
     "ShardSpan",
+    "layout_refusal",
     "schedule_chunks",
     "shard_refusal",
     "splits_backward",
@@ -120,6 +121,31 @@ def schedule_chunks(kind: str, chunks: int | None = None) -> int:
             f"Schedule {kind!r} runs exactly {need} {plural} per pipeline rank{why}, not chunks={chunks}."
         )
     return need
+
+
+# What the runtime does not run, by combination of degrees and modes, with the reason: the one table every
+# refusal reads (the search leaves such a combination out, compile refuses it when the user fixes it, and
+# verify/run refuse a plan holding it before any rank starts); each caller adds what to do instead.
+# A row: (applies to (tp, dp, shard, engine), reason with {tp}).
+_LAYOUT_UNSUPPORTED: tuple[tuple[typing.Callable[[int, int, str, str], bool], str], ...] = (
+    (lambda tp, dp, shard, engine: tp > 1 and dp > 1 and shard == "optimizer",
+     ("tp {tp} with optimizer-sharded (ZeRO-1) replicas: the runtime runs tensor parallelism with replicated or "
+     "fully sharded (FSDP2) stage groups")),
+    (lambda tp, dp, shard, engine: tp > 1 and engine == "torch",
+     "tp {tp} under torch.distributed.pipelining's engine (--engine torch), which runs tp = 1 plans only"),
+)
+
+
+def layout_refusal(*, tp: int = 1, dp: int = 1, shard: str = "none", engine: str = "ours") -> str | None:
+    """Why the runtime cannot run ``tp``-way tensor parallelism over ``dp`` replicas sharded as ``shard`` on
+    ``engine`` (None: it can).
+
+    >>> layout_refusal(tp=2, dp=4, shard="optimizer")
+    'tp 2 with optimizer-sharded (ZeRO-1) replicas: the runtime runs tensor parallelism with replicated or fully sharded (FSDP2) stage groups'
+    >>> layout_refusal(tp=2, dp=4, shard="full") is None, layout_refusal(tp=1, dp=4, shard="optimizer") is None
+    (True, True)
+    """
+    return next((why.format(tp=tp) for applies, why in _LAYOUT_UNSUPPORTED if applies(tp, dp, shard, engine)), None)
 
 
 def shard_refusal(kind: str, mode: str) -> str | None:

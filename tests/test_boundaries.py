@@ -1,6 +1,6 @@
 """Architecture rules (docs/architecture.md), checked on the source and in fresh interpreters.
 
-* The passes are layers: ``base`` (errors, units, defaults, orders) < ``graph/`` (and
+* The passes are layers: ``base`` (errors, units, defaults, orders, layout) < ``graph/`` (and
   modelfile) < ``cost/`` < ``solve/`` < ``plan`` (plan, stagegraph, agree) <
   ``schedule/`` < ``report/`` < ``search/`` < ``cli``.  No module imports one of a
   higher layer, and no two subpackages (or flat modules) import each other, even

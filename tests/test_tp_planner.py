@@ -229,3 +229,14 @@ def test_tp_auto_with_pp_and_dp_fixed_tries_only_the_degree_they_leave() -> None
     plan = compile(gpt.build_model(), gpt.example_inputs(8), gpus=4, device="h100", pp=2, dp=2, microbatches=2,
                    gpus_per_node=4, tp="auto")
     assert (plan.tp, plan.pp, plan.dp) == (1, 2, 2)
+
+
+def test_tp_auto_goes_on_past_a_degree_that_cannot_be_planned() -> None:
+    """A batch of 2 on one pipeline rank of 8 GPUs: tp 1 and 2 leave 8 and 4 replicas, which it cannot feed; the
+    larger degrees still plan (the search once ended at tp 1's refusal, as Llama 3 405B at 131K tokens did)."""
+    gpt = example("gpt")
+    messages: list[str] = []
+    plan = compile(gpt.build_model(), gpt.example_inputs(2), gpus=8, device="h100", pp=1, microbatches=1,
+                   tp="auto", status=messages.append)
+    assert plan.tp > 2 and plan.dp * plan.tp == 8
+    assert any(m.startswith("tensor parallel 1: cannot be planned: No pp x dp shape") for m in messages), messages

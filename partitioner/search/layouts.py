@@ -45,6 +45,7 @@ from partitioner.defaults import (
     splits_backward,
 )
 from partitioner.errors import AutopartitionError, InfeasibleError
+from partitioner.layout import Layout
 from partitioner.orders import rank_orders, stage_ranks
 from partitioner.plan import Candidate, Plan
 from partitioner.report.table import schedule_label
@@ -112,41 +113,61 @@ CAP_LADDER = (0.0, 0.25, 0.5, 0.75)
 
 
 
-@dataclasses.dataclass(frozen=True)
-class Solved:
-    """One solved pp x dp x M x schedule combination and the problem it was solved for (reused by the plan).
+class _Degrees:
+    """The layout's degrees read through ``layout`` (:class:`~partitioner.layout.Layout`): a new axis is a
+    field there, not here."""
 
-    ``pp``: pipeline ranks; ``chunks``: stages per rank, so the partition has
-    ``pp x chunks`` stages (:attr:`stages`).
+    layout: Layout
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def chunks(self) -> int:
+        return self.layout.chunks
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def stages(self) -> int:
+        return self.layout.pp * self.layout.chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class Solved(_Degrees):
+    """One solved layout x M x schedule x shard combination and the problem it was solved for (reused by the plan).
+
+    ``layout.pp``: pipeline ranks; ``layout.chunks``: stages per rank, so the partition has
+    ``pp x chunks`` stages (:attr:`stages`); ``layout.ep``: groups of ep replicas share the experts.
     """
 
-    pp: int
-    dp: int
+    layout: Layout
     problem: PartitionProblem
     partition: Partition
     microbatches: int
     schedule: ScheduleKind
-    chunks: int = 1
     shard: str = "none"  # how the stage groups' replicas hold their state (the problem is priced for it)
     # Sharded, one stage per rank: the same combination's DDP problem; a stage group that fits whole under it
     # stays DDP (search.assemble), as a stage keeps its activations where they fit.
     whole: PartitionProblem | None = None
     gathered: float = 0.0  # ZeRO-3: the gathered units' bytes on every rank, beyond its problem's (formulate)
-    ep: int = 1  # expert parallelism: groups of ep replicas share the experts (its problem is priced for it)
-
-    @property
-    def stages(self) -> int:
-        return self.pp * self.chunks
 
 
 
-# A combination: (pp, dp, micro-batches, schedule, stages per rank, shard mode, expert-parallel degree).
-CombinationKey = tuple[int, int, int | None, str | None, int, str, int]
+# A combination: (layout: every degree, micro-batches, schedule, shard mode).
+CombinationKey = tuple[Layout, int | None, str | None, str]
 
 
 
 def combination_key(solved: Solved) -> CombinationKey:
-    return (solved.pp, solved.dp, solved.microbatches, solved.schedule, solved.chunks, solved.shard, solved.ep)
+    return (solved.layout, solved.microbatches, solved.schedule, solved.shard)
 
 
 
@@ -187,11 +208,10 @@ def rank_in_flight(schedule: str, pp: int, microbatches: int, chunks: int = 1) -
 
 
 @dataclasses.dataclass(eq=False)
-class Trial:
-    """One pp x dp x M x schedule combination (M and schedule None: the whole shape) as the search left it."""
+class Trial(_Degrees):
+    """One layout x M x schedule combination (M and schedule None: the whole shape) as the search left it."""
 
-    pp: int
-    dp: int
+    layout: Layout
     microbatches: int | None = None
     schedule: ScheduleKind | None = None
     status: str = "pending"  # then skipped, infeasible, pruned, or the solver's optimal / feasible
@@ -203,25 +223,19 @@ class Trial:
     simulated_s: float | None = None
     bubble: float | None = None  # closed form
     simulated_bubble: float | None = None
-    chunks: int = 1  # stages per pipeline rank
     shard: str = "none"  # the stage groups' shard mode its problem is priced for
     whole: PartitionProblem | None = None  # sharded: the DDP problem its stages fall back to where they fit
     gathered: float = 0.0  # ZeRO-3: the gathered units' bytes on every rank, beyond its problem's (formulate)
-    ep: int = 1  # expert-parallel degree its problem is priced for
 
     @property
     def key(self) -> CombinationKey:
-        return (self.pp, self.dp, self.microbatches, self.schedule, self.chunks, self.shard, self.ep)
-
-    @property
-    def stages(self) -> int:
-        return self.pp * self.chunks
+        return (self.layout, self.microbatches, self.schedule, self.shard)
 
     def solved(self) -> Solved:
         assert self.problem is not None and self.partition is not None
         assert self.microbatches is not None and self.schedule is not None
-        return Solved(self.pp, self.dp, self.problem, self.partition, self.microbatches, self.schedule, self.chunks,
-                      self.shard, self.whole, self.gathered, self.ep)
+        return Solved(self.layout, self.problem, self.partition, self.microbatches, self.schedule, self.shard,
+                      self.whole, self.gathered)
 
     def simulated(self, draft: Plan) -> None:
         """Record the simulation of its draft plan."""
@@ -290,8 +304,8 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
             continue
         degrees = options.ep_choices(d)
         if not degrees:  # a fixed --ep that does not divide these replicas
-            trials.append(Trial(p, d, options.microbatches, None, "skipped",
-                                f"--ep {options.ep_fixed} does not divide {d} replicas", ep=options.ep_fixed or 1))
+            trials.append(Trial(_layout(options, p, d), options.microbatches, None, "skipped",
+                                f"--ep {options.ep_fixed} does not divide {d} replicas"))
         shapes_tried += [(p, d, e) for e in degrees]
     for p, d, e in shapes_tried:
         # Expert parallelism (cost/experts.py): each degree prices the same shape's state and time its own way.
@@ -303,14 +317,15 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
             if not shown:
                 continue
             split = f"{d} replicas" + (f" x {options.microbatches} micro-batches" if options.microbatches else "")
-            trials.append(Trial(p, d, options.microbatches, single, "skipped", f"batch {batch} does not split into {split}", ep=e))
+            trials.append(Trial(_layout(options, p, d, ep=e), options.microbatches, single, "skipped",
+                                f"batch {batch} does not split into {split}"))
             continue
         if p > blocks:
             if not shown:
                 continue
             pinned = pinned_state(scaled.captured.graph_module)  # why so few, where a written buffer holds nodes together
-            trials.append(Trial(p, d, options.microbatches, single, "skipped",
-                                f"only {blocks} blocks to place" + (f" ({pinned})" if pinned else ""), ep=e))
+            trials.append(Trial(_layout(options, p, d, ep=e), options.microbatches, single, "skipped",
+                                f"only {blocks} blocks to place" + (f" ({pinned})" if pinned else "")))
             continue
         shapes = options.schedule_variants(p, blocks)
         # Each shard mode's state bound: a mode whose weights, gradients and optimizer state alone cannot
@@ -330,18 +345,19 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
         fitting = [mode for mode in modes if (room_of := room[mode]) is None or state[mode] <= room_of]
         if not fitting:
             least = min(modes, key=lambda mode: state[mode])
-            trials.append(Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state[least],
-                                shard=least, ep=e))
+            trials.append(Trial(_layout(options, p, d, ep=e), options.microbatches, single, "infeasible", "state alone",
+                                memory=state[least], shard=least))
             continue
-        trials += [Trial(p, d, options.microbatches, single, "infeasible", "state alone", memory=state[mode], shard=mode, ep=e)
-                   for mode in modes if mode not in fitting]  # one row each: what that mode's state needs
+        trials += [Trial(_layout(options, p, d, ep=e), options.microbatches, single, "infeasible", "state alone",
+                         memory=state[mode], shard=mode) for mode in modes if mode not in fitting]  # one row each: what that mode's state needs
         variants = []
         for k, v in shapes:
             if p * v > blocks:  # whatever the micro-batches: one row for the shape
-                trials.append(Trial(p, d, options.microbatches, k, "skipped", f"only {blocks} blocks for {p} x {v} stages",
-                                    chunks=v, ep=e))
+                trials.append(Trial(_layout(options, p, d, chunks=v, ep=e), options.microbatches, k, "skipped",
+                                    f"only {blocks} blocks for {p} x {v} stages"))
             elif written and p * v > 1:
-                trials.append(Trial(p, d, options.microbatches, k, "skipped", _written_buffer_reason(written), chunks=v, ep=e))
+                trials.append(Trial(_layout(options, p, d, chunks=v, ep=e), options.microbatches, k, "skipped",
+                                    _written_buffer_reason(written)))
             else:
                 variants.append((k, v))
         z3: dict[tuple[int, str], Zero3Costs] = {}  # per micro-batch count and ZeRO-3 mode
@@ -353,12 +369,12 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                         continue
                     on_one_rank = _tied_on_one_rank(tied, k, p, v, ends) if mode in FULL_MODES else []
                     if on_one_rank:
-                        trials.append(Trial(p, d, m, k, "skipped", _tied_in_one_rank_reason(on_one_rank, k),
-                                            chunks=v, shard=mode, ep=e))
+                        trials.append(Trial(_layout(options, p, d, chunks=v, ep=e), m, k, "skipped",
+                                            _tied_in_one_rank_reason(on_one_rank, k), shard=mode))
                         continue
                     why = _cannot_run(k, p, m, v, blocks)
                     if why:
-                        trials.append(Trial(p, d, m, k, "skipped", why, chunks=v, shard=mode, ep=e))
+                        trials.append(Trial(_layout(options, p, d, chunks=v, ep=e), m, k, "skipped", why, shard=mode))
                         continue
                     bound = _time_bound(problem, p, m, schedule=k, chunks=v)
                     if reshards(mode):  # its collectives' least exposure: the bound loses sooner (formulate)
@@ -370,7 +386,8 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                                             + sum(z.backward_s) + 2 * p * v * z.first_gather_s)
                     # A sharded trial's problem is formulated when it is screened (most are not needed).
                     own = schedule_problem(problem, k, p, v) if mode == "none" else None
-                    pending.append(Trial(p, d, m, k, bound=bound, problem=own, chunks=v, shard=mode, ep=e))
+                    pending.append(Trial(_layout(options, p, d, chunks=v, ep=e), m, k, bound=bound, problem=own,
+                                         shard=mode))
     trials += pending
     if not trials:
         raise AutopartitionError(
@@ -385,6 +402,16 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
         _describe(t, options)
     return trials, [t.solved() for t in pending if t.partition is not None]
 
+
+
+def _layout(options: PlanOptions, pp: int, dp: int, *, chunks: int = 1, ep: int = 1) -> Layout:
+    """A trial's degrees: its shape, the tensor-parallel degree this search prices, its chunks and experts."""
+    return Layout(pp=pp, dp=dp, tp=options.tp, chunks=chunks, ep=ep)
+
+
+def _same_split(a: Trial, b: Trial) -> bool:
+    """The same pipeline, replicas, micro-batches and schedule (shard mode and expert degree aside)."""
+    return (a.pp, a.dp, a.chunks, a.microbatches, a.schedule) == (b.pp, b.dp, b.chunks, b.microbatches, b.schedule)
 
 
 def _policies(options: PlanOptions, schedule: ScheduleKind, dp: int) -> tuple[str, ...]:
@@ -472,7 +499,7 @@ def _needs_shard(t: Trial, by_key: dict[CombinationKey, Trial]) -> bool:
     # of collectives every micro-batch, so it is worth solving only where that twin needs more memory.
     twins = {ZERO3: ("none", "full"), HSDP: ("none",), HSDP_ZERO3: ("none", HSDP)}
     for other in twins.get(t.shard, ("none",)):
-        twin = by_key.get((t.pp, t.dp, t.microbatches, t.schedule, t.chunks, other, t.ep))
+        twin = by_key.get((t.layout, t.microbatches, t.schedule, other))
         if twin is not None and twin.status == "pruned":
             return False  # the same bound: pruned alike, one row says so
         if twin is not None and twin.partition is not None and not any(_recompute_of(twin)):
@@ -676,7 +703,7 @@ def best_candidates(trials: list[Trial]) -> list[Solved]:
         # One refined slot per layout (its shard modes' closed forms differ by little and refine alike), and
         # one for ZeRO-3's several layouts: the closed form ranks splits only roughly, so the slots go to
         # different layouts (refinement, not the closed form, found 70B/64's best plan).
-        if any(k.key[:5] == t.key[:5] or (k.shard == t.shard and reshards(t.shard)) for k in kept):
+        if any(_same_split(k, t) or (k.shard == t.shard and reshards(t.shard)) for k in kept):
             continue
         kept.append(t)
         if len(kept) == SIMULATED_CANDIDATES:

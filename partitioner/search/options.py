@@ -40,6 +40,7 @@ from partitioner.defaults import (
     SCHEDULES,
     SHARD_MODES,
     SHARD_SPANS,
+    layout_refusal,
     schedule_chunks,
     shard_refusal,
     splits_backward,
@@ -160,10 +161,10 @@ class PlanOptions:
             return ()  # the search's ZeRO-3 mode alone (search.layouts._policies)
         if self.shard != AUTO:  # ZeRO-1 over tensor-parallel stages: not run (compile refuses a fixed pair)
             runs = shard_refusal(schedule, self.shard) is None and (
-                self.priced_only or not (self.tp > 1 and self.shard == "optimizer"))
+                self.priced_only or layout_refusal(tp=self.tp, dp=dp, shard=self.shard) is None)
             return (self.shard,) if runs else ()
         modes = [m for m in SHARD_MODES if shard_refusal(schedule, m) is None
-                 and not (self.tp > 1 and m == "optimizer")]  # ZeRO-1 over tensor-parallel stages: not run
+                 and layout_refusal(tp=self.tp, dp=dp, shard=m) is None]
         # A sharded mode that holds and moves no fewer bytes per parameter than another is never worth
         # solving (every cost it adds is one of the two times the parameters: shard_footprint).  DDP stays:
         # its all-reduce overlaps the last backward.

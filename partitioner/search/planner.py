@@ -66,7 +66,12 @@ from partitioner.cost.nodecost import NodeCost, SplitOverhead
 from partitioner.cost.nodes import profile, time_loss
 from partitioner.cost.precision import DEFAULT_FP8_RECIPE, DEFAULT_OPTIMIZER, DEFAULT_PRECISION
 from partitioner.cost.splitcost import split_overhead
-from partitioner.defaults import DEFAULT_BUCKET_CAP_MB, DEFAULT_SCHEDULE, splits_backward
+from partitioner.defaults import (
+    DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_SCHEDULE,
+    layout_refusal,
+    splits_backward,
+)
 from partitioner.errors import (
     AutopartitionError,
     CaptureError,
@@ -113,6 +118,14 @@ from partitioner.search.options import (
     microbatch_choices,
     resolve_device,
 )
+from partitioner.search.settings import (
+    GROUP_OF,
+    Cluster,
+    Numerics,
+    Parallelism,
+    Solver,
+    settings_of,
+)
 from partitioner.solve.blockgraph import block_graph
 from partitioner.solve.coarsen import coarsen
 from partitioner.solve.formulate import GraphCosts, node_times
@@ -148,7 +161,11 @@ def compile(
     model: torch.nn.Module,
     example_inputs: tuple[Any, ...],
     *,
-    gpus: int,
+    cluster: Cluster | None = None,
+    parallelism: Parallelism | None = None,
+    numerics: Numerics | None = None,
+    solver: Solver | None = None,
+    gpus: int | None = None,
     microbatches: int | str = 8,
     schedule: str = DEFAULT_SCHEDULE,
     device: str = "auto",
@@ -183,6 +200,11 @@ def compile(
 ) -> Plan:
     """Plan ``model`` for ``gpus`` GPUs; ``example_inputs`` is one mini-batch (batch in dim 0).
 
+    The options come grouped, ``cluster=Cluster(gpus=8, device="h100")``, ``parallelism=``,
+    ``numerics=`` and ``solver=`` (:mod:`partitioner.search.settings`), or as the flat keywords
+    below, each the field of one group; a group given replaces its defaults, and a flat keyword
+    given beside the group that holds it is refused.  The GPU count is required: ``gpus`` or
+    ``cluster``.
     ``microbatches`` and ``schedule`` may be ``"auto"`` (search them).
     ``precision`` (fp32, bf16-mixed, bf16, fp8; ``fp8_recipe`` the FP8 scaling: tensorwise,
     rowwise, mxfp8) and ``optimizer`` (adam, sgd) set the
@@ -213,6 +235,22 @@ def compile(
     several hosts of ``gpus_per_node`` (GB200 NVL72: 72 over hosts of 4); links, tensor- and
     expert-parallel groups and HSDP then follow the domain, and the plan records the hosts.
     """
+    # Every option from here on is the groups' (settings_of merges into them the flat keywords, the parameters
+    # named as the groups' fields); the local names below keep the rest of the body as it was.
+    cluster, parallelism, numerics, solver = settings_of(
+        {k: v for k, v in locals().items() if k in GROUP_OF},
+        cluster=cluster, parallelism=parallelism, numerics=numerics, solver=solver)
+    gpus, device, memory_per_gpu = cluster.gpus, cluster.device, cluster.memory_per_gpu
+    gpus_per_node, nvlink_domain = cluster.gpus_per_node, cluster.nvlink_domain
+    pp, dp, tp, ep = parallelism.pp, parallelism.dp, parallelism.tp, parallelism.ep
+    microbatches, schedule, chunks = parallelism.microbatches, parallelism.schedule, parallelism.chunks
+    shard, shard_span, zero3_unit = parallelism.shard, parallelism.shard_span, parallelism.zero3_unit
+    recompute, expert_imbalance = parallelism.recompute, parallelism.expert_imbalance
+    precision, fp8_recipe, optimizer = numerics.precision, numerics.fp8_recipe, numerics.optimizer
+    optimizer_states, bucket_cap_mb = numerics.optimizer_states, numerics.bucket_cap_mb
+    capture_method, max_blocks, time_limit = solver.capture_method, solver.max_blocks, solver.time_limit
+    refine_simulations, calibration = solver.refine_simulations, solver.calibration
+    remeasure, priced_only = solver.remeasure, solver.priced_only
     say = status or (lambda _msg: None)
     gpus_per_node, gpus_per_host = nvlink_nodes(gpus, gpus_per_node, nvlink_domain)
     fixed_ep = _check_ep(ep, expert_imbalance)
@@ -221,11 +259,10 @@ def compile(
     batch = batch_size_of(example_inputs)
     spec, measure, local = resolve_device(device)
     fixed_tp = check_tp(tp, gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, dp=dp)
-    if fixed_tp > 1 and shard == "optimizer" and not priced_only and (dp or (gpus // fixed_tp // pp if pp else 1)) > 1:
-        raise AutopartitionError(
-            f"--tp {fixed_tp} with --shard optimizer: the runtime runs tensor parallelism with replicated or fully "
-            "sharded (FSDP2) stage groups, not optimizer-sharded (ZeRO-1) ones; plan with --shard none, full or "
-            "auto (or --tp 1).")
+    why = layout_refusal(tp=fixed_tp, dp=dp or (gpus // fixed_tp // pp if pp else 1), shard=shard)
+    if why is not None and not priced_only:
+        raise AutopartitionError(f"--tp {fixed_tp} with --shard {shard}: {why}; plan with --shard none, full or auto "
+                                 "(or --tp 1).")
     per_node = gpus_per_node or (default_gpus_per_node(gpus) if gpus >= 1 else 1)  # gpus < 1: check_options says
     options = check_options(
         gpus=gpus // fixed_tp, batch=batch, microbatches=microbatches, schedule=schedule, pp=pp, dp=dp,
@@ -333,9 +370,10 @@ def compile(
             say(f"tensor parallel {degree}: its best closed form, {format_seconds(slower.closed_s)}, loses by more "
                 f"than {TP_SIMULATION_MARGIN:.0%} to the best plan so far: not simulated")
             continue
-        except InfeasibleError as exc:
-            failures.append((degree, exc))
-            say(f"tensor parallel {degree}: nothing fits")
+        except AutopartitionError as exc:  # this degree alone: the others may still plan (a batch that only
+            failures.append((degree, exc))  # tp 8's replicas divide, say)
+            say(f"tensor parallel {degree}: " + ("nothing fits" if isinstance(exc, InfeasibleError) else
+                                                 f"cannot be planned: {exc}"))
             continue
         # A traced graph's values are propagated again at each micro-batch size (_SizedGraphs): its stage code
         # is written now, at this plan's size; an exported graph's never change, so only the winner's is.
@@ -348,7 +386,7 @@ def compile(
         say(f"tensor parallel {degree}: best step {format_seconds(plan.predicted.step_s)}")
         plans.append((plan, layout))
     if not plans:
-        raise failures[0][1]
+        raise next((e for _, e in failures if isinstance(e, InfeasibleError)), failures[0][1])
     best, layout = min(plans, key=lambda p: (p[0].predicted.step_s, p[0].tp))
     if layout.finish is not None:
         done = layout.finished()
@@ -841,8 +879,8 @@ def _choose(
         except AutopartitionError as exc:
             why = f"cannot be planned at {plural(size, 'sample')} per micro-batch: {exc}"
             say(f"skipping every combination of {plural(size, 'sample')} per micro-batch: {exc}")
-            for (_, dp, microbatches, *_), trial in trials.items():
-                if microbatches is not None and options.batch // (dp * microbatches) == size \
+            for (layout, microbatches, *_), trial in trials.items():
+                if microbatches is not None and options.batch // (layout.dp * microbatches) == size \
                         and trial.status not in ("skipped", "infeasible", "pruned"):
                     trial.status, trial.reason, trial.partition = "skipped", why, None
             continue

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from partitioner.errors import InfeasibleError
+from partitioner.layout import Layout as Degrees
 from partitioner.plan import Plan
 from partitioner.search.options import default_memory_limit, resolve_device
 from partitioner.search.planner import compile
@@ -63,8 +64,15 @@ class Layout:
     def __post_init__(self) -> None:
         if self.tp * self.pp * self.dp != self.gpus:
             raise ValueError(f"{self.name}: tp x pp x dp = {self.tp} x {self.pp} x {self.dp} is not {self.gpus} GPUs")
-        if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"{self.name}: ep {self.ep} must divide dp {self.dp}")
+        try:
+            self.degrees  # noqa: B018 -- checked once, by the layout object's rules
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
+
+    @property
+    def degrees(self) -> Degrees:
+        """Its parallel degrees as the planner's one layout object (:class:`partitioner.layout.Layout`)."""
+        return Degrees(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep, chunks=self.chunks or 1)
 
     def describe(self) -> str:
         chunks = f" ({self.chunks} stages per rank)" if self.chunks and self.chunks > 1 else ""

@@ -76,6 +76,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
+from partitioner.defaults import layout_refusal
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import buffers_written
 from partitioner.graph.ir import KIND_KEY, VALUE_KEY, node_parameters
@@ -109,15 +110,12 @@ _SDPA = ("scaled_dot_product_attention",)
 
 def tensor_parallel_refusal(plan: Plan, *, engine: str = "ours") -> str | None:
     """Why the runtime cannot run this tensor-parallel plan (None: it can, or ``tp == 1``)."""
-    if plan.tp == 1:
-        return None
-    if plan.dp > 1 and any(s.shard == "optimizer" for s in plan.stages):
-        return (f"this plan has tp={plan.tp} with optimizer-sharded replicas (ZeRO-1); the runtime runs tensor "
-                "parallelism with replicated or fully sharded (FSDP2) stage groups: plan with --shard none or "
-                "full (or --tp 1)")
-    if engine == "torch":
-        return (f"this plan has tp={plan.tp}; --engine torch runs tp = 1 plans only: run it with our engine "
-                "(--engine ours), or plan with --tp 1")
+    why = next((why for s in plan.stages if (why := layout_refusal(tp=plan.tp, dp=plan.dp, shard=s.shard))), None)
+    if why is not None:
+        return f"this plan has tp={plan.tp}: {why}; plan with --shard none or full (or --tp 1)"
+    why = layout_refusal(tp=plan.tp, engine=engine)
+    if why is not None:
+        return f"this plan has tp={plan.tp}: {why}; run it with our engine (--engine ours), or plan with --tp 1"
     return None
 
 
