@@ -296,3 +296,37 @@ def test_a_mixture_of_experts_with_a_library_op_runs_tensor_parallel(tmp_path: P
     plan.save(tmp_path / "plan")
     result = verify(str(tmp_path / "plan"), spec, steps=2)
     assert result.ok, result.report()
+
+
+@pytest.mark.slow  # two ranks through verify: ~20 s
+def test_qwen3_with_per_head_qk_norms_splits_its_attention_and_verifies(tmp_path: Path) -> None:
+    """HF Qwen3's q/k RMSNorms over each head's features: the attention splits by heads (it ran replicated,
+    "no column/row pair", before) and the tp=2 step matches the whole model."""
+    from runtime.verify import verify
+
+    spec = str(ROOT / "tests" / "models" / "zoo_qwen3.py")
+    model_file = load_model_file(spec)
+    said: list[str] = []
+    plan = compile(model_file.build(), model_file.example_inputs(4), gpus=2, tp=2, microbatches=2,
+                   schedule="1f1b", device="h100", gpus_per_node=2, status=said.append)
+    assert plan.tp == 2 and any("2 attention (heads 4/2), 2 MLP" in m for m in said), said
+    plan.save(tmp_path / "plan")
+    result = verify(str(tmp_path / "plan"), spec, steps=2)
+    assert result.ok, result.report()
+
+
+@pytest.mark.slow  # four ranks through verify: ~25 s
+def test_ops_without_a_dtensor_rule_run_whole_and_verify(tmp_path: Path) -> None:
+    """Issue 43: a weight-normed MLP and nn.MultiheadAttention at tp=2 x pp=2 crashed at the first backward
+    ("does not have a sharding strategy registered"); their nodes now run on whole values and the step matches."""
+    from runtime.verify import verify
+
+    spec = str(ROOT / "tests" / "models" / "tp_unruled_ops.py")
+    model_file = load_model_file(spec)
+    plan = compile(model_file.build(), model_file.example_inputs(8), gpus=4, tp=2, pp=2, microbatches=2,
+                   schedule="1f1b", device="h100", gpus_per_node=2, loss_fn=model_file.loss_fn,
+                   target=model_file.example_target(8))
+    assert plan.tp == 2
+    plan.save(tmp_path / "plan")
+    result = verify(str(tmp_path / "plan"), spec, steps=2)
+    assert result.ok, result.report()

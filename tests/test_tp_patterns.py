@@ -87,6 +87,7 @@ def test_llama_70b_shape_on_meta() -> None:
     ("gpt2", None, True),       # Conv1D: addmm with the weight as (in, out); fused c_attn cut in thirds: whole
     ("bert", (4, 4), False),    # encoder: q, k, v, output dense; intermediate/output dense
     ("qwen2", (4, 2), True),    # GQA, RoPE, SwiGLU
+    ("qwen3", (4, 2), True),    # per-head q/k RMSNorms: a norm over each head's features stays on its GPU
 ])
 def test_hugging_face_zoo(name: str, heads: tuple[int, int] | None, head: bool) -> None:
     pytest.importorskip("transformers")
@@ -153,3 +154,56 @@ def test_degrees_respect_the_node_and_the_widths() -> None:
     layout, _ = _layout(model, (torch.randn(2, 8),))
     assert _kinds(layout) == {"mlp": 1}
     assert layout.degrees(8) == (1, 2, 4) and layout.degrees(6) == (1, 2, 3, 6)
+
+
+class _NormedAttention(nn.Module):
+    """Attention with a q/k norm: over each head's features (Qwen3, Gemma 3) or over the whole width (OLMo 2)."""
+
+    def __init__(self, *, per_head: bool, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.per_head = heads, per_head
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+        self.q_norm = nn.RMSNorm(width // heads if per_head else width)
+        self.k_norm = nn.RMSNorm(width // heads if per_head else width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape  # (B, T, C)
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if not self.per_head:
+            q, k = self.q_norm(q), self.k_norm(k)  # over C: every head's features at once
+        q, k, v = (y.view(b, t, self.heads, c // self.heads) for y in (q, k, v))  # (B, T, H, D)
+        if self.per_head:
+            q, k = self.q_norm(q), self.k_norm(k)  # over D: each head alone
+        y = nn.functional.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v)), is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_a_norm_over_each_heads_features_keeps_the_attention_split(method: str) -> None:
+    """Gemma 3's and Qwen3's q/k norms reduce over a head's features: the pair splits by heads; OLMo 2's
+    reduce over the whole width (every head), which a split would make partial: kept whole, with the reason."""
+    x = torch.randn(2, 8, 32)
+    for per_head in (True, False):
+        model = _NormedAttention(per_head=per_head)
+        captured = capture(model, (x,), method=method)
+        propagate_values(captured.graph_module, (x,))
+        layout = find_tensor_parallel(captured)
+        if per_head:
+            assert [(p.kind, p.heads) for p in layout.pairs] == [("attention", (4, 4))], layout.summary()
+            assert not any("norm" in name for name in layout.parameters)  # the norm's weight is whole
+        else:
+            assert layout.pairs == () and len(layout.dropped) == 1, layout.summary()
+            assert "along the split dimension" in next(iter(layout.dropped.values()))
+
+
+def test_ops_dtensor_cannot_run_keep_their_pair_whole_or_run_whole() -> None:
+    """Issue 43: weight_norm's backward and CPU flash attention's backward have no DTensor rule.  The pair whose
+    column is weight-normed is kept whole, naming the op; the attention module (in no pair) runs on whole
+    values; the plain MLP still splits."""
+    model_file = load_model_file(str(MODELS / "tp_unruled_ops.py"))
+    layout, captured = _layout(model_file.build(), model_file.example_inputs(2))
+    assert [p.kind for p in layout.pairs] == ["mlp"] and len(layout.dropped) == 1, layout.summary()
+    assert "_weight_norm_interface_backward" in next(iter(layout.dropped.values()))
+    assert any("flash_attention_for_cpu_backward" in op for op in layout.local.values()), layout.local
+    assert set(layout.local) <= layout.whole  # priced whole, as they run
+    assert "run" in layout.summary() and "DTensor" in layout.summary()

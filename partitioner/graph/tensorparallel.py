@@ -70,10 +70,12 @@ if TYPE_CHECKING:
 
     from partitioner.graph.capture import CapturedModel
 
-__all__ = ["TP_KEY", "WHOLE_KEY", "TPLayout", "TPPattern", "TPRole", "degrees", "find_tensor_parallel"]
+__all__ = ["LOCAL_KEY", "TP_KEY", "WHOLE_KEY", "TPLayout", "TPPattern", "TPRole", "degrees", "find_tensor_parallel",
+           "runs_by_heads"]
 
 TP_KEY = "autopartition_tp"  # node.meta key: the node's TPRole (split nodes only)
 WHOLE_KEY = "autopartition_tp_whole"  # node.meta key: True on the nodes of a pair kept whole (TPLayout.whole)
+LOCAL_KEY = "autopartition_tp_local"  # node.meta key: the op DTensor has no rule for; the node runs on whole values
 
 PatternKind = Literal["attention", "mlp", "embedding", "head"]
 RoleKind = Literal["column", "row", "inner", "embedding", "head", "vocab"]
@@ -96,7 +98,12 @@ _ATTENTION = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
 })
-_ALLOWED = _ELEMENTWISE | _SHAPE | _ATTENTION
+# Reductions over chosen dimensions (a norm over each head's features: Qwen3's, Gemma 3's, OLMo 2's per-head q/k
+# RMSNorm): a split value may pass where they leave its split dimension alone (:func:`_carry` checks which).
+_REDUCE_OVER = frozenset({"mean", "sum", "amax", "amin", "var", "std", "norm", "linalg_vector_norm"})
+_NORMALIZE = frozenset({"rms_norm", "layer_norm", "native_layer_norm", "_fused_rms_norm",  # over the last dims
+                        "rmsnorm", "layernorm"})  # torch.nn's modules, kept whole by symbolic tracing
+_ALLOWED = _ELEMENTWISE | _SHAPE | _ATTENTION | _REDUCE_OVER | _NORMALIZE
 # After the LM head: ops on vocabulary-sized values that a vocabulary-parallel loss computes in place.
 _LOSS = frozenset({"log_softmax", "_log_softmax", "cross_entropy", "nll_loss", "nll_loss_forward",
                    "nll_loss2d", "crossentropyloss"})
@@ -158,6 +165,9 @@ class TPLayout:
     reason: str = ""
     dropped: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a pair's row -> why it stays whole
     whole: frozenset[str] = frozenset()  # the nodes of those pairs: they run whole on every GPU of a group
+    # Nodes running an op DTensor has no sharding rule for (forward or backward) -> that op: each runs on
+    # whole local values on every GPU of a group (runtime: LocalCall), and is priced whole (in ``whole``).
+    local: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def pairs(self) -> tuple[TPPattern, ...]:
@@ -202,7 +212,10 @@ class TPLayout:
         row, why = next(iter(self.dropped.items()), ("", ""))
         whole = f"; {len(self.dropped)} pair{'s' if len(self.dropped) > 1 else ''} kept whole ({row}: {why})" \
             if self.dropped else ""
-        return "tensor parallelism: " + ", ".join(p for p in parts if p) + whole
+        node, op = next(iter(self.local.items()), ("", ""))
+        local = f"; {len(self.local)} node{'s run' if len(self.local) > 1 else ' runs'} whole, DTensor having no " \
+            f"rule for an op of theirs ({node}: {op})" if self.local else ""
+        return "tensor parallelism: " + ", ".join(p for p in parts if p) + whole + local
 
 
 def degrees(gpus_per_node: int, heads: Iterable[tuple[int, int]], widths: Iterable[int] = ()) -> tuple[int, ...]:
@@ -235,6 +248,7 @@ def find_tensor_parallel(captured: CapturedModel) -> TPLayout:
     for n in gm.graph.nodes:
         n.meta.pop(TP_KEY, None)
         n.meta.pop(WHOLE_KEY, None)
+        n.meta.pop(LOCAL_KEY, None)
     linears = {n for n in nodes if _is_linear(gm, n)}
     roles: dict[str, TPRole] = {}
     patterns: list[TPPattern] = []
@@ -259,7 +273,7 @@ def find_tensor_parallel(captured: CapturedModel) -> TPLayout:
         if any(c.name in roles for c in columns):
             continue
         heads = {c: _heads(c, region) for c in columns}
-        broken = _split_breaks(columns, region, row, heads)
+        broken = _split_breaks(columns, region, row, heads) or _not_run_by_dtensor(gm, columns, region, row)
         if broken:
             refused[row.name] = broken
             whole.update(n.name for n in (*columns, *region, row))
@@ -286,15 +300,20 @@ def find_tensor_parallel(captured: CapturedModel) -> TPLayout:
     _vocabulary(gm, captured, [n for n in nodes if n.name not in whole], linears, roles, patterns, own)
     roles, patterns, parameters = _one_placement_per_parameter(gm, captured, roles, patterns, parameters, refused,
                                                                whole)
+    local = _local_nodes(gm, [n for n in nodes if n.name not in roles]) if patterns else {}
+    whole.update(local)
     for n in gm.graph.nodes:
         if n.name in roles:
             n.meta[TP_KEY] = roles[n.name]
         elif n.name in whole:
             n.meta[WHOLE_KEY] = True
+        if n.name in local:
+            n.meta[LOCAL_KEY] = local[n.name]
     pairs = any(p.kind in ("attention", "mlp") for p in patterns)
     reason = "" if pairs else NO_PATTERN if not refused else (
         "no column/row pair keeps its split: " + "; ".join(f"{row}: {why}" for row, why in refused.items()))
-    return TPLayout(roles, tuple(patterns), parameters, reason, dropped=dict(refused), whole=frozenset(whole))
+    return TPLayout(roles, tuple(patterns), parameters, reason, dropped=dict(refused), whole=frozenset(whole),
+                    local=local)
 
 
 # ------------------------------------------------------------------ pairs
@@ -473,6 +492,8 @@ def _carry(node: fx.Node, name: str, split: list[tuple[fx.Node, tuple[int, int]]
         if name in ("matmul", "bmm", "baddbmm") and out >= len(after) - 2:
             return "multiplies along the split dimension (a partial sum, not a split)"
         return out, min(u for _, (_, u) in split)
+    if name in _REDUCE_OVER or name in _NORMALIZE:
+        return _reduced(node, name, dim, units, before)
     if name in _REDUCE_ALONG or name in ("select", "narrow", "slice", "cat", "index_select", "gather"):
         default = -1 if name in _REDUCE_ALONG else 0
         along = _dim_argument(node, 1, default=default, ndim=len(before if name != "cat" else after))
@@ -487,6 +508,31 @@ def _carry(node: fx.Node, name: str, split: list[tuple[fx.Node, tuple[int, int]]
     if name in _VIEWS:
         return _viewed(dim, units, before, after)
     return "is an op the split is not known to survive"
+
+
+def _reduced(node: fx.Node, name: str, dim: int, units: int, before: tuple[int, ...]) -> tuple[int, int] | str:
+    """A reduction or a norm: it must leave the split dimension out of the dimensions it works over (a head's
+    features, each on the GPU holding the head); the split moves up by the dimensions removed before it."""
+    ndim = len(before)
+    if name in _NORMALIZE:  # normalized over the trailing len(normalized_shape) dimensions, shape kept
+        module = node.graph.owning_module.get_submodule(str(node.target)) \
+            if node.op == "call_module" and node.graph.owning_module is not None else None
+        shape = getattr(module, "normalized_shape", None) if module is not None else \
+            node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+        if not isinstance(shape, (list, tuple)):
+            return "normalizes over dimensions not read here"
+        return (dim, units) if dim < ndim - len(shape) else "normalizes along the split dimension"
+    over = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if over is None or (isinstance(over, (list, tuple)) and not over):
+        return "reduces every dimension, the split one too"
+    dims = [over] if isinstance(over, int) else list(over) if isinstance(over, (list, tuple)) else [None]
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return "reduces over dimensions not read here"
+    dims = [int(d) % ndim for d in dims if isinstance(d, int)]
+    if dim in dims:
+        return "reduces along the split dimension (a partial result on each GPU)"
+    keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+    return (dim if keep else dim - sum(d < dim for d in dims)), units
 
 
 def _viewed(dim: int, units: int, before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, int] | str:
@@ -568,6 +614,37 @@ def _permutation(node: fx.Node, name: str, ndim: int) -> list[int] | None:
 def _shape(node: fx.Node) -> tuple[int, ...] | None:
     info = _info(node)
     return tuple(info.shape) if info.kind == "tensor" else None
+
+
+def runs_by_heads(node: fx.Node) -> bool:
+    """Scaled dot-product attention, which the runtime runs on each GPU's heads itself (``local_map``), whatever
+    kernel the backend picks: DTensor's rules for it are not needed."""
+    return node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)
+
+
+def _local_nodes(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[str, str]:
+    """The nodes (not split) that run an op DTensor has no sharding rule for -> the first such op."""
+    from partitioner.graph.tpops import unsupported_ops
+
+    found = {}
+    for n in nodes:
+        if n.op in ("call_function", "call_module") and not runs_by_heads(n) and (ops := unsupported_ops(gm, n)):
+            found[n.name] = ops[0]
+    return found
+
+
+def _not_run_by_dtensor(gm: fx.GraphModule, columns: list[fx.Node], region: list[fx.Node], row: fx.Node) -> str:
+    """Why DTensor cannot run the pair split ("" when it can): an op of its nodes (or of what makes the columns'
+    and row's weights: a parametrization) that has no sharding rule, forward or backward (:mod:`.tpops`)."""
+    from partitioner.graph.tpops import pair_unsupported
+
+    weights = [a for n in (*columns, row) for a in n.all_input_nodes
+               if a.meta.get(KIND_KEY) == "compute" and a is not _activation(n)]
+    found = pair_unsupported(gm, [n for n in (*weights, *columns, *region, row) if not runs_by_heads(n)])
+    if found is None:
+        return ""
+    node, op = found
+    return f"{node} runs {op}, which DTensor has no sharding rule for (the pair runs whole)"
 
 
 # ------------------------------------------------------------------ one placement per parameter

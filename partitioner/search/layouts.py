@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from partitioner.cost.precision import spans_nodes, static_bytes_per_element
 from partitioner.defaults import (
@@ -82,7 +82,9 @@ __all__ = [
     "CAP_LADDER",
     "REFINED_CANDIDATES",
     "SIMULATED_CANDIDATES",
+    "TP_SIMULATION_MARGIN",
     "CombinationKey",
+    "Pricing",
     "Solved",
     "Trial",
     "best_candidates",
@@ -90,6 +92,7 @@ __all__ = [
     "combination_key",
     "infeasible_error",
     "percent_more",
+    "priced",
     "rank_in_flight",
     "schedule_problem",
     "search",
@@ -103,6 +106,11 @@ SIMULATED_CANDIDATES = 3  # best closed-form combinations that are simulated bef
 
 
 REFINED_CANDIDATES = 4  # best screened combinations solved again by the full solver
+
+
+# Another tensor-parallel degree's best is simulated only when its closed form comes within this share of the
+# best closed form: the closed form and the simulation of one plan differ by a few percent (candidate tables).
+TP_SIMULATION_MARGIN = 0.10
 
 
 
@@ -290,8 +298,51 @@ def _written_buffer_reason(written: dict[str, tuple[int, ...]]) -> str:
             "places, e.g. a BatchNorm's running statistics): stages cannot share it, each would update its own copy")
 
 
-def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[list[Trial], list[Solved]]:
-    """Every allowed combination as a trial (bounded, screened, refined: see the module docstring)."""
+class Pricing(NamedTuple):
+    """What one tensor-parallel degree's trials are priced with: its costs (one GPU of a group) and options
+    (``options.gpus`` counts its groups, ``options.tp`` is the degree)."""
+
+    scaled: ScaledCosts
+    options: PlanOptions
+
+
+def priced(layout: Layout) -> Layout:
+    """The degrees a trial's costs are scaled for, a :class:`Pricing` each (tensor parallelism's; a new axis that
+    changes every op's cost joins here): the key of ``pricings``.
+
+    >>> priced(Layout(pp=2, dp=4, tp=2, ep=2))
+    Layout(pp=1, dp=1, cp=1, tp=2, ep=1, dp_shard=0, chunks=1)
+    """
+    return Layout(tp=layout.tp)
+
+
+def search(pricings: Mapping[Layout, Pricing], *, say: Status) -> tuple[list[Trial], list[Solved]]:
+    """Every allowed combination of every degree as a trial, bounded, screened and refined together (see the
+    module docstring): ``pricings`` by :func:`priced` degrees, which name each trial's pricing."""
+    trials: list[Trial] = []
+    pending: list[Trial] = []
+    for scaled, options in pricings.values():
+        found, waiting = _enumerate(scaled, options)
+        trials += found
+        pending += waiting
+    trials += pending
+    if not trials:
+        gpus = sum(o.gpus * o.tp for _, o in pricings.values()) // max(1, len(pricings))
+        raise AutopartitionError(
+            f"No pp x dp shape fits --gpus {gpus} with the given --pp/--dp; check the numbers."
+        )
+    _screen(pending, pricings, say=say)
+    # A sharded twin of a DDP combination that fits without recomputation is not needed (_needs_shard).
+    trials = [t for t in trials if t.status != _UNNEEDED]
+    pending = [t for t in pending if t.status != _UNNEEDED]
+    _refine(pending, pricings)
+    for t in pending:
+        _describe(t, pricings[priced(t.layout)].options)
+    return trials, [t.solved() for t in pending if t.partition is not None]
+
+
+def _enumerate(scaled: ScaledCosts, options: PlanOptions) -> tuple[list[Trial], list[Trial]]:
+    """One degree's combinations: (those decided here, skipped or infeasible; those to screen, bounded)."""
     gpus, batch, limit = options.gpus, options.batch, options.memory_limit
     blocks = len(scaled.blocks)
     tied, written, ends = _shared_state(scaled)
@@ -388,19 +439,7 @@ def search(scaled: ScaledCosts, options: PlanOptions, *, say: Status) -> tuple[l
                     own = schedule_problem(problem, k, p, v) if mode == "none" else None
                     pending.append(Trial(_layout(options, p, d, chunks=v, ep=e), m, k, bound=bound, problem=own,
                                          shard=mode))
-    trials += pending
-    if not trials:
-        raise AutopartitionError(
-            f"No pp x dp shape fits --gpus {gpus} with the given --pp/--dp; check the numbers."
-        )
-    _screen(pending, options, scaled, say=say)
-    # A sharded twin of a DDP combination that fits without recomputation is not needed (_needs_shard).
-    trials = [t for t in trials if t.status != _UNNEEDED]
-    pending = [t for t in pending if t.status != _UNNEEDED]
-    _refine(pending, options)
-    for t in pending:
-        _describe(t, options)
-    return trials, [t.solved() for t in pending if t.partition is not None]
+    return trials, pending
 
 
 
@@ -508,23 +547,29 @@ def _needs_shard(t: Trial, by_key: dict[CombinationKey, Trial]) -> bool:
 
 
 
-def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, say: Status) -> None:
-    """Solve each trial with the interval DP, cheapest bound first, until bounds lose to the best found.
+def _screen(pending: list[Trial], pricings: Mapping[Layout, Pricing], *, say: Status) -> None:
+    """Solve each trial with the interval DP, cheapest bound first, until bounds lose to the best found
+    (of any degree: one screen for every axis).
 
     A trial's DDP twin is screened before its sharded ones (equal bounds; "none"
     first), which are solved only where it needs them (:func:`_needs_shard`).
     """
-    found: list[float] = []  # closed forms so far, ascending
-    announced: set[tuple[int, int]] = set()
+    found: dict[Layout, list[float]] = {}  # per degree (priced), the closed forms so far, ascending
+    announced: set[Layout] = set()
     by_key = {t.key: t for t in pending}
     order: dict[str, int] = {mode: i for i, mode in enumerate(SEARCH_SHARD_MODES)}
     for t in sorted(pending, key=lambda t: (t.bound, order.get(t.shard, 0))):
         if not _needs_shard(t, by_key):
             t.status = _UNNEEDED
             continue
-        if len(found) >= REFINED_CANDIDATES and t.bound >= found[REFINED_CANDIDATES - 1]:
-            t.status = "pruned"
+        key = priced(t.layout)
+        mine = found.setdefault(key, [])
+        other = min((f[0] for k, f in found.items() if f and k != key), default=None)
+        if (len(mine) >= REFINED_CANDIDATES and t.bound >= mine[REFINED_CANDIDATES - 1]) or (
+                other is not None and t.bound > other * (1 + TP_SIMULATION_MARGIN)):
+            t.status = "pruned"  # loses to its degree's best four, or to another degree's best by the margin
             continue
+        scaled, options = pricings[priced(t.layout)]
         if t.problem is None:
             assert t.microbatches is not None and t.schedule is not None
             sc = scaled.with_ep(t.ep)
@@ -537,9 +582,11 @@ def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, 
                 t.gathered = zero3_costs(scaled.at(t.microbatches), dp=t.dp, spec=o.spec, precision=o.precision,
                                          gpus_per_node=o.gpus_per_node, unit=options.zero3_unit, span=mode_parts(t.shard)[2],
                                          ep=t.ep).transient_bytes
-        if (t.pp, t.dp) not in announced:
-            announced.add((t.pp, t.dp))
-            say(f"solving {plural(t.pp, 'stage')} x {plural(t.dp, 'replica')}")
+        shape = dataclasses.replace(t.layout, ep=1, chunks=1)
+        if shape not in announced:
+            announced.add(shape)
+            tp = f" x tp {t.layout.tp}" if t.layout.tp > 1 else ""
+            say(f"solving {plural(t.pp, 'stage')} x {plural(t.dp, 'replica')}{tp}")
         assert t.problem is not None and t.microbatches is not None and t.schedule is not None
         part = _solve_screen(t, t.problem, options)
         if part is None and t.chunks > 1:
@@ -552,8 +599,8 @@ def _screen(pending: list[Trial], options: PlanOptions, scaled: ScaledCosts, *, 
             # the split is a good one, not a proven optimum; the bound is the schedule's.
             part = dataclasses.replace(part, status="feasible", lower_bound=min(part.objective, t.bound))
         t.partition, t.status = part, part.status
-        found.append(part.objective)
-        found.sort()
+        mine.append(part.objective)
+        mine.sort()
 
 
 
@@ -594,7 +641,7 @@ def _solve_larger_caps(t: Trial, options: PlanOptions) -> Partition | None:
 
 
 
-def _refine(pending: list[Trial], options: PlanOptions) -> None:
+def _refine(pending: list[Trial], pricings: Mapping[Layout, Pricing]) -> None:
     """Solve the best few screened trials again with the full solver (down-set DP or ILP).
 
     Sharded trials keep the interval DP's split: their per-stage collectives make the ILP of a
@@ -602,14 +649,18 @@ def _refine(pending: list[Trial], options: PlanOptions) -> None:
     how busy the machine is); the simulation-guided refinement still moves their cuts.
     """
     screened = sorted((t for t in pending if t.partition is not None), key=lambda t: _objective(t))
-    for t in screened[:REFINED_CANDIDATES]:
+    counted: dict[Layout, int] = {}  # the best few of each degree (priced)
+    for t in screened:
+        counted[priced(t.layout)] = seen = counted.get(priced(t.layout), 0) + 1
+        if seen > REFINED_CANDIDATES:
+            continue
         assert t.problem is not None and t.partition is not None and t.microbatches and t.schedule
         if t.partition.status == "optimal" or t.schedule not in _CLASSIC:  # the ILP knows the GPipe form only
             continue
         if t.shard != "none":
             continue
         part = solve(t.problem, stages=t.pp, microbatches=t.microbatches, schedule=t.schedule,
-                     time_limit=options.time_limit)
+                     time_limit=pricings[priced(t.layout)].options.time_limit)
         if part is not None and part.objective <= t.partition.objective * (1 + 1e-12):
             t.partition, t.status = part, part.status
 
@@ -684,18 +735,33 @@ def _counts(values: Sequence[float]) -> str:
 
 
 def best_candidates(trials: list[Trial]) -> list[Solved]:
-    """The :data:`SIMULATED_CANDIDATES` best solved trials by closed form (ties: less memory first), then the
-    best of every other schedule (with its chunks) that has a solved trial.
+    """For each degree of :func:`priced` (tensor parallelism) whose best closed form comes within
+    :data:`TP_SIMULATION_MARGIN` of the best of all, best first: its :data:`SIMULATED_CANDIDATES` best solved
+    trials by closed form (ties: less memory first), then the best of its every other schedule (with its
+    chunks) that has a solved trial.
 
     The first ones are refined in simulation and compete for the plan; the
     others are simulated too (and may still win), so that the candidate table
     says what each schedule tried predicts in simulation, not only in closed form.
     One stage runs the same actions in the same time under either schedule
     (GPipe only holds more micro-batches): a one-stage twin of a kept trial is skipped, and so is
-    another shard mode of a kept layout, or a second ZeRO-3 trial, among the refined ones.
+    another shard mode of a kept layout, or a second ZeRO-3 trial, among the refined ones.  A degree
+    further off is not simulated at all: the simulation moves a plan by a few percent, not by that.
     """
-    kept: list[Trial] = []
     ordered = sorted((t for t in trials if t.partition is not None), key=lambda t: (_objective(t), t.memory or 0.0))
+    if not ordered:
+        return []
+    kept: list[Trial] = []
+    for key in dict.fromkeys(priced(t.layout) for t in ordered):
+        mine = [t for t in ordered if priced(t.layout) == key]
+        if _objective(mine[0]) <= _objective(ordered[0]) * (1 + TP_SIMULATION_MARGIN):
+            kept += _best_of(mine)
+    return [t.solved() for t in kept]
+
+
+def _best_of(ordered: list[Trial]) -> list[Trial]:
+    """:func:`best_candidates` within one degree's trials (``ordered`` by closed form)."""
+    kept: list[Trial] = []
     for t in ordered:
         if t.pp == 1 and any(k.pp == 1 and (k.dp, k.microbatches, k.shard) == (t.dp, t.microbatches, t.shard)
                              for k in kept):
@@ -713,7 +779,7 @@ def best_candidates(trials: list[Trial]) -> list[Solved]:
         if (t.schedule, t.chunks) not in shown and t.pp > 1:
             kept.append(t)
             shown.add((t.schedule, t.chunks))
-    return [t.solved() for t in kept]
+    return kept
 
 
 

@@ -1,7 +1,10 @@
 """The compiler driver: capture -> values -> cost -> coarsen -> search (pp x dp x M x schedule) -> Plan.
 
 The search covers what users otherwise tune by hand: every pp x dp over the
-divisors of the GPU count (plain data parallelism, pp = 1, included), the
+divisors of the GPU count (plain data parallelism, pp = 1, included), for each
+tensor-parallel degree (``tp="auto"``: each degree's groups priced by costs scaled for it,
+and every degree's combinations searched, screened and simulated together, one axis of the
+same search as ``ep``; the trial's ``layout`` says which), the
 micro-batch count M (``microbatches="auto"``: a geometric ladder of the
 divisors of the per-replica batch, :func:`microbatch_choices`) and the schedule
 (``schedule="auto"``: GPipe, 1F1B, interleaved 1F1B with 2 or 4 stages per
@@ -53,7 +56,7 @@ import dataclasses
 import difflib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -85,6 +88,7 @@ from partitioner.graph.fp8 import fp8_matmuls
 from partitioner.graph.ir import KIND_KEY, compute_nodes, graph_fingerprint, layer_of, module_path
 from partitioner.graph.tensorparallel import find_tensor_parallel
 from partitioner.graph.values import propagate_values
+from partitioner.layout import Layout
 from partitioner.modelfile import forward_failure
 from partitioner.plan import Plan, Refinement
 from partitioner.report.progress import report_progress
@@ -95,7 +99,9 @@ from partitioner.search.assemble import model_flops_utilization, stage_codes, st
 from partitioner.search.layouts import (
     REFINED_CANDIDATES,
     SIMULATED_CANDIDATES,
+    TP_SIMULATION_MARGIN,
     CombinationKey,
+    Pricing,
     Solved,
     Trial,
     best_candidates,
@@ -103,6 +109,7 @@ from partitioner.search.layouts import (
     combination_key,
     infeasible_error,
     percent_more,
+    priced,
     search,
 )
 from partitioner.search.options import (
@@ -336,6 +343,7 @@ def compile(
                 f"--tp {fixed_tp} cannot split {type(model).__name__}: "
                 f"{tp_layout.why_not(per_node) or f'its pairs allow tp {allowed} on nodes of {per_node} GPUs'}; "
                 f"use --tp {' or '.join(map(str, allowed))} or --tp auto.")
+        say(tp_layout.summary())
         options = dataclasses.replace(options, gpus=gpus, gpus_per_node=per_node)
     elif tp_layout is not None and tp == AUTO:
         # only the degrees a fixed --pp / --dp leaves room for (pp x dp x tp = gpus)
@@ -346,73 +354,25 @@ def compile(
         say(f"{tp_layout.summary()}; tensor-parallel degrees to try: {', '.join(map(str, tp_degrees))}"
             + (f" (tp stays 1: {why})" if why else ""))
     sized = _SizedGraphs(model, example_inputs, captured, micro)
-    if tp_degrees == [1]:
-        return _plan_layout(model, captured, micro, scaled, options, sized, say=say).finished()
-    # Tensor parallelism: the same search for gpus / tp groups per degree, on costs scaled per degree
-    # (solve/tensorparallel.py); the fastest simulated plan wins.
-    plans: list[tuple[Plan, _Layout]] = []
-    failures: list[tuple[int, AutopartitionError]] = []
+    # Every tensor-parallel degree is an axis of the one search: each prices its groups with costs scaled per
+    # degree (solve/tensorparallel.py); the trials of all of them are screened, simulated and chosen together.
+    pricings: dict[Layout, Pricing] = {}
     for degree in tp_degrees:
         if degree == 1:
-            settings, scaled_t = options, scaled
+            pricings[Layout()] = Pricing(scaled, options)
         else:
             settings = dataclasses.replace(options, gpus=options.gpus // degree,
-                                        gpus_per_node=options.gpus_per_node // degree, tp=degree)
-            if (settings.pp is not None and settings.gpus % settings.pp) or (settings.dp is not None and settings.gpus % settings.dp):
+                                           gpus_per_node=options.gpus_per_node // degree, tp=degree)
+            if (settings.pp is not None and settings.gpus % settings.pp) or \
+                    (settings.dp is not None and settings.gpus % settings.dp):
                 continue
             assert tp_layout is not None
-            scaled_t = TensorParallelCosts(scaled, tp_layout, degree, settings)
-        say(f"tensor parallel {degree}: searching {plural(settings.gpus, 'group')} of {plural(degree, 'GPU')}")
-        beat = min((p.predicted.step_s for p, _ in plans), default=None)
-        try:
-            layout = _plan_layout(model, captured, micro, scaled_t, settings, sized, say=say, beat=beat)
-        except _NotBetter as slower:
-            say(f"tensor parallel {degree}: its best closed form, {format_seconds(slower.closed_s)}, loses by more "
-                f"than {TP_SIMULATION_MARGIN:.0%} to the best plan so far: not simulated")
-            continue
-        except AutopartitionError as exc:  # this degree alone: the others may still plan (a batch that only
-            failures.append((degree, exc))  # tp 8's replicas divide, say)
-            say(f"tensor parallel {degree}: " + ("nothing fits" if isinstance(exc, InfeasibleError) else
-                                                 f"cannot be planned: {exc}"))
-            continue
-        # A traced graph's values are propagated again at each micro-batch size (_SizedGraphs): its stage code
-        # is written now, at this plan's size; an exported graph's never change, so only the winner's is.
-        if sized.captured.method != "export":
-            layout = _Layout(layout.finished(), None)
-        plan = layout.plan
-        if degree > 1:
-            assert isinstance(scaled_t, TensorParallelCosts)
-            plan = as_tensor_parallel(plan, scaled_t, gpus=options.gpus, gpus_per_node=options.gpus_per_node)
-        say(f"tensor parallel {degree}: best step {format_seconds(plan.predicted.step_s)}")
-        plans.append((plan, layout))
-    if not plans:
-        raise next((e for _, e in failures if isinstance(e, InfeasibleError)), failures[0][1])
-    best, layout = min(plans, key=lambda p: (p[0].predicted.step_s, p[0].tp))
-    if layout.finish is not None:
-        done = layout.finished()
-        best = dataclasses.replace(best, stage_code=done.stage_code, block_graph=done.block_graph)
-    say(f"chose tensor parallel {best.tp}: {plural(best.pp, 'pipeline rank')} x {plural(best.dp, 'replica')} x "
-        f"tp {best.tp}, step {format_seconds(best.predicted.step_s)}")
-    return best
-
-
-class _Layout(NamedTuple):
-    """A degree's plan, without its stage code and block graph (written for the chosen plan only) while
-    ``finish`` is not None."""
-
-    plan: Plan
-    finish: tuple[CapturedModel, GraphCosts, Solved] | None
-
-    def finished(self) -> Plan:
-        """The plan with its stage code and block graph."""
-        if self.finish is None:
-            return self.plan
-        captured, graph, best = self.finish
-        return dataclasses.replace(
-            self.plan,
-            stage_code=stage_codes(captured, self.plan),
-            block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
-        )
+            pricings[Layout(tp=degree)] = Pricing(TensorParallelCosts(scaled, tp_layout, degree, settings), settings)
+        if tp_degrees != [1]:
+            said = pricings[Layout(tp=degree)].options
+            say(f"tensor parallel {degree}: searching {plural(said.gpus, 'group')} of {plural(degree, 'GPU')}")
+    return _plan_layout(model, captured, micro, pricings, sized, gpus=options.gpus,
+                        gpus_per_node=options.gpus_per_node, say=say)
 
 
 def nvlink_nodes(gpus: int, gpus_per_node: int | None, nvlink_domain: int | None) -> tuple[int | None, int | None]:
@@ -462,68 +422,89 @@ def _check_fixed_ep(ep: int, captured: CapturedModel, model: str) -> None:
             f"use one of {', '.join(map(str, fits))} (or auto).")
 
 
-# Another tensor-parallel degree is simulated only when its best closed form comes within this share of the best
-# plan found so far: the closed form and the simulation of one plan differ by a few percent (candidate tables).
-TP_SIMULATION_MARGIN = 0.10
-
-
-class _NotBetter(Exception):
-    """A degree whose best closed-form step loses to the best plan so far by more than the margin."""
-
-    def __init__(self, closed_s: float) -> None:
-        super().__init__(closed_s)
-        self.closed_s = closed_s
-
-
 def _plan_layout(
     model: torch.nn.Module,
     captured: CapturedModel,
     micro: tuple[torch.Tensor, ...],
-    scaled: ScaledCosts,
-    options: PlanOptions,
+    pricings: dict[Layout, Pricing],
     sized: _SizedGraphs,
     *,
+    gpus: int,
+    gpus_per_node: int | None,
     say: Status,
-    beat: float | None = None,
-) -> _Layout:
-    """Search every pp x dp x M x schedule for ``options.gpus`` devices, simulate the best, build the winner
-    (:meth:`_Layout.finished` writes its stage code)."""
-    trials, solved = search(scaled, options, say=say)
+) -> Plan:
+    """Search every combination of every degree, simulate the best, build the winner (with its stage code) for
+    ``gpus`` GPUs: a tensor-parallel winner, searched as groups, is recorded as tensor parallel."""
+    trials, solved = search(pricings, say=say)
     if not solved:
-        raise infeasible_error(scaled, options, trials)
-    closed = min(c.partition.objective for c in solved)
-    if beat is not None and closed > beat * (1 + TP_SIMULATION_MARGIN):
-        raise _NotBetter(closed)
+        raise _nothing_fits(pricings, trials)
     # The closed form ranks every combination; the best few are simulated and the simulation decides.
     by_key = {t.key: t for t in trials}
     refined: dict[CombinationKey, Refinement] = {}
     chosen: tuple[Solved, Plan, CapturedModel, GraphCosts] | None = None
     while chosen is None:
-        work = _Drafting(model, captured, micro, scaled, options, by_key)
+        work = _Drafting(model, captured, micro, pricings, by_key, gpus=gpus, gpus_per_node=gpus_per_node)
         ranked = _drafts(work, trials)
         if not ranked:
-            raise infeasible_error(scaled, options, trials) from sized.last_failure
+            raise _nothing_fits(pricings, trials) from sized.last_failure
         ranked, done = _refine_in_simulation(work, ranked, say=say)
         refined.update(done)
         ranked = _spend_headroom(work, ranked, say=say)
-        drafts = work.drafts
-        for key, draft in drafts.items():
+        for key, draft in work.drafts.items():
             by_key[key].simulated(draft)
         # None when every simulated candidate sits at a micro-batch size that cannot be planned: those
         # are skipped, with the reason, and the next best are drafted instead.
-        chosen = _choose(model, sized, scaled, ranked, drafts, by_key, options, say=say)
+        chosen = _choose(model, sized, ranked, work, say=say)
     best, plan, captured, graph = chosen
+    scaled, options = pricings[priced(best.layout)]
     ranks = plural(best.pp, 'stage') if best.chunks == 1 else \
         f"{plural(best.pp, 'pipeline rank')} ({best.pp * best.chunks} stages)"
     say(f"chose {ranks} x {plural(best.dp, 'replica')}, "
         f"{plural(best.microbatches, 'micro-batch', 'micro-batches')}, {schedule_label(best.schedule, best.chunks)}")
+    if len(pricings) > 1 or best.layout.tp > 1:
+        _say_degrees(pricings, trials, work, say=say)
     # Stage code is for people to read: generated once, for the chosen plan only.
-    return _Layout(dataclasses.replace(
+    plan = dataclasses.replace(
         plan,
-        candidates=candidate_rows(trials, by_key[combination_key(best)], options),
+        candidates=candidate_rows([t for t in trials if priced(t.layout) == priced(best.layout)],
+                                  by_key[combination_key(best)], options),
         solver=dataclasses.replace(plan.solver, refinement=refined.get(combination_key(best))),
-    ), (captured, graph, best))
+        stage_code=stage_codes(captured, plan),
+        block_graph=block_graph(graph, best.partition.stage_of, captured.graph_module, dp=best.dp),
+    )
+    if isinstance(scaled, TensorParallelCosts):
+        plan = as_tensor_parallel(plan, scaled, gpus=gpus, gpus_per_node=gpus_per_node or gpus)
+    if len(pricings) > 1 or best.layout.tp > 1:
+        say(f"chose tensor parallel {plan.tp}: {plural(plan.pp, 'pipeline rank')} x {plural(plan.dp, 'replica')} x "
+            f"tp {plan.tp}, step {format_seconds(plan.predicted.step_s)}")
+    return plan
 
+
+def _nothing_fits(pricings: dict[Layout, Pricing], trials: list[Trial]) -> AutopartitionError:
+    """Why no degree has a plan: the first degree's that is about memory, else the first degree's."""
+    errors = [infeasible_error(scaled, options, mine) for key, (scaled, options) in pricings.items()
+              if (mine := [t for t in trials if priced(t.layout) == key])]
+    return next((e for e in errors if isinstance(e, InfeasibleError)), errors[0])
+
+
+def _say_degrees(pricings: dict[Layout, Pricing], trials: list[Trial], work: _Drafting, *, say: Status) -> None:
+    """Each degree's outcome: its best simulated step, or why none of its combinations was simulated."""
+    best = min((c.objective for t in trials if (c := t.partition) is not None), default=0.0)
+    for key, pricing in pricings.items():
+        tp, mine = key.tp, [t for t in trials if priced(t.layout) == key]
+        simulated = [work.final_s(k) for k in work.drafts if priced(k[0]) == key]
+        closed = [c.objective for t in mine if (c := t.partition) is not None]
+        if simulated:
+            say(f"tensor parallel {tp}: best step {format_seconds(min(simulated))}")
+        elif closed:
+            say(f"tensor parallel {tp}: its best closed form, {format_seconds(min(closed))}, loses by more than "
+                f"{TP_SIMULATION_MARGIN:.0%} to the best, {format_seconds(best)}: not simulated")
+        elif any(t.status == "pruned" for t in mine):
+            say(f"tensor parallel {tp}: every combination's bound loses to the best closed forms found: not simulated")
+        else:
+            why = infeasible_error(pricing.scaled, pricing.options, mine) if mine else None
+            say(f"tensor parallel {tp}: " + ("nothing fits" if isinstance(why, InfeasibleError) or why is None
+                                             else f"cannot be planned: {why}"))
 
 
 def check_tp(tp: int | str, *, gpus: int, gpus_per_node: int | None, pp: int | None, dp: int | None) -> int:
@@ -675,15 +656,26 @@ class _Drafting:
     model: torch.nn.Module
     captured: CapturedModel
     micro: tuple[torch.Tensor, ...]
-    scaled: ScaledCosts
-    options: PlanOptions
+    pricings: dict[Layout, Pricing]  # by tensor-parallel degree: each candidate is priced by its own
     trials: dict[CombinationKey, Trial]
     drafts: dict[CombinationKey, Plan] = dataclasses.field(default_factory=dict)
+    gpus: int = 0  # the whole job's GPUs and node (a tensor-parallel draft is searched as groups)
+    gpus_per_node: int | None = None
 
     def build(self, candidate: Solved) -> Plan:
         """``candidate`` built into a plan (lowered, validated, simulated); ScheduleError where it cannot be."""
-        return assemble.build_plan(self.model, self.captured, self.micro, self.scaled.at(candidate.microbatches),
-                                   candidate, self.options)
+        scaled, options = self.pricings[priced(candidate.layout)]
+        return assemble.build_plan(self.model, self.captured, self.micro, scaled.at(candidate.microbatches),
+                                   candidate, options)
+
+    def final_s(self, key: CombinationKey) -> float:
+        """A draft's step as the job runs it: a tensor-parallel draft, searched as groups, recorded as tensor
+        parallel (its boundaries sent a ``1 / tp`` slice each) and simulated again."""
+        draft, (scaled, _) = self.drafts[key], self.pricings[priced(key[0])]
+        if not isinstance(scaled, TensorParallelCosts):
+            return draft.predicted.step_s
+        return as_tensor_parallel(draft, scaled, gpus=self.gpus, gpus_per_node=self.gpus_per_node or self.gpus
+                                  ).predicted.step_s
 
     def keep_if_faster(self, better: Solved) -> Plan | None:
         """``better``'s plan, kept as its combination's draft (and trial) where it simulates faster; else None."""
@@ -742,11 +734,12 @@ def _refine_in_simulation(
     partitions are updated in place; returns the candidates and what each
     refinement did.
     """
-    captured, scaled, options = work.captured, work.scaled, work.options
+    captured = work.captured
     out: list[Solved] = []
     done: dict[CombinationKey, Refinement] = {}
     for c in ranked:
         key = combination_key(c)
+        scaled, options = work.pricings[priced(c.layout)]
         # Every simulated candidate is refined, the best of each other schedule too: a chunked schedule's closed
         # form is far from its simulation (GPT-3 175B/512: 28.6 s closed, 23.3 s once refined).
         if c.stages < 2 or options.refine_simulations <= 0:
@@ -852,30 +845,29 @@ def _step_model(graph: GraphCosts, problem: PartitionProblem, dp: int, options: 
 def _choose(
     model: torch.nn.Module,
     sized: _SizedGraphs,
-    scaled: ScaledCosts,
     ranked: list[Solved],
-    drafts: dict[CombinationKey, Plan],
-    trials: dict[CombinationKey, Trial],
-    options: PlanOptions,
+    work: _Drafting,
     *,
     say: Status,
 ) -> tuple[Solved, Plan, CapturedModel, GraphCosts] | None:
     """The fastest simulated combination whose graph captures at its micro-batch size, built for real.
 
-    A draft whose micro-batch is the costed one is the plan (same graph, shapes as
-    captured); another is rebuilt on the graph captured at its own micro-batch
-    size (:class:`_SizedGraphs`).  A size whose graph cannot be captured, or
-    does not map onto the costed blocks, makes every combination at that size
-    skipped (with the reason, in the candidate table); None when no simulated
-    candidate is left, so the caller drafts the next best.
+    Candidates are ranked by their step as the job runs them (:meth:`_Drafting.final_s`). A draft
+    whose micro-batch is the costed one is the plan (same graph, shapes as captured); another is
+    rebuilt on the graph captured at its own micro-batch size (:class:`_SizedGraphs`).  A size
+    whose graph cannot be captured, or does not map onto the costed blocks, makes every
+    combination at that size skipped (with the reason, in the candidate table); None when no
+    simulated candidate is left, so the caller drafts the next best.
     """
-    for best in sorted(ranked, key=lambda c: drafts[combination_key(c)].predicted.step_s):
+    drafts, trials = work.drafts, work.trials
+    for best in sorted(ranked, key=lambda c: (work.final_s(combination_key(c)), c.layout.tp)):
+        scaled, options = work.pricings[priced(best.layout)]
         size = options.batch // (best.dp * best.microbatches)
         if size == sized.costed:
             return best, drafts[combination_key(best)], sized.captured, scaled.at(best.microbatches)
         try:
             recaptured, resized, costs = sized.at(size, scaled)
-            costs = _RenamedCosts(scaled, costs.mapping)  # kept per size, priced by this search's costs (tp)
+            costs = _RenamedCosts(scaled, costs.mapping)  # kept per size, priced by this candidate's costs (tp)
         except AutopartitionError as exc:
             why = f"cannot be planned at {plural(size, 'sample')} per micro-batch: {exc}"
             say(f"skipping every combination of {plural(size, 'sample')} per micro-batch: {exc}")

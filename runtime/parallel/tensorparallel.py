@@ -80,12 +80,13 @@ from partitioner.defaults import layout_refusal
 from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import buffers_written
 from partitioner.graph.ir import KIND_KEY, VALUE_KEY, node_parameters
-from partitioner.graph.tensorparallel import TP_KEY, WHOLE_KEY, TPRole
+from partitioner.graph.tensorparallel import LOCAL_KEY, TP_KEY, WHOLE_KEY, TPRole, runs_by_heads
 from partitioner.plan import Plan
 from runtime.execute.wire import sequence_split
 
 __all__ = [
     "VOCABULARY_OUTPUTS",
+    "LocalCall",
     "TensorParallelStage",
     "gathered",
     "has_vocabulary_head",
@@ -105,7 +106,6 @@ __all__ = [
     "whole_call",
 ]
 
-_SDPA = ("scaled_dot_product_attention",)
 
 
 def tensor_parallel_refusal(plan: Plan, *, engine: str = "ours") -> str | None:
@@ -235,7 +235,7 @@ def _rewrite(gm: fx.GraphModule) -> None:
     gm.meta[VOCABULARY_OUTPUTS] = frozenset(
         i for i, v in enumerate(results) if isinstance(v, fx.Node) and getattr(v.meta.get(TP_KEY), "role", None) == "head")
     for node in list(graph.nodes):
-        if node.op == "call_function" and any(s in str(node.target) for s in _SDPA):
+        if runs_by_heads(node):
             node.target = head_parallel_attention
             continue
         if node.op == "call_function" and _foreign_op(node.target):  # DTensor has no rule for it
@@ -243,6 +243,11 @@ def _rewrite(gm: fx.GraphModule) -> None:
             node.target = whole_call
             continue
         role: TPRole | None = node.meta.get(TP_KEY)
+        if role is None and node.op in ("call_function", "call_module") and node.meta.get(LOCAL_KEY):
+            # An aten op it runs (forward or backward) has no DTensor rule (the planner priced it whole).
+            node.target = LocalCall(gm.get_submodule(str(node.target)) if node.op == "call_module" else node.target)
+            node.op = "call_function"
+            continue
         if role is None and node.meta.get(WHOLE_KEY) and not writes_in_place(gm, node):
             # A pair kept whole runs whole on every rank, as the planner prices it: what enters it is gathered.
             # On sequence-split values DTensor would split its attention's matmuls by tokens, and sum the
@@ -362,6 +367,32 @@ def _foreign_op(target: Any) -> bool:
 def _op_name(op: Any) -> str:
     """An op's qualified name as a graph argument (fx prints strings; ``whole_call`` looks the op up)."""
     return f"{op.namespace}::{op._opname}.{op._overloadname}"
+
+
+class LocalCall:
+    """A node's function or module run on whole local values: DTensor inputs gathered, a module's DTensor
+    parameters read as their local (replicated) values, the result replicated; gradients flow back through
+    ``to_local`` / ``from_local``.  For what DTensor has no sharding rule for (``partitioner.graph.tpops``)."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.__name__ = f"local_{getattr(target, '__name__', type(target).__name__.lower())}"  # fx names the node
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+        module = self.target if isinstance(self.target, nn.Module) else None
+        held = {n: p for n, p in module.named_parameters() if isinstance(p, DTensor)} if module is not None else {}
+        mesh = next((t.device_mesh for t in (*inputs, *held.values())), None)
+        if mesh is None:
+            return self.target(*args, **kwargs)
+        args, kwargs = pytree.tree_map_only(DTensor, _whole, (args, kwargs))
+        if module is not None:
+            local = {n: p.redistribute(placements=[Replicate()] * p.device_mesh.ndim).to_local() for n, p in held.items()}
+            result = torch.func.functional_call(module, local, args, kwargs, strict=False)
+        else:
+            result = self.target(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim,
+                                                                             run_check=False), result)
 
 
 def whole_call(name: str, *args: Any, **kwargs: Any) -> Any:

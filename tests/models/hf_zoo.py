@@ -2,7 +2,7 @@
 
 Each entry builds a model that computes its own loss from ``labels`` (the model file
 convention's ``target_keyword``), with an attention mask where the model takes one:
-GPT-2, BERT, ViT, Qwen2 (RoPE, grouped-query attention), BART (encoder-decoder with
+GPT-2, BERT, ViT, Qwen2 (RoPE, grouped-query attention), Qwen3 (per-head q/k norms), BART (encoder-decoder with
 cross-attention) and Mixtral (mixture of experts).  Dropout is off; attention is eager.
 Every micro-batch has as many counted tokens (no ``-100`` padding), so the mean of the
 micro-batch losses is the mini-batch loss.
@@ -80,6 +80,17 @@ def _qwen2() -> nn.Module:
     return transformers.Qwen2ForCausalLM(config)
 
 
+def _qwen3() -> nn.Module:
+    import transformers
+
+    config = transformers.Qwen3Config(  # per-head q/k RMSNorms (as Gemma 3, OLMo 2), grouped-query attention
+        vocab_size=_VOCAB, hidden_size=_HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False,
+        tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return transformers.Qwen3ForCausalLM(config)
+
+
 def _bart() -> nn.Module:
     import transformers
 
@@ -126,6 +137,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Callable[
     "bert": (_bert, _text, _classes(3)),
     "vit": (_vit, _images, _classes(5)),
     "qwen2": (_qwen2, _text, _tokens),
+    "qwen3": (_qwen3, _text, _tokens),
     "bart": (_bart, _text, lambda b: _tokens(b, seed=5)),
     "mixtral": (_mixtral, _text, _tokens),
 }
