@@ -33,6 +33,7 @@ recomputation (:func:`~partitioner.solve.problem.choose_recompute`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -197,6 +198,7 @@ def schedule_problem(problem: PartitionProblem, schedule: ScheduleKind, pp: int,
 
 
 
+@functools.lru_cache(maxsize=1024)
 def rank_in_flight(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
     """Per pipeline rank, the most stage micro-batches (a stage's activations of one micro-batch) it holds.
 
@@ -737,8 +739,8 @@ def _counts(values: Sequence[float]) -> str:
 def best_candidates(trials: list[Trial]) -> list[Solved]:
     """For each degree of :func:`priced` (tensor parallelism) whose best closed form comes within
     :data:`TP_SIMULATION_MARGIN` of the best of all, best first: its :data:`SIMULATED_CANDIDATES` best solved
-    trials by closed form (ties: less memory first), then the best of its every other schedule (with its
-    chunks) that has a solved trial.
+    trials by closed form (ties: less memory first), then, for the best degree, the best of its every other
+    schedule (with its chunks) that has a solved trial.
 
     The first ones are refined in simulation and compete for the plan; the
     others are simulated too (and may still win), so that the candidate table
@@ -755,11 +757,11 @@ def best_candidates(trials: list[Trial]) -> list[Solved]:
     for key in dict.fromkeys(priced(t.layout) for t in ordered):
         mine = [t for t in ordered if priced(t.layout) == key]
         if _objective(mine[0]) <= _objective(ordered[0]) * (1 + TP_SIMULATION_MARGIN):
-            kept += _best_of(mine)
+            kept += _best_of(mine, every_schedule=not kept)
     return [t.solved() for t in kept]
 
 
-def _best_of(ordered: list[Trial]) -> list[Trial]:
+def _best_of(ordered: list[Trial], *, every_schedule: bool) -> list[Trial]:
     """:func:`best_candidates` within one degree's trials (``ordered`` by closed form)."""
     kept: list[Trial] = []
     for t in ordered:
@@ -774,8 +776,8 @@ def _best_of(ordered: list[Trial]) -> list[Trial]:
         kept.append(t)
         if len(kept) == SIMULATED_CANDIDATES:
             break
-    shown = {(t.schedule, t.chunks) for t in kept}
-    for t in ordered:
+    shown = {(t.schedule, t.chunks) for t in kept} if every_schedule else set()
+    for t in ordered if every_schedule else ():
         if (t.schedule, t.chunks) not in shown and t.pp > 1:
             kept.append(t)
             shown.add((t.schedule, t.chunks))

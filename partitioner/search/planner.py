@@ -492,7 +492,8 @@ def _say_degrees(pricings: dict[Layout, Pricing], trials: list[Trial], work: _Dr
     best = min((c.objective for t in trials if (c := t.partition) is not None), default=0.0)
     for key, pricing in pricings.items():
         tp, mine = key.tp, [t for t in trials if priced(t.layout) == key]
-        simulated = [work.final_s(k) for k in work.drafts if priced(k[0]) == key]
+        drafts = [k for k in work.drafts if priced(k[0]) == key]
+        simulated = [work.final_s(min(drafts, key=lambda k: work.drafts[k].predicted.step_s))] if drafts else []
         closed = [c.objective for t in mine if (c := t.partition) is not None]
         if simulated:
             say(f"tensor parallel {tp}: best step {format_seconds(min(simulated))}")
@@ -661,6 +662,7 @@ class _Drafting:
     drafts: dict[CombinationKey, Plan] = dataclasses.field(default_factory=dict)
     gpus: int = 0  # the whole job's GPUs and node (a tensor-parallel draft is searched as groups)
     gpus_per_node: int | None = None
+    _final: dict[CombinationKey, tuple[Plan, float]] = dataclasses.field(default_factory=dict)
 
     def build(self, candidate: Solved) -> Plan:
         """``candidate`` built into a plan (lowered, validated, simulated); ScheduleError where it cannot be."""
@@ -670,12 +672,28 @@ class _Drafting:
 
     def final_s(self, key: CombinationKey) -> float:
         """A draft's step as the job runs it: a tensor-parallel draft, searched as groups, recorded as tensor
-        parallel (its boundaries sent a ``1 / tp`` slice each) and simulated again."""
+        parallel (its boundaries sent a ``1 / tp`` slice each) and simulated again (once per draft)."""
         draft, (scaled, _) = self.drafts[key], self.pricings[priced(key[0])]
         if not isinstance(scaled, TensorParallelCosts):
             return draft.predicted.step_s
-        return as_tensor_parallel(draft, scaled, gpus=self.gpus, gpus_per_node=self.gpus_per_node or self.gpus
-                                  ).predicted.step_s
+        found = self._final.get(key)
+        if found is None or found[0] is not draft:
+            step = as_tensor_parallel(draft, scaled, gpus=self.gpus, gpus_per_node=self.gpus_per_node or self.gpus
+                                      ).predicted.step_s
+            found = self._final[key] = (draft, step)
+        return found[1]
+
+    def order(self, candidates: list[Solved]) -> list[Solved]:
+        """``candidates``, fastest first as the job runs them: the degrees by their fastest draft's step as run
+        (simulated again: :meth:`final_s`), each degree's drafts by their own simulation."""
+        def step(c: Solved) -> float:
+            return self.drafts[combination_key(c)].predicted.step_s
+
+        fastest: dict[Layout, Solved] = {}
+        for c in sorted(candidates, key=step):
+            fastest.setdefault(priced(c.layout), c)
+        degree = {k: self.final_s(combination_key(c)) for k, c in fastest.items()}
+        return sorted(candidates, key=lambda c: (degree[priced(c.layout)], step(c), c.layout.tp))
 
     def keep_if_faster(self, better: Solved) -> Plan | None:
         """``better``'s plan, kept as its combination's draft (and trial) where it simulates faster; else None."""
@@ -852,7 +870,7 @@ def _choose(
 ) -> tuple[Solved, Plan, CapturedModel, GraphCosts] | None:
     """The fastest simulated combination whose graph captures at its micro-batch size, built for real.
 
-    Candidates are ranked by their step as the job runs them (:meth:`_Drafting.final_s`). A draft
+    Candidates are ranked by their step as the job runs them (:meth:`_Drafting.order`). A draft
     whose micro-batch is the costed one is the plan (same graph, shapes as captured); another is
     rebuilt on the graph captured at its own micro-batch size (:class:`_SizedGraphs`).  A size
     whose graph cannot be captured, or does not map onto the costed blocks, makes every
@@ -860,7 +878,7 @@ def _choose(
     simulated candidate is left, so the caller drafts the next best.
     """
     drafts, trials = work.drafts, work.trials
-    for best in sorted(ranked, key=lambda c: (work.final_s(combination_key(c)), c.layout.tp)):
+    for best in work.order(ranked):
         scaled, options = work.pricings[priced(best.layout)]
         size = options.batch // (best.dp * best.microbatches)
         if size == sized.costed:
