@@ -15,7 +15,7 @@ import torch
 from inprocess import run_stages
 from torch import Tensor, nn
 
-from partitioner.errors import CaptureError
+from partitioner.errors import AutopartitionError, CaptureError
 from partitioner.graph.capture import CallSpec, capture, model_loss, split_call
 from partitioner.graph.values import propagate_values
 from partitioner.modelfile import load_model_file
@@ -178,3 +178,16 @@ def test_pipeline_passes_the_target_as_its_keyword(tmp_path: Path) -> None:
     assert target is None and flat[-1] is labels
     pipe._target_keyword = "labels"
     assert pipe._flatten(kwargs, labels)[0][-1] is labels
+
+
+def test_a_model_without_a_loss_is_bad_input_not_a_bug() -> None:
+    """No loss_fn and an output that is no loss: the step says what to pass, as bad input (exit 2), not as a
+    fault of ours."""
+    from runtime.execute.runner import StepFailure
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    inputs = (torch.randn(4, 8),)
+    plan = compile(model, inputs, gpus=1, microbatches=2, schedule="1f1b", device="h100")
+    with pytest.raises(StepFailure, match="carries no loss") as failure:
+        run_stages(plan, lambda: model, inputs)
+    assert isinstance(failure.value.__cause__, AutopartitionError)

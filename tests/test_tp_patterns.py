@@ -201,7 +201,7 @@ def test_ops_dtensor_cannot_run_keep_their_pair_whole_or_run_whole() -> None:
     column is weight-normed is kept whole, naming the op; the attention module (in no pair) runs on whole
     values; the plain MLP still splits."""
     model_file = load_model_file(str(MODELS / "tp_unruled_ops.py"))
-    layout, captured = _layout(model_file.build(), model_file.example_inputs(2))
+    layout, _ = _layout(model_file.build(), model_file.example_inputs(2))
     assert [p.kind for p in layout.pairs] == ["mlp"] and len(layout.dropped) == 1, layout.summary()
     assert "_weight_norm_interface_backward" in next(iter(layout.dropped.values()))
     assert any("flash_attention_for_cpu_backward" in op for op in layout.local.values()), layout.local

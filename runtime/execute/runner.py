@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from partitioner.errors import AutopartitionError
 from partitioner.graph.capture import model_loss
 from partitioner.graph.meetings import MarkedGraph, inputs_written_in_place, mark_meetings
 from partitioner.graph.splitbackward import SplitBackward
@@ -314,11 +315,11 @@ class StepRunner:
         if self.loss_fn is None:
             # The model computes its own loss (HF `labels=`): the graph's scalar output.
             loss = model_loss(model_out)
-            if loss is None:
-                raise StepFailure(
+            if loss is None:  # the user's input, not a fault of ours: reported as bad input
+                raise AutopartitionError(
                     "the model's output carries no loss (no scalar `loss` key or attribute, and it is "
-                    "not a scalar): pass Pipeline(plan, model, loss_fn), or plan the model with its "
-                    "target as an input (e.g. `labels`) so that it returns its loss"
+                    "not a scalar): pass Pipeline(plan, model, loss_fn) (a model file's loss_fn), or plan "
+                    "the model with its target as an input (e.g. `labels`) so that it returns its loss"
                 )
         else:
             loss = self.loss_fn(model_out, target)
