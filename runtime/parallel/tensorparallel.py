@@ -243,21 +243,15 @@ def _rewrite(gm: fx.GraphModule) -> None:
             node.target = whole_call
             continue
         role: TPRole | None = node.meta.get(TP_KEY)
-        if role is None and node.op in ("call_function", "call_module") and node.meta.get(LOCAL_KEY):
-            # An aten op it runs (forward or backward) has no DTensor rule (the planner priced it whole).
-            node.target = LocalCall(gm.get_submodule(str(node.target)) if node.op == "call_module" else node.target)
+        if role is None and node.op in ("call_function", "call_module", "call_method") and (
+                node.meta.get(LOCAL_KEY) or (node.meta.get(WHOLE_KEY) and not writes_in_place(gm, node))):
+            # An aten op it runs (forward or backward) has no DTensor rule, or its pair is kept whole: it runs on
+            # whole local values, as the planner priced it (on sequence-split DTensors DTensor would split a whole
+            # attention's matmuls by tokens and sum partials in another float32 order, and a Replicate gradient
+            # may hold a non-contiguous local tensor whose strides DTensor believes contiguous).
+            node.target = LocalCall(gm.get_submodule(str(node.target)) if node.op == "call_module" else node.target,
+                                    method=node.op == "call_method")
             node.op = "call_function"
-            continue
-        if role is None and node.meta.get(WHOLE_KEY) and not writes_in_place(gm, node):
-            # A pair kept whole runs whole on every rank, as the planner prices it: what enters it is gathered.
-            # On sequence-split values DTensor would split its attention's matmuls by tokens, and sum the
-            # key and value gradients' partials over the ranks: another float32 order than the whole model's.
-            for source in [a for a in node.all_input_nodes if not a.meta.get(WHOLE_KEY) and a.op != "get_attr"
-                           and not _is_parameter(a) and _floating(a)]:
-                if source not in gathered_inputs:
-                    with graph.inserting_after(source):
-                        gathered_inputs[source] = graph.call_function(replicated, (source,))
-                node.replace_input_with(source, gathered_inputs[source])
             continue
         if role is None:
             continue
@@ -374,9 +368,10 @@ class LocalCall:
     parameters read as their local (replicated) values, the result replicated; gradients flow back through
     ``to_local`` / ``from_local``.  For what DTensor has no sharding rule for (``partitioner.graph.tpops``)."""
 
-    def __init__(self, target: Any) -> None:
-        self.target = target
-        self.__name__ = f"local_{getattr(target, '__name__', type(target).__name__.lower())}"  # fx names the node
+    def __init__(self, target: Any, *, method: bool = False) -> None:
+        self.target, self.method = target, method  # method: ``target`` is a method name, called on the first argument
+        name = target if method else getattr(target, "__name__", type(target).__name__.lower())
+        self.__name__ = f"local_{name}"  # fx names the node after it
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
@@ -389,6 +384,8 @@ class LocalCall:
         if module is not None:
             local = {n: p.redistribute(placements=[Replicate()] * p.device_mesh.ndim).to_local() for n, p in held.items()}
             result = torch.func.functional_call(module, local, args, kwargs, strict=False)
+        elif self.method:
+            result = getattr(args[0], self.target)(*args[1:], **kwargs)
         else:
             result = self.target(*args, **kwargs)
         return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim,
