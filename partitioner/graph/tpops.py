@@ -56,14 +56,17 @@ def has_sharding_rule(op: torch._ops.OpOverload) -> bool:
     >>> has_sharding_rule(torch.ops.aten.mm.default)
     True
     """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+    try:  # DTensor's registries are internals: a torch without them is not judged (the runtime's own check stands)
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy
 
-    dispatcher = DTensor._op_dispatcher
-    propagator = dispatcher.sharding_propagator
-    return (op in propagator.op_strategy_funcs or op in propagator.op_single_dim_strategy_funcs
-            or op in propagator.op_to_rules or op in dispatcher._custom_op_handlers
-            or op in getattr(dispatcher, "_random_ops", ()) or DecompShardingStrategy.has_decomp(op))
+        dispatcher = DTensor._op_dispatcher
+        propagator = dispatcher.sharding_propagator
+        return bool(op in propagator.op_strategy_funcs or op in propagator.op_single_dim_strategy_funcs
+                    or op in propagator.op_to_rules or op in dispatcher._custom_op_handlers
+                    or op in getattr(dispatcher, "_random_ops", ()) or DecompShardingStrategy.has_decomp(op))
+    except (ImportError, AttributeError):
+        return True
 
 
 def unsupported_ops(gm: fx.GraphModule, node: fx.Node) -> tuple[str, ...]:
