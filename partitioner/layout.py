@@ -106,11 +106,6 @@ class Layout:
         """Global ranks: the product of the rank axes."""
         return self.pp * self.dp * self.cp * self.tp
 
-    @property
-    def groups_per_stage(self) -> int:
-        """Tensor-parallel groups per pipeline rank (``dp x cp``)."""
-        return self.dp * self.cp
-
     def size(self, axis: str) -> int:
         """How many coordinates ``axis`` has.
 
@@ -253,16 +248,6 @@ class Layout:
         """
         self._check_rank(rank)
         return rank // self.tp
-
-    def group_rank(self, group: int, *, tp: int = 0) -> int:
-        """The global rank of tensor-parallel rank ``tp`` of group ``group`` (:meth:`group`'s inverse).
-
-        >>> Layout(pp=2, dp=2, tp=2).group_rank(3, tp=1)
-        7
-        """
-        if not 0 <= group < self.world // self.tp:
-            raise ValueError(f"group {group} is outside 0 .. {self.world // self.tp - 1}")
-        return self.moved(group * self.tp, tp=tp)
 
     def stage_groups(self, pipeline_rank: int) -> tuple[int, ...]:
         """The tensor-parallel group of each replica of ``pipeline_rank`` (a stage's ``ranks``, cp = 1).

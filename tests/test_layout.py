@@ -95,7 +95,6 @@ def test_peers_move_one_coordinate() -> None:
     layout = Layout(pp=3, dp=2, tp=2)
     assert [layout.moved(7, pp=p) for p in range(3)] == [3, 7, 11]  # replica 1, tp 1 on every pipeline rank
     assert [layout.group(r) for r in (6, 7)] == [3, 3]
-    assert layout.group_rank(3, tp=1) == 7
     assert [layout.stage_groups(p) for p in range(3)] == [(0, 1), (2, 3), (4, 5)]
 
 
